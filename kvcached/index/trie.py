@@ -1,0 +1,298 @@
+"""The prefix index: which chunks are cached, where, and which may be evicted.
+
+Representation: a flat map ``chunk hash -> Node`` with parent links, which is
+a prefix trie in disguise. Chunk hashes are chained (``h_i`` covers chunk i
+*and* its whole prefix, see :mod:`kvcached.keys`), so "the child of node P
+for chunk tokens T" is simply ``map[H(P.hash || T)]``; longest-prefix match
+walks the prompt's hashes in order and stops at the first miss, O(chunks).
+
+Why not pygtrie (the design card's first choice): ``bench/index_memory.py``
+builds the same 1M-chunk index both ways in one run. pygtrie keys a node by
+the *tuple* of all hashes on its path and wraps every node in its own
+``_Node`` with a children mapping, which costs several times the memory per
+chunk of this map and is slower to match, for identical behaviour (same
+match results, same eviction order). The flat map also gives O(1) access to
+any node by hash, which the NVMe rebuild and eviction need.
+
+Eviction bookkeeping (all incremental, see :mod:`kvcached.index.eviction`):
+
+* ``leaves``: refcount 0 and no children at all. Only these may leave the
+  index entirely (TTL expiry, last-tier eviction), so every indexed chunk
+  always has its whole prefix indexed.
+* ``pool_lru``: in the pool tier, refcount 0, and no child in the pool. A
+  pool copy is evicted leaf-first within the pool; the chunk may stay indexed
+  on NVMe.
+* ``nvme_leaves``: the members of ``leaves`` that have an NVMe copy; what the
+  NVMe tier evicts when it needs room.
+
+Not thread-safe; the store serialises all calls.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Sequence
+
+from kvcached.errors import InternalInvariantError, RefcountUnderflow
+from kvcached.index.eviction import EvictionQueue
+from kvcached.keys import ChunkHash, LayoutId
+from kvcached.locations import TierId
+
+_IN_LEAVES = 1
+_IN_POOL_LRU = 2
+_IN_NVME_LEAVES = 4
+_DETACHED = 8
+
+
+class Node:
+    """One cached chunk. Fields are mutated only by :class:`PrefixIndex`."""
+
+    __slots__ = (
+        "hash",
+        "parent",
+        "layout_id",
+        "depth",
+        "children",
+        "pool_children",
+        "refcount",
+        "last_use",
+        "tiers",
+        "qflags",
+    )
+
+    def __init__(
+        self, h: ChunkHash, parent: "Node | None", layout_id: LayoutId, tiers: TierId, now: float
+    ) -> None:
+        self.hash = h
+        self.parent = parent
+        self.layout_id = layout_id
+        self.depth = 0 if parent is None else parent.depth + 1
+        self.children = 0
+        self.pool_children = 0
+        self.refcount = 0
+        self.last_use = now
+        self.tiers = int(tiers)
+        self.qflags = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Node({self.hash.hex()[:8]} depth={self.depth} tiers={TierId(self.tiers)!r} "
+            f"ref={self.refcount} children={self.children})"
+        )
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self._nodes: dict[ChunkHash, Node] = {}
+        self.leaves = EvictionQueue(_IN_LEAVES)
+        self.pool_lru = EvictionQueue(_IN_POOL_LRU)
+        self.nvme_leaves = EvictionQueue(_IN_NVME_LEAVES)
+
+    # -- queries ------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __contains__(self, h: ChunkHash) -> bool:
+        return h in self._nodes
+
+    def get(self, h: ChunkHash) -> Node | None:
+        return self._nodes.get(h)
+
+    def nodes(self) -> Iterator[Node]:
+        return iter(list(self._nodes.values()))
+
+    def match(self, hashes: Sequence[ChunkHash]) -> list[Node]:
+        """Nodes of the longest cached prefix of ``hashes``. Read-only."""
+        out: list[Node] = []
+        get = self._nodes.get
+        for h in hashes:
+            node = get(h)
+            if node is None:
+                break
+            out.append(node)
+        return out
+
+    # -- structure ----------------------------------------------------------
+
+    def insert(
+        self, h: ChunkHash, parent: Node | None, layout_id: LayoutId, tiers: TierId, now: float
+    ) -> Node:
+        """Add a chunk whose parent is already indexed (or a first chunk)."""
+        if h in self._nodes:
+            raise InternalInvariantError(f"chunk {h.hex()} is already indexed")
+        if parent is not None and self._nodes.get(parent.hash) is not parent:
+            raise InternalInvariantError(f"parent {parent.hash.hex()} of {h.hex()} is not indexed")
+        if not tiers:
+            raise InternalInvariantError("a chunk must live in at least one tier")
+        node = Node(h, parent, layout_id, tiers, now)
+        self._nodes[h] = node
+        if parent is not None:
+            parent.children += 1
+            if tiers & TierId.POOL:
+                parent.pool_children += 1
+            self._refresh(parent)
+        self._refresh(node)
+        return node
+
+    def remove(self, node: Node) -> None:
+        """Drop a chunk from the index. Only a leaf with no pins may go."""
+        if node.children or node.refcount:
+            raise InternalInvariantError(
+                f"cannot remove {node!r}: it has children or pins (leaf-first eviction violated)"
+            )
+        if self._nodes.get(node.hash) is not node:
+            raise InternalInvariantError(f"{node!r} is not indexed")
+        del self._nodes[node.hash]
+        self._dequeue(node)
+        parent = node.parent
+        if parent is not None:
+            parent.children -= 1
+            if node.tiers & TierId.POOL:
+                parent.pool_children -= 1
+            self._refresh(parent)
+        node.tiers = 0
+
+    def add_tier(self, node: Node, tier: TierId) -> None:
+        if node.tiers & tier:
+            return
+        node.tiers |= int(tier)
+        if tier & TierId.POOL and node.parent is not None:
+            node.parent.pool_children += 1
+            self._refresh(node.parent)
+        self._refresh(node)
+
+    def drop_tier(self, node: Node, tier: TierId) -> int:
+        """Forget that ``node`` lives in ``tier``; returns the tiers left.
+
+        The caller removes the node when none are left (it must be a leaf).
+        """
+        if not node.tiers & tier:
+            return node.tiers
+        if node.refcount and tier & TierId.POOL:
+            raise InternalInvariantError(f"evicting the pool copy of pinned {node!r}")
+        node.tiers &= ~int(tier)
+        if tier & TierId.POOL and node.parent is not None:
+            node.parent.pool_children -= 1
+            self._refresh(node.parent)
+        self._refresh(node)
+        return node.tiers
+
+    # -- pins and recency -----------------------------------------------------
+
+    def pin(self, nodes: Iterable[Node], now: float) -> None:
+        for node in nodes:
+            node.refcount += 1
+            node.last_use = now
+            if node.refcount == 1:
+                self._dequeue(node)
+
+    def unpin(self, nodes: Iterable[Node], now: float) -> None:
+        """Release one pin on each node; a release counts as a use.
+
+        Raises :class:`RefcountUnderflow` instead of clamping: an unpin
+        without a matching pin is a bookkeeping bug that would otherwise let
+        a chunk in use be evicted.
+        """
+        nodes = list(nodes)
+        for node in nodes:
+            if node.refcount <= 0:
+                raise RefcountUnderflow(f"unpin of {node!r} whose refcount is already {node.refcount}")
+        for node in nodes:
+            node.refcount -= 1
+            node.last_use = max(node.last_use, now)
+            if node.refcount == 0 and not node.qflags & _DETACHED:
+                self._refresh(node)
+
+    def touch(self, nodes: Iterable[Node], now: float) -> None:
+        for node in nodes:
+            if node.last_use < now:
+                node.last_use = now
+                self.leaves.touched(node)
+                self.pool_lru.touched(node)
+                self.nvme_leaves.touched(node)
+
+    # -- internals ---------------------------------------------------------------
+
+    def detach_subtree(self, top: Node) -> list[Node]:
+        """Remove ``top`` and every descendant, pinned or not; O(index size).
+
+        Only for a chunk whose bytes turned out corrupt: its descendants can
+        no longer be reached. Returns the removed nodes, deepest first, with
+        their ``tiers`` intact so the caller can free their bytes. Pins held
+        on them stay countable (a later unpin still balances) but the nodes
+        are never queued or matched again.
+        """
+        doomed: set[int] = {id(top)}
+        out = [top]
+        for node in sorted(self._nodes.values(), key=lambda n: n.depth):
+            if node.depth > top.depth and node.parent is not None and id(node.parent) in doomed:
+                doomed.add(id(node))
+                out.append(node)
+        out.reverse()
+        for node in out:
+            del self._nodes[node.hash]
+            self._dequeue(node)
+            node.qflags |= _DETACHED
+        parent = top.parent
+        if parent is not None:
+            parent.children -= 1
+            if top.tiers & TierId.POOL:
+                parent.pool_children -= 1
+            self._refresh(parent)
+        return out
+
+    @staticmethod
+    def is_detached(node: Node) -> bool:
+        return bool(node.qflags & _DETACHED)
+
+    def _dequeue(self, node: Node) -> None:
+        self.leaves.discard(node)
+        self.pool_lru.discard(node)
+        self.nvme_leaves.discard(node)
+
+    def _refresh(self, node: Node) -> None:
+        if node.qflags & _DETACHED:
+            return
+        if node.refcount == 0 and node.children == 0:
+            self.leaves.add(node)
+            if node.tiers & TierId.NVME:
+                self.nvme_leaves.add(node)
+            else:
+                self.nvme_leaves.discard(node)
+        else:
+            self.leaves.discard(node)
+            self.nvme_leaves.discard(node)
+        if node.refcount == 0 and node.pool_children == 0 and node.tiers & TierId.POOL:
+            self.pool_lru.add(node)
+        else:
+            self.pool_lru.discard(node)
+
+    def check_invariants(self) -> None:
+        """Full O(n) consistency check, for tests and ``kvcachectl doctor``."""
+        children: dict[ChunkHash, int] = {}
+        pool_children: dict[ChunkHash, int] = {}
+        for h, node in self._nodes.items():
+            if node.hash != h:
+                raise InternalInvariantError(f"{node!r} filed under {h.hex()}")
+            if node.refcount < 0:
+                raise InternalInvariantError(f"{node!r} has a negative refcount")
+            if not node.tiers:
+                raise InternalInvariantError(f"{node!r} lives in no tier")
+            p = node.parent
+            if p is not None:
+                if self._nodes.get(p.hash) is not p:
+                    raise InternalInvariantError(f"{node!r} has an unindexed parent")
+                children[p.hash] = children.get(p.hash, 0) + 1
+                if node.tiers & TierId.POOL:
+                    pool_children[p.hash] = pool_children.get(p.hash, 0) + 1
+        for h, node in self._nodes.items():
+            if node.children != children.get(h, 0) or node.pool_children != pool_children.get(h, 0):
+                raise InternalInvariantError(f"{node!r} has stale child counts")
+            leaf = node.refcount == 0 and node.children == 0
+            if leaf != (node in self.leaves):
+                raise InternalInvariantError(f"{node!r} leaf-queue membership is wrong")
+            pool_ev = node.refcount == 0 and node.pool_children == 0 and bool(node.tiers & TierId.POOL)
+            if pool_ev != (node in self.pool_lru):
+                raise InternalInvariantError(f"{node!r} pool-queue membership is wrong")
+            if (leaf and bool(node.tiers & TierId.NVME)) != (node in self.nvme_leaves):
+                raise InternalInvariantError(f"{node!r} NVMe-queue membership is wrong")

@@ -1,0 +1,14 @@
+"""Tier identities, shared by the index (which records where a chunk lives)
+and the tiers (which hold the bytes). A leaf module: it imports nothing."""
+
+from __future__ import annotations
+
+import enum
+
+
+class TierId(enum.IntFlag):
+    """Bit flags: a chunk can live in several tiers at once."""
+
+    NONE = 0
+    POOL = 1  # device pool: CUDA memory or host shared memory
+    NVME = 2  # LMDB environment on local disk

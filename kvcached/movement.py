@@ -1,0 +1,216 @@
+"""Moving chunk bytes between tiers: make room, demote, promote, drop.
+
+The :class:`Mover` is the only code that touches both the index and the
+tiers. It runs under the store lock (see :mod:`kvcached.store`), so while it
+works nothing else can pin, release or read the chunks it moves.
+
+Rules it keeps:
+
+* A pinned chunk is never evicted from the pool (pinned nodes are never in
+  ``pool_lru``) and never dropped (never in ``leaves``).
+* A chunk leaves the index only as a leaf, so every indexed chunk keeps its
+  whole prefix indexed.
+* A chunk is added to a tier's set in the index only after the tier's commit
+  returned, so nothing half-written is ever matched.
+* Pool eviction demotes to NVMe (write-back) unless the chunk already has an
+  NVMe copy (write-through, or demoted before). If NVMe cannot take it, a
+  leaf is dropped; an inner chunk stays in the pool for now.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from kvcached.config import StoreConfig
+from kvcached.errors import ChunkNotCached, CorruptChunk, TierFull
+from kvcached.index import Node, PrefixIndex
+from kvcached.keys import ChunkHash, KVLayout, LayoutId
+from kvcached.locations import TierId
+from kvcached.stats import Counters
+from kvcached.tiers.base import ChunkMeta
+from kvcached.tiers.nvme import NvmeTier
+from kvcached.tiers.pool_shm import HostPool
+
+log = logging.getLogger(__name__)
+
+
+class Mover:
+    def __init__(
+        self,
+        config: StoreConfig,
+        index: PrefixIndex,
+        pool: HostPool,
+        nvme: NvmeTier | None,
+        counters: Counters,
+        layout_of: Callable[[LayoutId], tuple[KVLayout, ChunkHash]],
+    ) -> None:
+        self.config = config
+        self.index = index
+        self.pool = pool
+        self.nvme = nvme
+        self.counters = counters
+        self._layout_of = layout_of
+
+    def meta_of(self, node: Node) -> ChunkMeta:
+        layout, root = self._layout_of(node.layout_id)
+        parent = node.parent.hash if node.parent is not None else root
+        return ChunkMeta(node.hash, parent, node.layout_id, node.depth, layout.chunk_tokens)
+
+    # -- pool ----------------------------------------------------------------------
+
+    def pool_room(self, blocks: int) -> bool:
+        """Evict unpinned pool copies, least recently used first, until ``blocks`` are free."""
+        skipped: list[Node] = []
+        try:
+            while self.pool.free_blocks < blocks:
+                victim = self.index.pool_lru.pop()
+                if victim is None:
+                    return False
+                if not self.evict_pool_copy(victim):
+                    skipped.append(victim)
+            return True
+        finally:
+            for node in skipped:
+                if node.refcount == 0 and node.tiers & TierId.POOL:
+                    self.index.pool_lru.add(node)
+
+    def evict_pool_copy(self, node: Node) -> bool:
+        """Move or drop the pool copy of an unpinned chunk. False if it must stay."""
+        if not node.tiers & TierId.NVME and self.nvme is not None and not self.config.write_through:
+            if self.write_nvme(node, self.pool.read(node.hash)):
+                self.counters.demotions += 1
+        if node.tiers & TierId.NVME:
+            self.pool.delete(node.hash)
+            self.index.drop_tier(node, TierId.POOL)
+            self.counters.pool_evictions += 1
+            return True
+        if node.children == 0:
+            self.counters.dropped_no_room += 1
+            self.counters.pool_evictions += 1
+            self.drop(node)
+            return True
+        return False
+
+    def promote(self, node: Node) -> None:
+        """Copy an NVMe-only chunk into a pool block. The caller has pinned ``node``.
+
+        Raises :class:`TierFull` when no block can be freed and
+        :class:`CorruptChunk` when the NVMe copy fails its checksum (the
+        NVMe tier has already deleted it; call :meth:`drop_corrupt`).
+        """
+        assert self.nvme is not None and node.tiers & TierId.NVME
+        if not self.pool_room(1):
+            raise TierFull("the pool is full of leased chunks; cannot promote from NVMe")
+        layout, _ = self._layout_of(node.layout_id)
+        slot = self.pool.reserve(layout.chunk_bytes)
+        try:
+            self.nvme.read_into(node.hash, self.pool.reserved_view(slot))
+        except BaseException:
+            self.pool.abort(slot)
+            raise
+        self.pool.commit(slot, self.meta_of(node))
+        self.index.add_tier(node, TierId.POOL)
+        self.counters.promotions += 1
+
+    # -- NVMe ----------------------------------------------------------------------
+
+    def nvme_room(self, nbytes: int) -> bool:
+        """Drop NVMe copies of unpinned leaves, oldest first, until ``nbytes`` fit."""
+        assert self.nvme is not None
+        while not self.nvme.can_admit(nbytes):
+            victim = self.index.nvme_leaves.pop()
+            if victim is None:
+                return False
+            self.nvme.delete(victim.hash)
+            self.counters.nvme_evictions += 1
+            if not self.index.drop_tier(victim, TierId.NVME):
+                self.index.remove(victim)
+            if not self.nvme.admitting and self.nvme.used_bytes <= self.nvme.capacity_bytes // 2:
+                self.nvme.resume_admission()
+        return True
+
+    def write_nvme(self, node: Node, data: memoryview) -> bool:
+        """Give ``node`` an NVMe copy of ``data``. False (logged) if NVMe cannot take it."""
+        assert self.nvme is not None
+        nbytes = data.nbytes
+        for attempt in (0, 1):
+            if not self.nvme.admitting:
+                # A full map/disk stopped admission: free a tenth of the tier, then retry.
+                self._shrink_nvme()
+            if not self.nvme_room(nbytes):
+                return False
+            slot = self.nvme.reserve(nbytes)
+            try:
+                self.nvme.write(slot, data)
+                self.nvme.commit(slot, self.meta_of(node))
+            except TierFull as e:
+                self.nvme.abort(slot)
+                log.warning("NVMe tier full while writing %s (attempt %d): %s", node.hash.hex(), attempt + 1, e)
+                continue
+            except BaseException:
+                self.nvme.abort(slot)
+                raise
+            self.index.add_tier(node, TierId.NVME)
+            return True
+        return False
+
+    def _shrink_nvme(self) -> None:
+        assert self.nvme is not None
+        target = self.nvme.used_bytes - max(self.nvme.used_bytes // 10, 1)
+        while self.nvme.used_bytes > target:
+            victim = self.index.nvme_leaves.pop()
+            if victim is None:
+                break
+            self.nvme.delete(victim.hash)
+            self.counters.nvme_evictions += 1
+            if not self.index.drop_tier(victim, TierId.NVME):
+                self.index.remove(victim)
+        self.nvme.resume_admission()
+
+    # -- dropping ------------------------------------------------------------------
+
+    def drop(self, node: Node) -> int:
+        """Remove an unpinned leaf from every tier and the index; returns bytes freed."""
+        freed = 0
+        if node.tiers & TierId.POOL:
+            freed += self.pool.read(node.hash).nbytes
+            self.pool.delete(node.hash)
+        if node.tiers & TierId.NVME and self.nvme is not None:
+            try:
+                self.nvme.delete(node.hash)
+            except ChunkNotCached:  # pragma: no cover - delete returns False instead
+                pass
+            layout, _ = self._layout_of(node.layout_id)
+            freed += layout.chunk_bytes
+        self.index.remove(node)
+        return freed
+
+    def drop_corrupt(self, node: Node) -> int:
+        """Detach a chunk whose NVMe bytes are corrupt, with its now unreachable subtree."""
+        removed = self.index.detach_subtree(node)
+        for n in removed:
+            if n.tiers & TierId.NVME and self.nvme is not None:
+                self.nvme.delete(n.hash)
+            n.tiers &= ~int(TierId.NVME)
+            self.free_detached(n)
+        self.counters.corrupt_dropped += 1
+        log.error("dropped corrupt chunk %s and %d descendants", node.hash.hex(), len(removed) - 1)
+        return len(removed)
+
+    def free_detached(self, node: Node) -> None:
+        """Free the pool block of a detached chunk once nobody pins it any more."""
+        if node.refcount == 0 and node.tiers & TierId.POOL:
+            self.pool.delete(node.hash)
+            node.tiers = 0
+
+    def read(self, node: Node) -> memoryview:
+        """The chunk's bytes from the fastest tier that has them."""
+        if node.tiers & TierId.POOL:
+            return self.pool.read(node.hash)
+        if node.tiers & TierId.NVME and self.nvme is not None:
+            return self.nvme.read(node.hash)
+        raise ChunkNotCached(f"chunk {node.hash.hex()} lives in no tier")
+
+
+__all__ = ["Mover", "CorruptChunk"]

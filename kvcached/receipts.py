@@ -1,0 +1,78 @@
+"""Frozen receipts the store hands out. Plain data: safe to keep, log or translate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcached.keys import ChunkHash, LayoutId
+from kvcached.leases import LeaseId, ReservationId, SessionId
+
+
+@dataclass(frozen=True)
+class ChunkLocation:
+    """Where chunk ``position`` of a prompt lives in the pool: ``nbytes`` at byte ``offset``."""
+
+    position: int
+    chunk_hash: ChunkHash
+    block: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class LeaseReceipt:
+    """Proof of a lease. Every chunk in ``chunks`` stays in the pool, unchanged, until the
+    lease is released, expires, or its session ends. Losing the receipt does not free the
+    pins; the TTL or the session end does."""
+
+    lease_id: LeaseId
+    session_id: SessionId
+    layout_id: LayoutId
+    matched_tokens: int
+    chunks: tuple[ChunkLocation, ...]
+    expires_at: float
+    pool_generation: str
+
+
+@dataclass(frozen=True)
+class ReservationReceipt:
+    """Blocks reserved for a put. Write chunk ``slots[i].position`` into ``slots[i]`` then
+    commit. ``cached_tokens`` were already cached; ``in_flight_tokens`` after them are being
+    written by another writer right now (retry later to get them)."""
+
+    reservation_id: ReservationId
+    session_id: SessionId
+    layout_id: LayoutId
+    cached_tokens: int
+    in_flight_tokens: int
+    slots: tuple[ChunkLocation, ...]
+    expires_at: float
+    pool_generation: str
+
+
+@dataclass(frozen=True)
+class CommitReceipt:
+    reservation_id: ReservationId
+    committed_chunks: int
+    cached_tokens: int  # of the prompt, after this commit
+
+
+@dataclass(frozen=True)
+class EvictReceipt:
+    chunks: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class SessionReleaseReceipt:
+    leases: int
+    reservations: int
+
+
+@dataclass(frozen=True)
+class RebuildReport:
+    chunks: int
+    orphans_dropped: int
+    corrupt_dropped: int
+    unknown_layout_dropped: int
+    seconds: float

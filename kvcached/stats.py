@@ -1,0 +1,87 @@
+"""Counters the engine keeps and the snapshot it reports.
+
+The engine only counts; exporting (Prometheus, kvcachectl) reads
+:class:`StoreStats` snapshots, so no metrics library is imported here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Counters:
+    """Monotonic event counts. Mutated under the store lock only."""
+
+    lookups: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    acquires: int = 0
+    acquired_tokens: int = 0
+    leases_released: int = 0
+    leases_expired: int = 0
+    leases_session_released: int = 0
+    reservations: int = 0
+    commits: int = 0
+    committed_chunks: int = 0
+    aborts: int = 0
+    reservations_expired: int = 0
+    in_flight_conflicts: int = 0
+    pool_evictions: int = 0
+    nvme_evictions: int = 0
+    ttl_expirations: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    write_through_writes: int = 0
+    write_through_failures: int = 0
+    corrupt_dropped: int = 0
+    dropped_no_room: int = 0
+
+
+@dataclass(frozen=True)
+class TierStats:
+    capacity_bytes: int
+    used_bytes: int
+    chunks: int
+
+
+@dataclass(frozen=True)
+class PoolStats(TierStats):
+    block_bytes: int
+    blocks_total: int
+    blocks_free: int
+    blocks_reserved: int
+    blocks_cached: int  # committed, not pinned by any lease
+    blocks_leased: int  # committed and pinned by at least one lease
+    generation: str
+
+
+@dataclass(frozen=True)
+class NvmeStats(TierStats):
+    file_bytes: int
+    map_bytes: int
+    readers: int
+    admitting: bool
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    domain: str
+    layouts: int
+    indexed_chunks: int
+    leases_active: int
+    reservations_active: int
+    sessions: int
+    pool: PoolStats
+    nvme: NvmeStats | None
+    counters: Counters = field(default_factory=Counters)
+
+    @property
+    def hit_rate(self) -> float:
+        c = self.counters
+        return c.hit_tokens / c.lookup_tokens if c.lookup_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["hit_rate"] = self.hit_rate
+        return d

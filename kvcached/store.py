@@ -1,0 +1,559 @@
+"""The store: the one facade the service calls. One store = one trust domain.
+
+Thread-safety contract
+----------------------
+Every public method takes the store's single lock for its whole duration, so
+calls are linearisable and may come from any thread. Some methods do disk
+I/O under that lock (``acquire`` when it promotes from NVMe, ``reserve``
+when it demotes to make room, ``commit`` in write-through mode, ``flush``,
+``open``/rebuild). The asyncio service must therefore call the store from a
+worker thread (``asyncio.to_thread`` / an executor), never directly on the
+event loop. ``lookup``, ``release`` and ``stats`` never touch the disk.
+
+Ownership
+---------
+A lease receipt's chunks stay in the pool, unchanged, until the lease is
+released, expires (``lease_ttl`` unless renewed) or its session is released.
+Pool blocks of a reservation belong to its writer until commit or abort; a
+reservation that is neither committed nor aborted within
+``reservation_ttl`` is aborted by :meth:`expire`, which the daemon calls
+periodically (tests call it with a controlled clock).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from kvcached.config import StoreConfig
+from kvcached.errors import (
+    ChunkNotCached,
+    CorruptChunk,
+    InvalidKV,
+    InvalidLayout,
+    InvalidTokens,
+    LeaseExpired,
+    ReservationClosed,
+    StoreClosed,
+    TierFull,
+    UnknownLayout,
+    UnknownLease,
+    UnknownReservation,
+)
+from kvcached.index import Node, PrefixIndex
+from kvcached.keys import ChunkHash, ChunkHasher, KVLayout, LayoutId, Namespace, TokenInput, load_or_create_key, normalize_tokens
+from kvcached.leases import Entry, LeaseId, ReservationId, SessionId, TimedTable
+from kvcached.locations import TierId
+from kvcached.movement import Mover
+from kvcached.receipts import (
+    ChunkLocation,
+    CommitReceipt,
+    EvictReceipt,
+    LeaseReceipt,
+    RebuildReport,
+    ReservationReceipt,
+    SessionReleaseReceipt,
+)
+from kvcached.rebuild import rebuild_index
+from kvcached.stats import Counters, NvmeStats, PoolStats, StoreStats
+from kvcached.tiers.base import ChunkMeta, Slot
+from kvcached.tiers.nvme import NvmeTier
+from kvcached.tiers.pool_shm import HostPool, PoolHandle
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SESSION = SessionId("local")
+
+
+@dataclass
+class _PendingPut:
+    layout_id: LayoutId
+    parent: Node | None  # pinned until commit/abort
+    hashes: list[ChunkHash]
+    slots: list[Slot]
+    first_position: int
+
+
+class Store:
+    def __init__(self, config: StoreConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._clock = clock
+        self._lock = threading.RLock()
+        os.makedirs(config.state_dir, mode=0o700, exist_ok=True)
+        self._hasher = ChunkHasher(load_or_create_key(os.path.join(config.state_dir, "hash.key")))
+        self._layouts: dict[LayoutId, tuple[KVLayout, ChunkHash]] = {}
+        self.index = PrefixIndex()
+        self.counters = Counters()
+        self._leases: TimedTable[tuple[Node, ...]] = TimedTable("lease")
+        self._reservations: TimedTable[_PendingPut] = TimedTable("put")
+        self._in_flight: dict[ChunkHash, ReservationId] = {}
+        self.pool = HostPool(
+            f"kvcached.{config.domain}", config.pool_block_bytes, config.pool_blocks, prefault=config.pool_prefault
+        )
+        self.nvme: NvmeTier | None = None
+        try:
+            if config.nvme_bytes:
+                self.nvme = NvmeTier(
+                    os.path.join(config.state_dir, "nvme", config.domain),
+                    config.nvme_bytes,
+                    map_size=config.nvme_map_bytes,
+                )
+            self._mover = Mover(config, self.index, self.pool, self.nvme, self.counters, self._layout)
+            self.rebuild_report: RebuildReport | None = None
+            if self.nvme is not None:
+                for layout in self.nvme.load_layouts().values():
+                    self._add_layout(layout)
+                self.rebuild_report = rebuild_index(self.index, self.nvme, self._layouts, clock())
+        except BaseException:
+            self.pool.close()
+            if self.nvme is not None:
+                self.nvme.close()
+            raise
+        self._closed = False
+
+    # -- layouts ------------------------------------------------------------------
+
+    def register_layout(self, layout: KVLayout) -> LayoutId:
+        """Make a layout usable; idempotent. Persisted so the NVMe tier survives restarts."""
+        with self._lock:
+            self._check_open()
+            if layout.chunk_bytes > self.config.pool_block_bytes:
+                raise InvalidLayout(
+                    f"a chunk of {layout.model} is {layout.chunk_bytes} bytes, larger than the pool block "
+                    f"of {self.config.pool_block_bytes} bytes; raise pool_block_bytes or lower chunk_tokens"
+                )
+            lid = layout.layout_id
+            if lid not in self._layouts:
+                self._add_layout(layout)
+                if self.nvme is not None:
+                    self.nvme.save_layout(layout)
+            return lid
+
+    def layout(self, layout_id: LayoutId) -> KVLayout:
+        return self._layout(layout_id)[0]
+
+    def _add_layout(self, layout: KVLayout) -> None:
+        root = self._hasher.root(Namespace(self.config.domain, layout))
+        self._layouts[layout.layout_id] = (layout, root)
+
+    def _layout(self, layout_id: LayoutId) -> tuple[KVLayout, ChunkHash]:
+        try:
+            return self._layouts[layout_id]
+        except KeyError:
+            raise UnknownLayout(f"layout {layout_id!r} is not registered; register it first") from None
+
+    def hashes(self, layout_id: LayoutId, tokens: TokenInput) -> list[ChunkHash]:
+        """Chunk hashes of every full chunk of ``tokens``. Validates both arguments."""
+        layout, root = self._layout(layout_id)
+        raw = normalize_tokens(tokens, layout.vocab_size)
+        if len(raw) // 4 > self.config.max_prompt_tokens:
+            raise InvalidTokens(f"{len(raw) // 4} tokens exceed max_prompt_tokens={self.config.max_prompt_tokens}")
+        return self._hasher.chain(root, raw, layout.chunk_tokens)
+
+    # -- read path ------------------------------------------------------------------
+
+    def lookup(self, layout_id: LayoutId, tokens: TokenInput) -> int:
+        """Cached prefix length in tokens, on any tier. Pins nothing, changes no recency."""
+        with self._lock:
+            self._check_open()
+            hashes = self.hashes(layout_id, tokens)
+            layout = self._layouts[layout_id][0]
+            n = len(self.index.match(hashes))
+            self.counters.lookups += 1
+            self.counters.lookup_tokens += len(hashes) * layout.chunk_tokens
+            self.counters.hit_tokens += n * layout.chunk_tokens
+            return n * layout.chunk_tokens
+
+    def acquire(
+        self,
+        layout_id: LayoutId,
+        tokens: TokenInput,
+        session: SessionId = DEFAULT_SESSION,
+        *,
+        ttl: float | None = None,
+        max_chunks: int | None = None,
+    ) -> LeaseReceipt:
+        """Pin the longest cached prefix (in the pool) and return where it lives.
+
+        NVMe-only chunks of the prefix are promoted into the pool first. If
+        a chunk cannot be promoted (pool full of leased chunks, or its NVMe
+        copy is corrupt) the lease covers only the prefix before it. A lease
+        with zero chunks is still a valid lease (release it like any other).
+        """
+        with self._lock:
+            self._check_open()
+            hashes = self.hashes(layout_id, tokens)
+            layout = self._layouts[layout_id][0]
+            now = self._clock()
+            nodes = self.index.match(hashes if max_chunks is None else hashes[:max_chunks])
+            self.index.pin(nodes, now)
+            nodes = self._ensure_in_pool(nodes, now)
+            entry = self._leases.add(session, tuple(nodes), ttl or self.config.lease_ttl, now)
+            c = self.counters
+            c.acquires += 1
+            c.lookups += 1
+            c.lookup_tokens += len(hashes) * layout.chunk_tokens
+            c.hit_tokens += len(nodes) * layout.chunk_tokens
+            c.acquired_tokens += len(nodes) * layout.chunk_tokens
+            return self._lease_receipt(entry, layout_id, layout)
+
+    def _ensure_in_pool(self, nodes: list[Node], now: float) -> list[Node]:
+        """Promote NVMe-only pinned nodes; on failure unpin the rest and truncate."""
+        for i, node in enumerate(nodes):
+            if node.tiers & TierId.POOL:
+                continue
+            try:
+                self._mover.promote(node)
+            except (TierFull, CorruptChunk) as e:
+                self._unpin(nodes[i:], now)
+                if isinstance(e, CorruptChunk):
+                    self._mover.drop_corrupt(node)
+                else:
+                    log.warning("acquire truncated at chunk %d: %s", i, e)
+                return nodes[:i]
+        return nodes
+
+    def _lease_receipt(self, entry: Entry[tuple[Node, ...]], layout_id: LayoutId, layout: KVLayout) -> LeaseReceipt:
+        chunks = []
+        for pos, node in enumerate(entry.payload):
+            slot = self.pool.slot_of(node.hash)
+            chunks.append(ChunkLocation(pos, node.hash, slot.slot_id, slot.offset, slot.nbytes))
+        return LeaseReceipt(
+            LeaseId(entry.id),
+            entry.session,
+            layout_id,
+            len(chunks) * layout.chunk_tokens,
+            tuple(chunks),
+            entry.expires_at,
+            self.pool.generation,
+        )
+
+    def release(self, lease_id: LeaseId, session: SessionId | None = None) -> bool:
+        """Drop a lease's pins. Idempotent: False if it was already gone.
+
+        With ``session`` given, a lease of another session is treated as
+        unknown (returns False) and left alone.
+        """
+        with self._lock:
+            entry = self._leases.get(lease_id)
+            if entry is None or (session is not None and entry.session != session):
+                return False
+            self._leases.remove(lease_id, "released")
+            self._unpin(entry.payload, self._clock())
+            self.counters.leases_released += 1
+            return True
+
+    def renew(self, lease_id: LeaseId, session: SessionId | None = None, *, ttl: float | None = None) -> float:
+        """Extend a live lease; returns its new deadline."""
+        with self._lock:
+            entry = self._leases.get(lease_id)
+            if entry is None or (session is not None and entry.session != session):
+                if entry is None and self._leases.closed_reason(lease_id) == "expired":
+                    raise LeaseExpired(f"lease {lease_id} already expired; acquire again")
+                raise UnknownLease(f"no live lease {lease_id!r}")
+            renewed = self._leases.renew(lease_id, ttl or self.config.lease_ttl, self._clock())
+            assert renewed is not None
+            return renewed.expires_at
+
+    def read_chunk(self, receipt: LeaseReceipt, position: int) -> memoryview:
+        """In-process read of a leased chunk (clients in other processes map the pool)."""
+        with self._lock:
+            if self._leases.get(receipt.lease_id) is None:
+                raise UnknownLease(f"lease {receipt.lease_id} is not live")
+            if not 0 <= position < len(receipt.chunks):
+                raise InvalidKV(f"chunk {position} is outside the lease's {len(receipt.chunks)} chunks")
+            loc = receipt.chunks[position]
+            return self.pool.read(loc.chunk_hash)
+
+    # -- write path -----------------------------------------------------------------
+
+    def reserve(
+        self, layout_id: LayoutId, tokens: TokenInput, session: SessionId = DEFAULT_SESSION, *, ttl: float | None = None
+    ) -> ReservationReceipt:
+        """Reserve pool blocks for the prompt's full chunks that are not cached yet.
+
+        One writer per chunk: chunks that another reservation is writing are
+        reported as ``in_flight_tokens`` and not reserved (nor anything after
+        them, since a chunk is only stored after its whole prefix). If the
+        pool cannot free enough blocks, the reservation covers as many
+        leading chunks as it could get; with none at all it raises
+        :class:`TierFull` (unless nothing needed writing).
+        """
+        with self._lock:
+            self._check_open()
+            hashes = self.hashes(layout_id, tokens)
+            layout = self._layouts[layout_id][0]
+            now = self._clock()
+            cached = self.index.match(hashes)
+            self.index.touch(cached, now)
+            parent = cached[-1] if cached else None
+            if parent is not None:
+                # Pin first: making room below must not evict the prefix we extend.
+                self.index.pin([parent], now)
+            k = len(cached)
+            todo: list[ChunkHash] = []
+            in_flight = 0
+            for h in hashes[k:]:
+                if h in self._in_flight:
+                    in_flight = len(hashes) - k - len(todo)
+                    self.counters.in_flight_conflicts += 1
+                    break
+                todo.append(h)
+            slots: list[Slot] = []
+            for _ in todo:
+                if not self._mover.pool_room(1):
+                    break
+                slots.append(self.pool.reserve(layout.chunk_bytes))
+            if todo and not slots:
+                if parent is not None:
+                    self._unpin([parent], now)
+                raise TierFull(
+                    f"the pool has no free block for a new chunk ({self.pool.num_blocks} blocks, all leased or reserved)"
+                )
+            todo = todo[: len(slots)]
+            pending = _PendingPut(layout_id, parent, todo, slots, k)
+            entry = self._reservations.add(session, pending, ttl or self.config.reservation_ttl, now)
+            for h in todo:
+                self._in_flight[h] = ReservationId(entry.id)
+            self.counters.reservations += 1
+            locs = tuple(
+                ChunkLocation(k + i, h, s.slot_id, s.offset, s.nbytes) for i, (h, s) in enumerate(zip(todo, slots))
+            )
+            return ReservationReceipt(
+                ReservationId(entry.id),
+                session,
+                layout_id,
+                k * layout.chunk_tokens,
+                in_flight * layout.chunk_tokens,
+                locs,
+                entry.expires_at,
+                self.pool.generation,
+            )
+
+    def write_reserved(self, reservation_id: ReservationId, position: int, data: bytes | memoryview) -> None:
+        """In-process write of one reserved chunk (clients in other processes write the mapped pool)."""
+        with self._lock:
+            pending = self._pending(reservation_id).payload
+            i = position - pending.first_position
+            if not 0 <= i < len(pending.slots):
+                raise InvalidKV(f"chunk {position} is not part of reservation {reservation_id}")
+            self.pool.write(pending.slots[i], data)
+
+    def commit(self, reservation_id: ReservationId, *, chunks: int | None = None) -> CommitReceipt:
+        """Make the written chunks visible. ``chunks`` commits only the first N (the rest are aborted)."""
+        with self._lock:
+            self._check_open()
+            entry = self._pending(reservation_id)
+            pending = entry.payload
+            n = len(pending.slots) if chunks is None else chunks
+            if not 0 <= n <= len(pending.slots):
+                raise InvalidKV(f"cannot commit {n} chunks of a reservation of {len(pending.slots)}")
+            self._reservations.remove(reservation_id, "committed")
+            now = self._clock()
+            layout = self._layouts[pending.layout_id][0]
+            parent = pending.parent
+            if parent is not None and self.index.is_detached(parent):
+                self._close_pending(pending, now, committed=0)
+                raise ReservationClosed("the cached prefix this put extends was dropped as corrupt; put again")
+            for i in range(n):
+                h, slot = pending.hashes[i], pending.slots[i]
+                meta = ChunkMeta(h, parent.hash if parent else self._layouts[pending.layout_id][1],
+                                 pending.layout_id, pending.first_position + i, layout.chunk_tokens)
+                self.pool.commit(slot, meta)
+                node = self.index.insert(h, parent, pending.layout_id, TierId.POOL, now)
+                if self.config.write_through and self.nvme is not None:
+                    if self._mover.write_nvme(node, self.pool.read(h)):
+                        self.counters.write_through_writes += 1
+                    else:
+                        self.counters.write_through_failures += 1
+                parent = node
+            self._close_pending(pending, now, committed=n)
+            self.counters.commits += 1
+            self.counters.committed_chunks += n
+            return CommitReceipt(reservation_id, n, (pending.first_position + n) * layout.chunk_tokens)
+
+    def abort(self, reservation_id: ReservationId) -> bool:
+        """Free a reservation's blocks. Idempotent: False if it was already closed."""
+        with self._lock:
+            entry = self._reservations.remove(reservation_id, "aborted")
+            if entry is None:
+                return False
+            self._close_pending(entry.payload, self._clock(), committed=0)
+            self.counters.aborts += 1
+            return True
+
+    def put(
+        self,
+        layout_id: LayoutId,
+        tokens: TokenInput,
+        chunk_data: Sequence[bytes | memoryview],
+        session: SessionId = DEFAULT_SESSION,
+    ) -> CommitReceipt:
+        """Reserve, write and commit in one call. ``chunk_data[i]`` is the payload of chunk i.
+
+        Everything is validated before anything is reserved, so a bad
+        payload changes no state.
+        """
+        with self._lock:
+            hashes = self.hashes(layout_id, tokens)
+            layout = self._layouts[layout_id][0]
+            if len(chunk_data) < len(hashes):
+                raise InvalidKV(f"{len(chunk_data)} chunk payloads for {len(hashes)} full chunks")
+            for i, d in enumerate(chunk_data[: len(hashes)]):
+                nbytes = memoryview(d).nbytes
+                if nbytes != layout.chunk_bytes:
+                    raise InvalidKV(f"chunk {i} payload is {nbytes} bytes; layout needs {layout.chunk_bytes}")
+            r = self.reserve(layout_id, tokens, session)
+            try:
+                for loc in r.slots:
+                    self.write_reserved(r.reservation_id, loc.position, chunk_data[loc.position])
+            except BaseException:
+                self.abort(r.reservation_id)
+                raise
+            return self.commit(r.reservation_id)
+
+    def _pending(self, reservation_id: ReservationId) -> Entry[_PendingPut]:
+        entry = self._reservations.get(reservation_id)
+        if entry is None:
+            why = self._reservations.closed_reason(reservation_id)
+            if why is not None:
+                raise ReservationClosed(f"reservation {reservation_id} was already {why}")
+            raise UnknownReservation(f"no reservation {reservation_id!r}")
+        return entry
+
+    def _close_pending(self, pending: _PendingPut, now: float, committed: int) -> None:
+        for h, slot in zip(pending.hashes[committed:], pending.slots[committed:]):
+            self.pool.abort(slot)
+        for h in pending.hashes:
+            self._in_flight.pop(h, None)
+        if pending.parent is not None:
+            self._unpin([pending.parent], now)
+
+    # -- sessions, expiry ------------------------------------------------------------
+
+    def release_session(self, session: SessionId) -> SessionReleaseReceipt:
+        """Release every lease and abort every reservation of a session (its client went away)."""
+        with self._lock:
+            now = self._clock()
+            leases = self._leases.of_session(session)
+            for entry in leases:
+                self._leases.remove(entry.id, "session ended")
+                self._unpin(entry.payload, now)
+            puts = self._reservations.of_session(session)
+            for p in puts:
+                self._reservations.remove(p.id, "session ended")
+                self._close_pending(p.payload, now, committed=0)
+            self.counters.leases_session_released += len(leases)
+            if leases or puts:
+                log.info("session %s ended: released %d leases, aborted %d reservations", session, len(leases), len(puts))
+            return SessionReleaseReceipt(len(leases), len(puts))
+
+    def expire(self) -> dict[str, int]:
+        """Expire leases, reservations and chunks whose TTL ran out. Call periodically."""
+        with self._lock:
+            now = self._clock()
+            leases = self._leases.pop_expired(now)
+            for entry in leases:
+                self._unpin(entry.payload, now)
+            puts = self._reservations.pop_expired(now)
+            for p in puts:
+                self._close_pending(p.payload, now, committed=0)
+            chunks = 0
+            horizon = now - self.config.cache_ttl
+            while True:
+                node = self.index.leaves.peek()
+                if node is None or node.last_use > horizon:
+                    break
+                self._mover.drop(node)
+                chunks += 1
+            self.counters.leases_expired += len(leases)
+            self.counters.reservations_expired += len(puts)
+            self.counters.ttl_expirations += chunks
+            return {"leases": len(leases), "reservations": len(puts), "chunks": chunks}
+
+    def _unpin(self, nodes: Sequence[Node], now: float) -> None:
+        self.index.unpin(nodes, now)
+        for node in nodes:
+            if node.refcount == 0 and self.index.is_detached(node):
+                self._mover.free_detached(node)
+
+    # -- maintenance -------------------------------------------------------------------
+
+    def evict(self, layout_id: LayoutId | None = None) -> EvictReceipt:
+        """Drop every unpinned chunk (of one layout, or all), leaf-first. Pinned chunks and
+        their prefixes stay."""
+        with self._lock:
+            if layout_id is not None:
+                self._layout(layout_id)
+            chunks = freed = 0
+            keep: list[Node] = []
+            while (node := self.index.leaves.pop()) is not None:
+                if layout_id is not None and node.layout_id != layout_id:
+                    keep.append(node)
+                    continue
+                freed += self._mover.drop(node)
+                chunks += 1
+            for node in keep:
+                self.index.leaves.add(node)
+            return EvictReceipt(chunks, freed)
+
+    def flush(self) -> int:
+        """Write every pool-only chunk to NVMe (write-back); returns chunks written."""
+        with self._lock:
+            if self.nvme is None:
+                return 0
+            written = 0
+            for node in self.index.nodes():
+                if node.tiers & TierId.POOL and not node.tiers & TierId.NVME:
+                    if self._mover.write_nvme(node, self.pool.read(node.hash)):
+                        written += 1
+                        self.counters.demotions += 1
+            return written
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            leased = sum(1 for n in self.index.nodes() if n.refcount and n.tiers & TierId.POOL)
+            pool = self.pool
+            pstats = PoolStats(
+                pool.capacity_bytes, pool.used_bytes, pool.committed_blocks, pool.block_bytes, pool.num_blocks,
+                pool.free_blocks, pool.reserved_blocks, pool.committed_blocks - leased, leased, pool.generation,
+            )
+            nstats = None
+            if self.nvme is not None:
+                n = self.nvme
+                nstats = NvmeStats(n.capacity_bytes, n.used_bytes, n.chunk_count, n.file_bytes(), n.map_size,
+                                   n.readers(), n.admitting)
+            return StoreStats(
+                self.config.domain, len(self._layouts), len(self.index), len(self._leases), len(self._reservations),
+                self._leases.sessions(), pstats, nstats, Counters(**vars(self.counters)),
+            )
+
+    def pool_handle(self) -> PoolHandle:
+        return self.pool.handle()
+
+    def close(self) -> None:
+        """Release everything and close the tiers. Pool-only chunks are lost unless flushed."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.pool.close()
+            if self.nvme is not None:
+                self.nvme.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed("the store is closed")
+
+
+__all__ = ["Store", "DEFAULT_SESSION", "ChunkNotCached"]

@@ -1,0 +1,293 @@
+"""NVMe tier: chunk payloads in an LMDB environment in the state directory.
+
+Durability settings (``lmdb.open`` flags and why):
+
+* ``sync=True, metasync=False``: data pages are flushed at commit, the meta
+  page lazily. LMDB documents that a *system* crash may then undo the last
+  committed transaction but never corrupts the file. A killed *process*
+  loses nothing that was committed (the pages are in the page cache).
+* ``writemap=False``: a stray write through a pointer cannot scribble on the
+  file; with ``writemap`` plus lazy sync LMDB no longer promises integrity.
+* ``readahead=False``: access is random and the file may exceed RAM.
+* ``map_size`` is large (virtual address space, the file is sparse) and
+  ``MapFullError`` is handled: the tier then stops admitting and the store
+  evicts, instead of the daemon crashing. ENOSPC is treated the same way.
+* Stale reader slots left by killed processes are cleared at open
+  (``reader_check``), and every read transaction is short: one value, or one
+  batch of headers during the rebuild scan, so a reader never pins old pages
+  long enough to make the file grow.
+
+Named databases: ``chunks`` (chunk hash -> header + payload, see
+:mod:`kvcached.tiers.record`) and ``layouts`` (layout id -> JSON), so that
+the index can be rebuilt without any client having re-registered.
+
+Not thread-safe on its own (see :mod:`kvcached.tiers.base`); LMDB calls here
+block on disk I/O, so the daemon calls the store from worker threads.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+from typing import Iterator
+
+import lmdb
+
+from kvcached.errors import ChunkNotCached, CorruptChunk, InternalInvariantError, InvalidKV, TierFull
+from kvcached.keys import ChunkHash, KVLayout, LayoutId
+from kvcached.locations import TierId
+from kvcached.tiers.base import ChunkMeta, Slot, Tier
+from kvcached.tiers.record import HEADER_SIZE, check_payload, decode_header, encode_header
+
+log = logging.getLogger(__name__)
+
+_SCAN_BATCH = 4096
+
+
+class NvmeTier(Tier):
+    tier_id = TierId.NVME
+
+    def __init__(self, path: str, capacity_bytes: int, *, map_size: int | None = None) -> None:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        self.path = path
+        self._capacity = capacity_bytes
+        self.map_size = map_size or max(2 * capacity_bytes, 1 << 30)
+        self._env = lmdb.open(
+            path,
+            map_size=self.map_size,
+            subdir=True,
+            max_dbs=4,
+            sync=True,
+            metasync=False,
+            writemap=False,
+            map_async=False,
+            readahead=False,
+            lock=True,
+            max_readers=256,
+        )
+        self.stale_readers_cleared = self._env.reader_check()
+        if self.stale_readers_cleared:
+            log.warning("cleared %d stale LMDB reader slots in %s", self.stale_readers_cleared, path)
+        self._chunks = self._env.open_db(b"chunks")
+        self._layouts = self._env.open_db(b"layouts")
+        self._used = 0  # committed value bytes; set by scan()
+        self._reserved: dict[int, int] = {}
+        self._staged: dict[int, memoryview | bytes] = {}
+        self._next_slot = 0
+        self._count = 0
+        self.admitting = True
+        self.dropped_corrupt = 0
+        self._closed = False
+
+    # -- Tier -----------------------------------------------------------------------
+
+    def reserve(self, nbytes: int) -> Slot:
+        need = nbytes + HEADER_SIZE
+        if not self.can_admit(nbytes):
+            raise TierFull(
+                f"NVMe tier is full ({self.used_bytes} of {self._capacity} bytes used"
+                f"{', not admitting after a full map/disk' if not self.admitting else ''})"
+            )
+        self._next_slot += 1
+        self._reserved[self._next_slot] = need
+        return Slot(TierId.NVME, self._next_slot, 0, nbytes)
+
+    def can_admit(self, nbytes: int) -> bool:
+        return self.admitting and self.used_bytes + nbytes + HEADER_SIZE <= self._capacity
+
+    def write(self, slot: Slot, data: bytes | memoryview) -> None:
+        """Stage ``data`` for commit. Not copied: it must stay valid until commit/abort."""
+        if slot.slot_id not in self._reserved:
+            raise InternalInvariantError(f"NVMe slot {slot.slot_id} is not reserved")
+        mv = memoryview(data).cast("B")
+        if mv.nbytes != slot.nbytes:
+            raise InvalidKV(f"chunk data is {mv.nbytes} bytes, the slot holds exactly {slot.nbytes}")
+        self._staged[slot.slot_id] = mv
+
+    def commit(self, slot: Slot, meta: ChunkMeta) -> None:
+        """Write header + payload in one transaction.
+
+        On a full map or disk: raises :class:`TierFull`, sets ``admitting``
+        to False (the store evicts and calls :meth:`resume_admission`), and
+        leaves the slot reserved for the caller to abort.
+        """
+        data = self._staged.get(slot.slot_id)
+        if data is None:
+            raise InternalInvariantError(f"NVMe slot {slot.slot_id} was committed without a write")
+        value = encode_header(meta, data) + data  # bytes + memoryview -> one new bytes
+        try:
+            with self._env.begin(write=True, db=self._chunks) as txn:
+                if not txn.put(meta.chunk_hash, value, overwrite=False):
+                    raise InternalInvariantError(f"NVMe already holds chunk {meta.chunk_hash.hex()}")
+        except lmdb.MapFullError as e:
+            self.admitting = False
+            raise TierFull(f"LMDB map of {self.map_size} bytes is full in {self.path}") from e
+        except lmdb.Error as e:
+            if _is_enospc(e):
+                self.admitting = False
+                raise TierFull(f"disk full under {self.path}") from e
+            raise
+        del self._staged[slot.slot_id]
+        del self._reserved[slot.slot_id]
+        self._used += len(value)
+        self._count += 1
+
+    def abort(self, slot: Slot) -> None:
+        self._staged.pop(slot.slot_id, None)
+        self._reserved.pop(slot.slot_id, None)
+
+    def read(self, h: ChunkHash) -> memoryview:
+        """A checked copy of the payload (the LMDB buffer dies with the transaction)."""
+        out: bytes | None = None
+        with self._env.begin(db=self._chunks, buffers=True) as txn:
+            value = txn.get(h)
+            if value is not None:
+                try:
+                    _meta, _plen, pcrc = decode_header(value, h)
+                    out = bytes(check_payload(value, pcrc))
+                except CorruptChunk as e:
+                    err = e
+                else:
+                    err = None
+        if value is None:
+            raise ChunkNotCached(f"chunk {h.hex()} is not on NVMe")
+        if err is not None:
+            self._drop_corrupt(h, str(err))
+            raise err
+        return memoryview(out)  # type: ignore[arg-type]
+
+    def read_into(self, h: ChunkHash, dest: memoryview) -> None:
+        """Check and copy the payload straight into ``dest`` (e.g. a pool block): one copy."""
+        err: CorruptChunk | None = None
+        with self._env.begin(db=self._chunks, buffers=True) as txn:
+            value = txn.get(h)
+            if value is None:
+                raise ChunkNotCached(f"chunk {h.hex()} is not on NVMe")
+            try:
+                _meta, plen, pcrc = decode_header(value, h)
+                if plen != dest.nbytes:
+                    raise CorruptChunk(f"payload is {plen} bytes, expected {dest.nbytes}")
+                dest[:] = check_payload(value, pcrc)
+            except CorruptChunk as e:
+                err = e
+        if err is not None:
+            self._drop_corrupt(h, str(err))
+            raise err
+
+    def delete(self, h: ChunkHash) -> bool:
+        with self._env.begin(write=True, db=self._chunks, buffers=True) as txn:
+            with txn.cursor() as cur:
+                if not cur.set_key(h):
+                    return False
+                size = len(cur.value())
+                cur.delete()
+        self._used -= size
+        self._count -= 1
+        return True
+
+    def __contains__(self, h: ChunkHash) -> bool:
+        with self._env.begin(db=self._chunks, buffers=True) as txn:
+            return txn.get(h) is not None
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used + sum(self._reserved.values())
+
+    @property
+    def chunk_count(self) -> int:
+        return self._count
+
+    def entry_count(self) -> int:
+        """Entries as LMDB counts them (cheap; used for the rebuild progress total)."""
+        with self._env.begin() as txn:
+            return int(txn.stat(self._chunks)["entries"])
+
+    def resume_admission(self) -> None:
+        self.admitting = True
+
+    def scan(self) -> Iterator[ChunkMeta]:
+        """Every chunk's header, in key order, in short batched read transactions.
+
+        Values whose header is corrupt are deleted and counted in
+        ``dropped_corrupt``. Recomputes ``used_bytes`` from what it finds.
+        """
+        self._used = 0
+        self._count = 0
+        last: bytes | None = None
+        while True:
+            batch: list[tuple[ChunkMeta, int]] = []
+            bad: list[tuple[bytes, str]] = []
+            with self._env.begin(db=self._chunks, buffers=True) as txn, txn.cursor() as cur:
+                ok = cur.set_range(last) if last is not None else cur.first()
+                if ok and last is not None and bytes(cur.key()) == last:
+                    ok = cur.next()
+                while ok and len(batch) + len(bad) < _SCAN_BATCH:
+                    key, value = bytes(cur.key()), cur.value()
+                    try:
+                        meta, _plen, _crc = decode_header(value, key)
+                        batch.append((meta, len(value)))
+                    except CorruptChunk as e:
+                        bad.append((key, str(e)))
+                    last = key
+                    ok = cur.next()
+            for key, why in bad:
+                self._drop_corrupt(ChunkHash(key), why)
+            for meta, size in batch:
+                self._used += size
+                self._count += 1
+                yield meta
+            if not ok:
+                return
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._env.close()
+
+    # -- layouts ------------------------------------------------------------------------
+
+    def save_layout(self, layout: KVLayout) -> None:
+        with self._env.begin(write=True, db=self._layouts) as txn:
+            txn.put(layout.layout_id.encode(), json.dumps(layout.to_dict(), sort_keys=True).encode())
+
+    def load_layouts(self) -> dict[LayoutId, KVLayout]:
+        out: dict[LayoutId, KVLayout] = {}
+        with self._env.begin(db=self._layouts) as txn:
+            for key, value in txn.cursor():
+                try:
+                    layout = KVLayout.from_dict(json.loads(value))
+                except Exception as e:  # a layout we cannot parse orphans its chunks; say so
+                    log.error("ignoring unreadable layout record %r: %s", key, e)
+                    continue
+                if layout.layout_id != key.decode():
+                    log.error("ignoring layout record %r whose contents hash to %s", key, layout.layout_id)
+                    continue
+                out[layout.layout_id] = layout
+        return out
+
+    # -- stats ---------------------------------------------------------------------------
+
+    def file_bytes(self) -> int:
+        info = self._env.info()
+        return (info["last_pgno"] + 1) * self._env.stat()["psize"]
+
+    def readers(self) -> int:
+        return self._env.info()["num_readers"]
+
+    def _drop_corrupt(self, h: ChunkHash, why: str) -> None:
+        log.error("dropping corrupt NVMe chunk %s from %s: %s", h.hex(), self.path, why)
+        self.dropped_corrupt += 1
+        try:
+            self.delete(h)
+        except lmdb.Error as e:  # pragma: no cover - disk trouble on top of corruption
+            log.error("could not delete corrupt chunk %s: %s", h.hex(), e)
+
+
+def _is_enospc(e: lmdb.Error) -> bool:
+    return getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)

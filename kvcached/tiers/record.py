@@ -1,0 +1,86 @@
+"""The NVMe value format: a fixed header, then the chunk payload.
+
+::
+
+    offset size field
+    0      4    magic b"KVCN"
+    4      2    format version (1)
+    6      2    flags (0)
+    8      16   layout id (blake2b-128 of the layout identity)
+    24     16   chunk hash
+    40     16   parent hash (namespace seed for position 0)
+    56     4    position (chunk index in the prompt)
+    60     4    token count
+    64     8    payload length
+    72     4    CRC-32 of the payload
+    76     4    CRC-32 of bytes 0..75
+    80     ...  payload
+
+The header alone is enough to rebuild the index after a restart; the header
+CRC is checked on every scan, the payload CRC on every read, and a value that
+fails either is dropped, never served.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+from kvcached.errors import CorruptChunk
+from kvcached.keys import ChunkHash, LayoutId
+from kvcached.tiers.base import ChunkMeta
+
+MAGIC = b"KVCN"
+FORMAT_VERSION = 1
+_BODY = struct.Struct("<4sHH16s16s16sIIQI")
+_CRC = struct.Struct("<I")
+HEADER_SIZE = _BODY.size + _CRC.size  # 80
+
+
+def encode_header(meta: ChunkMeta, payload: memoryview | bytes) -> bytes:
+    body = _BODY.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        0,
+        bytes.fromhex(meta.layout_id),
+        meta.chunk_hash,
+        meta.parent_hash,
+        meta.position,
+        meta.token_count,
+        len(payload),
+        zlib.crc32(payload),
+    )
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def decode_header(value: memoryview | bytes, key: bytes) -> tuple[ChunkMeta, int, int]:
+    """Parse and check a value's header; returns (meta, payload length, payload CRC).
+
+    Raises :class:`CorruptChunk` on a short value, bad magic, unknown version,
+    header CRC mismatch, a payload length that disagrees with the value size,
+    or a stored hash that disagrees with the LMDB key.
+    """
+    if len(value) < HEADER_SIZE:
+        raise CorruptChunk(f"value of {len(value)} bytes is shorter than the {HEADER_SIZE} byte header")
+    body = value[: _BODY.size]
+    (crc,) = _CRC.unpack_from(value, _BODY.size)
+    if zlib.crc32(body) != crc:
+        raise CorruptChunk("header CRC mismatch")
+    magic, version, _flags, layout, chunk, parent, position, tokens, plen, pcrc = _BODY.unpack(body)
+    if magic != MAGIC:
+        raise CorruptChunk(f"bad magic {magic!r}")
+    if version != FORMAT_VERSION:
+        raise CorruptChunk(f"unknown format version {version}")
+    if plen != len(value) - HEADER_SIZE:
+        raise CorruptChunk(f"payload length {plen} disagrees with value size {len(value) - HEADER_SIZE}")
+    if chunk != bytes(key):
+        raise CorruptChunk("stored chunk hash disagrees with its key")
+    meta = ChunkMeta(ChunkHash(chunk), ChunkHash(parent), LayoutId(layout.hex()), position, tokens)
+    return meta, plen, pcrc
+
+
+def check_payload(value: memoryview, pcrc: int) -> memoryview:
+    payload = value[HEADER_SIZE:]
+    if zlib.crc32(payload) != pcrc:
+        raise CorruptChunk("payload CRC mismatch")
+    return payload
