@@ -177,15 +177,22 @@ class NvmeTier(Tier):
             raise err
 
     def delete(self, h: ChunkHash) -> bool:
-        with self._env.begin(write=True, db=self._chunks, buffers=True) as txn:
-            with txn.cursor() as cur:
-                if not cur.set_key(h):
-                    return False
-                size = len(cur.value())
-                cur.delete()
+        size = self._delete_raw(h)
+        if size is None:
+            return False
         self._used -= size
         self._count -= 1
         return True
+
+    def _delete_raw(self, h: ChunkHash) -> int | None:
+        """Delete without touching the accounting; returns the value size or None."""
+        with self._env.begin(write=True, db=self._chunks, buffers=True) as txn:
+            with txn.cursor() as cur:
+                if not cur.set_key(h):
+                    return None
+                size = len(cur.value())
+                cur.delete()
+        return size
 
     def __contains__(self, h: ChunkHash) -> bool:
         with self._env.begin(db=self._chunks, buffers=True) as txn:
@@ -237,7 +244,7 @@ class NvmeTier(Tier):
                     last = key
                     ok = cur.next()
             for key, why in bad:
-                self._drop_corrupt(ChunkHash(key), why)
+                self._drop_corrupt(ChunkHash(key), why, counted=False)
             for meta, size in batch:
                 self._used += size
                 self._count += 1
@@ -280,11 +287,14 @@ class NvmeTier(Tier):
     def readers(self) -> int:
         return self._env.info()["num_readers"]
 
-    def _drop_corrupt(self, h: ChunkHash, why: str) -> None:
+    def _drop_corrupt(self, h: ChunkHash, why: str, *, counted: bool = True) -> None:
         log.error("dropping corrupt NVMe chunk %s from %s: %s", h.hex(), self.path, why)
         self.dropped_corrupt += 1
         try:
-            self.delete(h)
+            if counted:
+                self.delete(h)
+            else:
+                self._delete_raw(h)
         except lmdb.Error as e:  # pragma: no cover - disk trouble on top of corruption
             log.error("could not delete corrupt chunk %s: %s", h.hex(), e)
 

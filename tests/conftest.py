@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterator
+
+import pytest
+
+from kvcached.config import StoreConfig
+from kvcached.keys import KVLayout
+from kvcached.store import Store
+
+# A tiny layout: 4 tokens per chunk, 2*1*2*4*4 = 64 bytes per token... small enough for
+# hundreds of chunks in a few KiB of shared memory.
+TINY = KVLayout("test/tiny@1", num_layers=1, num_kv_heads=2, head_dim=4, dtype="float32", chunk_tokens=4)
+
+
+class FakeClock:
+    """Deterministic time for TTL and LRU tests."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def payload(position: int, salt: int = 0, layout: KVLayout = TINY) -> bytes:
+    """Distinct, recognisable bytes for chunk ``position``."""
+    unit = bytes([(position * 7 + salt * 13 + k) % 256 for k in range(16)])
+    return (unit * (layout.chunk_bytes // 16 + 1))[: layout.chunk_bytes]
+
+
+def prompt(n_chunks: int, start: int = 0, layout: KVLayout = TINY) -> list[int]:
+    return list(range(start, start + n_chunks * layout.chunk_tokens))
+
+
+@pytest.fixture
+def make_store(tmp_path, clock) -> Iterator[Callable[..., Store]]:
+    stores: list[Store] = []
+
+    def factory(pool_blocks: int = 16, nvme_chunks: int | None = 64, layout: KVLayout = TINY, **kw) -> Store:
+        from kvcached.tiers.record import HEADER_SIZE
+
+        cfg = StoreConfig(
+            state_dir=kw.pop("state_dir", str(tmp_path / "state")),
+            pool_bytes=layout.chunk_bytes * pool_blocks,
+            pool_block_bytes=layout.chunk_bytes,
+            nvme_bytes=0 if nvme_chunks is None else (layout.chunk_bytes + HEADER_SIZE) * nvme_chunks,
+            **kw,
+        )
+        s = Store(cfg, clock=clock)
+        stores.append(s)
+        return s
+
+    yield factory
+    for s in stores:
+        s.close()
+
+
+@pytest.fixture
+def store(make_store) -> Store:
+    return make_store()
+
+
+@pytest.fixture
+def lid(store):
+    return store.register_layout(TINY)
+
+
+def pytest_report_header(config):
+    return f"kvcached tests; /dev/shm free: {os.statvfs('/dev/shm').f_bavail * os.statvfs('/dev/shm').f_frsize >> 20} MiB"

@@ -1,0 +1,167 @@
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import stat
+from array import array
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcached.errors import InvalidLayout, InvalidTokens
+from kvcached.keys import ChunkHasher, KVLayout, Namespace, load_or_create_key, normalize_tokens
+
+BASE = KVLayout("meta-llama/Llama-3-8B@abc123", num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+KEY = bytes(range(32))
+
+
+def chain(layout: KVLayout, tokens, domain: str = "default", key: bytes = KEY):
+    h = ChunkHasher(key)
+    return h.chain(h.root(Namespace(domain, layout)), normalize_tokens(tokens), layout.chunk_tokens)
+
+
+def test_chunk_bytes_follow_from_layout():
+    # DESIGN.md: Llama-3-8B bf16 is 128 KiB per token, 16 MiB per 128-token chunk.
+    assert BASE.token_bytes == 128 * 1024
+    assert BASE.chunk_bytes == 16 * 1024 * 1024
+    assert BASE.chunk_shape == (2, 32, 8, 128, 128)
+    assert dataclasses.replace(BASE, dtype="float32").chunk_bytes == 32 * 1024 * 1024
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("model", "meta-llama/Llama-3-8B@def456"),
+        ("num_layers", 31),
+        ("num_kv_heads", 4),
+        ("head_dim", 64),
+        ("dtype", "float16"),
+        ("chunk_tokens", 64),
+        ("lora_name", "sql-adapter"),
+        ("lora_version", "2"),
+        ("extra", (("rope_scaling", "yarn"),)),
+        ("vocab_size", 128256),
+    ],
+)
+def test_every_identity_field_changes_the_hash(field, value):
+    other = dataclasses.replace(BASE, **{field: value})
+    tokens = list(range(256))
+    assert other.layout_id != BASE.layout_id
+    assert chain(other, tokens)[0] != chain(BASE, tokens)[0]
+
+
+def test_domain_and_key_change_the_hash():
+    tokens = list(range(128))
+    assert chain(BASE, tokens, domain="a") != chain(BASE, tokens, domain="b")
+    assert chain(BASE, tokens, key=KEY) != chain(BASE, tokens, key=bytes(32))
+
+
+def test_length_prefixing_separates_shifted_fields():
+    a = KVLayout("ab", 1, 1, 1, lora_name="c")
+    b = KVLayout("a", 1, 1, 1, lora_name="bc")
+    assert a.encode() != b.encode()
+    assert a.layout_id != b.layout_id
+    x = KVLayout("m", 1, 1, 1, extra=(("k", "v=1"),))
+    y = KVLayout("m", 1, 1, 1, extra=(("k=v", "1"),))
+    assert x.encode() != y.encode()
+
+
+def test_extra_order_does_not_matter():
+    a = KVLayout("m", 1, 1, 1, extra=(("a", "1"), ("b", "2")))
+    b = KVLayout("m", 1, 1, 1, extra=(("b", "2"), ("a", "1")))
+    assert a == b and a.layout_id == b.layout_id
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.text(max_size=6), st.text(max_size=6), st.text(max_size=6),
+                  st.lists(st.tuples(st.text(max_size=3), st.text(max_size=3)), max_size=2)),
+        min_size=2, max_size=6,
+    )
+)
+def test_no_two_identities_encode_alike(fields):
+    layouts = set()
+    for model, lora, ver, extra in fields:
+        layouts.add(KVLayout("m" + model, 1, 1, 1, lora_name=lora, lora_version=ver, extra=tuple(extra)))
+    encodings = {lay.encode() for lay in layouts}
+    assert len(encodings) == len(layouts)
+
+
+def test_chain_covers_whole_prefix():
+    lay = dataclasses.replace(BASE, chunk_tokens=4)
+    a = chain(lay, [1, 2, 3, 4, 5, 6, 7, 8])
+    b = chain(lay, [9, 2, 3, 4, 5, 6, 7, 8])  # same second chunk, different first
+    assert len(a) == 2 and a[1] != b[1]
+    assert chain(lay, [1, 2, 3, 4, 5, 6, 7, 8, 9])[:2] == a  # the partial chunk is ignored
+    assert chain(lay, [1, 2, 3]) == []  # only full chunks
+    assert all(len(h) == 16 for h in a)
+
+
+def test_token_encodings_agree():
+    toks = [0, 1, 2**32 - 1, 42] * 32
+    want = chain(BASE, toks)
+    assert chain(BASE, np.array(toks, dtype=np.uint32)) == want
+    assert chain(BASE, np.array(toks, dtype=np.int64)) == want
+    assert chain(BASE, array("I", toks)) == want
+    assert chain(BASE, np.array(toks, dtype="<u4").tobytes()) == want
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [[-1, 2], [2**32], [1.5], ["a"], np.array([[1, 2]]), np.array([1.0]), np.array([-3, 1]), b"\x00\x01\x02"],
+    ids=["negative", "too-big", "float", "str", "2d", "float-array", "neg-array", "ragged-bytes"],
+)
+def test_bad_tokens_raise(bad):
+    with pytest.raises(InvalidTokens):
+        normalize_tokens(bad)
+
+
+def test_vocab_size_bounds_tokens():
+    with pytest.raises(InvalidTokens, match="out of range"):
+        normalize_tokens([5, 100], vocab_size=100)
+    with pytest.raises(InvalidTokens):
+        normalize_tokens(np.array([100]), vocab_size=100)
+    with pytest.raises(InvalidTokens):
+        normalize_tokens(np.array([100], dtype="<u4").tobytes(), vocab_size=100)
+    assert normalize_tokens([99], vocab_size=100) == (99).to_bytes(4, "little")
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(model=""), dict(num_layers=0), dict(num_kv_heads=-1), dict(head_dim=True), dict(dtype="float64"),
+     dict(chunk_tokens=0), dict(chunk_tokens=10**6), dict(vocab_size=-1), dict(extra=(("a",),))],
+)
+def test_bad_layouts_raise(kw):
+    with pytest.raises(InvalidLayout):
+        dataclasses.replace(BASE, **kw)
+
+
+def test_layout_round_trips_through_dict():
+    lay = dataclasses.replace(BASE, extra=(("x", "1"),), lora_name="l")
+    assert KVLayout.from_dict(lay.to_dict()) == lay
+
+
+def test_hash_key_is_created_private_and_reused(tmp_path):
+    path = str(tmp_path / "hash.key")
+    k1 = load_or_create_key(path)
+    assert len(k1) == 32
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert load_or_create_key(path) == k1
+    with open(path, "wb") as f:
+        f.write(b"short")
+    with pytest.raises(ValueError, match="expected 32"):
+        load_or_create_key(path)
+
+
+def test_no_collisions_among_many_prompts():
+    lay = dataclasses.replace(BASE, chunk_tokens=2)
+    seen = {}
+    for toks in itertools.product(range(5), repeat=4):
+        for i, h in enumerate(chain(lay, list(toks))):
+            key = tuple(toks[: 2 * (i + 1)])
+            assert seen.setdefault(h, key) == key
+    assert len(seen) == 25 + 625
