@@ -112,6 +112,10 @@ class StoreClosed(Unavailable):
     pass
 
 
+class StoreLocked(Unavailable):
+    """Another process already serves this state directory and domain."""
+
+
 # -- bugs --------------------------------------------------------------------------
 
 

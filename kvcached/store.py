@@ -22,6 +22,7 @@ periodically (tests call it with a controlled clock).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import threading
@@ -39,6 +40,7 @@ from kvcached.errors import (
     LeaseExpired,
     ReservationClosed,
     StoreClosed,
+    StoreLocked,
     TierFull,
     UnknownLayout,
     UnknownLease,
@@ -62,7 +64,7 @@ from kvcached.rebuild import rebuild_index
 from kvcached.stats import Counters, NvmeStats, PoolStats, StoreStats
 from kvcached.tiers.base import ChunkMeta, Slot
 from kvcached.tiers.nvme import NvmeTier
-from kvcached.tiers.pool_shm import HostPool, PoolHandle
+from kvcached.tiers.pool_shm import HostPool, PoolHandle, remove_stale_segments
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +86,7 @@ class Store:
         self._clock = clock
         self._lock = threading.RLock()
         os.makedirs(config.state_dir, mode=0o700, exist_ok=True)
+        self._lockfile = _lock_state_dir(config.state_dir, config.domain)
         self._hasher = ChunkHasher(load_or_create_key(os.path.join(config.state_dir, "hash.key")))
         self._layouts: dict[LayoutId, tuple[KVLayout, ChunkHash]] = {}
         self.index = PrefixIndex()
@@ -91,6 +94,7 @@ class Store:
         self._leases: TimedTable[tuple[Node, ...]] = TimedTable("lease")
         self._reservations: TimedTable[_PendingPut] = TimedTable("put")
         self._in_flight: dict[ChunkHash, ReservationId] = {}
+        remove_stale_segments(f"kvcached.{config.domain}")
         self.pool = HostPool(
             f"kvcached.{config.domain}", config.pool_block_bytes, config.pool_blocks, prefault=config.pool_prefault
         )
@@ -112,6 +116,7 @@ class Store:
             self.pool.close()
             if self.nvme is not None:
                 self.nvme.close()
+            os.close(self._lockfile)
             raise
         self._closed = False
 
@@ -233,13 +238,16 @@ class Store:
         )
 
     def release(self, lease_id: LeaseId, session: SessionId | None = None) -> bool:
-        """Drop a lease's pins. Idempotent: False if it was already gone.
+        """Drop a lease's pins. Idempotent: False if it was already released or expired.
 
-        With ``session`` given, a lease of another session is treated as
-        unknown (returns False) and left alone.
+        An id that was never granted raises :class:`UnknownLease`. With
+        ``session`` given, a live lease of another session is left alone
+        (returns False).
         """
         with self._lock:
             entry = self._leases.get(lease_id)
+            if entry is None and self._leases.closed_reason(lease_id) is None:
+                raise UnknownLease(f"no lease {lease_id!r} was ever granted here")
             if entry is None or (session is not None and entry.session != session):
                 return False
             self._leases.remove(lease_id, "released")
@@ -377,10 +385,13 @@ class Store:
             return CommitReceipt(reservation_id, n, (pending.first_position + n) * layout.chunk_tokens)
 
     def abort(self, reservation_id: ReservationId) -> bool:
-        """Free a reservation's blocks. Idempotent: False if it was already closed."""
+        """Free a reservation's blocks. Idempotent: False if it was already closed;
+        an id never issued raises :class:`UnknownReservation`."""
         with self._lock:
             entry = self._reservations.remove(reservation_id, "aborted")
             if entry is None:
+                if self._reservations.closed_reason(reservation_id) is None:
+                    raise UnknownReservation(f"no reservation {reservation_id!r} was ever made here")
                 return False
             self._close_pending(entry.payload, self._clock(), committed=0)
             self.counters.aborts += 1
@@ -544,6 +555,7 @@ class Store:
             self.pool.close()
             if self.nvme is not None:
                 self.nvme.close()
+            os.close(self._lockfile)
 
     def __enter__(self) -> "Store":
         return self
@@ -554,6 +566,20 @@ class Store:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosed("the store is closed")
+
+
+def _lock_state_dir(state_dir: str, domain: str) -> int:
+    """One store per (state dir, domain): a second daemon on the same LMDB file would
+    corrupt nothing (LMDB locks) but would serve a diverging index. The kernel drops
+    the lock when the holder dies, so a crash never leaves it stuck."""
+    path = os.path.join(state_dir, f"{domain}.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StoreLocked(f"{state_dir} (domain {domain}) is in use by another kvcached process") from None
+    return fd
 
 
 __all__ = ["Store", "DEFAULT_SESSION", "ChunkNotCached"]

@@ -194,6 +194,46 @@ class HostPool(Tier):
             raise InternalInvariantError(f"pool block {slot.slot_id} is not reserved for this write")
 
 
+def remove_stale_segments(name_prefix: str) -> list[str]:
+    """Unlink pools of ``name_prefix`` left by daemons that died without closing them.
+
+    A segment's name carries its creator's pid; one whose pid no longer runs
+    is unreachable memory (tmpfs keeps it until unlinked). Returns the names removed.
+    """
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:  # pragma: no cover - every Linux has /dev/shm
+        return removed
+    for name in names:
+        if not name.startswith(name_prefix + "."):
+            continue
+        rest = name[len(name_prefix) + 1 :].split(".")
+        if len(rest) != 2 or not rest[0].isdigit():
+            continue
+        pid = int(rest[0])
+        if pid == os.getpid() or _alive(pid):
+            continue
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
+        except (FileNotFoundError, PermissionError):
+            pass
+    if removed:
+        log.warning("removed %d host pool segments left by dead daemons: %s", len(removed), ", ".join(removed))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class HostPoolMapping:
     """A client's mapping of a daemon's host pool, by name.
 
