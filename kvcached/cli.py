@@ -75,7 +75,8 @@ def kvcached_main(argv: Sequence[str] | None = None) -> int:
     kwargs: dict = {"state_dir": state_dir}
     if args.pool_bytes is not None:
         kwargs["pool_bytes"] = args.pool_bytes
-        kwargs["pool_block_bytes"] = min(StoreConfig.pool_block_bytes, args.pool_bytes)
+        # A small pool still gets 16 blocks (the self-check needs 4).
+        kwargs["pool_block_bytes"] = max(1, min(StoreConfig.pool_block_bytes, args.pool_bytes // 16))
     else:
         kwargs["pool_bytes"] = 256 << 20  # embedded default for the host pool until the daemon sizes it
     if args.nvme_bytes is not None:

@@ -403,3 +403,19 @@ def test_stats_report_pool_blocks(store, lid):
     assert p.blocks_free == p.blocks_total - 4
     d = store.stats().to_dict()
     assert d["pool"]["blocks_leased"] == 2 and 0 <= d["hit_rate"] <= 1
+
+
+def test_full_lmdb_map_stops_admission_and_the_store_keeps_serving(make_store, clock):
+    # Capacity says 4096 chunks fit, but the LMDB map is tiny: the map fills first.
+    store = make_store(pool_blocks=2, nvme_chunks=4096, nvme_map_bytes=64 << 10)
+    lid = store.register_layout(TINY)
+    for i in range(200):
+        put(store, lid, 1, start=10 * i, salt=i % 200)
+        clock.advance(1)
+    s = store.stats()
+    assert s.counters.demotions > 0 and s.counters.nvme_evictions > 0  # it evicted to make room
+    assert s.nvme.chunks < 200
+    last, _ = put(store, lid, 1, start=99_999)
+    lease = store.acquire(lid, last)
+    assert bytes(store.read_chunk(lease, 0)) == payload(0)
+    store.index.check_invariants()

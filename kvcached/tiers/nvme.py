@@ -185,14 +185,33 @@ class NvmeTier(Tier):
         return True
 
     def _delete_raw(self, h: ChunkHash) -> int | None:
-        """Delete without touching the accounting; returns the value size or None."""
-        with self._env.begin(write=True, db=self._chunks, buffers=True) as txn:
-            with txn.cursor() as cur:
-                if not cur.set_key(h):
-                    return None
-                size = len(cur.value())
-                cur.delete()
-        return size
+        """Delete without touching the accounting; returns the value size or None.
+
+        A delete writes pages too (copy-on-write), so on a completely full
+        map it can fail; then the map grows by a little headroom (address
+        space only, the file is sparse) and the delete is retried once.
+        Without this, a full map could never be emptied.
+        """
+        for attempt in (0, 1):
+            try:
+                with self._env.begin(write=True, db=self._chunks, buffers=True) as txn:
+                    with txn.cursor() as cur:
+                        if not cur.set_key(h):
+                            return None
+                        size = len(cur.value())
+                        cur.delete()
+                return size
+            except lmdb.MapFullError:
+                if attempt:
+                    raise
+                self._grow_map()
+        return None  # pragma: no cover
+
+    def _grow_map(self) -> None:
+        new = self.map_size + max(1 << 20, self.map_size // 16)
+        log.warning("LMDB map of %s full even for deletes; growing it to %d bytes", self.path, new)
+        self._env.set_mapsize(new)
+        self.map_size = new
 
     def __contains__(self, h: ChunkHash) -> bool:
         with self._env.begin(db=self._chunks, buffers=True) as txn:

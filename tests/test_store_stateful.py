@@ -1,0 +1,232 @@
+"""Random operation sequences against the store, checked against a reference model.
+
+The model tracks what the store must guarantee, not how it evicts: which leases and
+reservations are live (so every node's refcount is known exactly), and what bytes each
+chunk must hold (a chunk's payload is a function of its whole prefix). After every
+step: refcounts equal the model's, no leased chunk has been evicted or changed, every
+indexed chunk has its whole prefix, pool blocks free + reserved + cached = capacity,
+and the NVMe tier holds exactly the chunks the index says it holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from kvcached.config import StoreConfig
+from kvcached.errors import ReservationClosed, TierFull
+from kvcached.leases import SessionId
+from kvcached.locations import TierId
+from kvcached.store import Store
+from kvcached.tiers.record import HEADER_SIZE
+from tests.conftest import TINY, FakeClock
+
+CT = TINY.chunk_tokens
+SESSIONS = [SessionId("s0"), SessionId("s1"), SessionId("s2")]
+
+# A prompt is a tuple of chunk symbols; symbol k becomes CT tokens of value k.
+prompts = st.lists(st.integers(0, 2), min_size=1, max_size=4).map(tuple)
+
+
+def tokens(p: tuple[int, ...], tail: int = 0) -> list[int]:
+    return [s for s in p for _ in range(CT)] + [7] * tail
+
+
+def chunk_payload(prefix: tuple[int, ...]) -> bytes:
+    seed = hashlib.blake2b(repr(prefix).encode(), digest_size=16).digest()
+    return (seed * (TINY.chunk_bytes // 16 + 1))[: TINY.chunk_bytes]
+
+
+class StoreMachine(RuleBasedStateMachine):
+    write_through = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = tempfile.mkdtemp(prefix="kvc-stateful-")
+        self.clock = FakeClock()
+        self.store = Store(
+            StoreConfig(
+                state_dir=self.dir,
+                pool_bytes=TINY.chunk_bytes * 6,
+                pool_block_bytes=TINY.chunk_bytes,
+                nvme_bytes=(TINY.chunk_bytes + HEADER_SIZE) * 8,
+                write_through=self.write_through,
+                cache_ttl=50,
+                lease_ttl=20,
+                reservation_ttl=20,
+            ),
+            clock=self.clock,
+        )
+        self.lid = self.store.register_layout(TINY)
+        self.leases: dict[str, tuple[SessionId, tuple[bytes, ...], tuple[int, ...]]] = {}
+        self.puts: dict[str, tuple[SessionId, bytes | None, tuple[int, ...]]] = {}
+        self.prefix_of: dict[bytes, tuple[int, ...]] = {}
+
+    def _learn(self, p: tuple[int, ...]) -> None:
+        for i, h in enumerate(self.store.hashes(self.lid, tokens(p))):
+            self.prefix_of[h] = p[: i + 1]
+
+    leases_b = Bundle("leases")
+    puts_b = Bundle("puts")
+
+    def teardown(self) -> None:
+        self.store.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    # -- rules ----------------------------------------------------------------------
+
+    @rule(p=prompts, tail=st.integers(0, CT - 1), session=st.sampled_from(SESSIONS))
+    def put(self, p, tail, session):
+        self._learn(p)
+        data = [chunk_payload(p[: i + 1]) for i in range(len(p))]
+        try:
+            self.store.put(self.lid, tokens(p, tail), data, session)
+        except TierFull:
+            pass  # everything pinned: allowed, and put() must then have changed nothing
+
+    @rule(target=puts_b, p=prompts, session=st.sampled_from(SESSIONS))
+    def reserve(self, p, session):
+        self._learn(p)
+        try:
+            r = self.store.reserve(self.lid, tokens(p), session)
+        except TierFull:
+            return "none"
+        parent = self.store.index.match(self.store.hashes(self.lid, tokens(p)))
+        self.puts[r.reservation_id] = (session, parent[-1].hash if r.cached_tokens else None, p)
+        assert parent and len(parent) * CT == r.cached_tokens or r.cached_tokens == 0
+        for loc in r.slots:
+            assert loc.position * CT >= r.cached_tokens
+        return r.reservation_id
+
+    @rule(rid=consumes(puts_b), n=st.integers(0, 4))
+    def commit(self, rid, n):
+        if rid not in self.puts:
+            return
+        _, _, p = self.puts[rid]
+        entry = self.store._reservations.get(rid)
+        slots = entry.payload.slots
+        first = entry.payload.first_position
+        for i in range(min(n, len(slots))):
+            self.store.write_reserved(rid, first + i, chunk_payload(p[: first + i + 1]))
+        try:
+            self.store.commit(rid, chunks=min(n, len(slots)))
+        except ReservationClosed:
+            pass
+        del self.puts[rid]
+
+    @rule(rid=consumes(puts_b))
+    def abort(self, rid):
+        if rid in self.puts:
+            assert self.store.abort(rid) is True
+            del self.puts[rid]
+
+    @rule(target=leases_b, p=prompts, session=st.sampled_from(SESSIONS))
+    def acquire(self, p, session):
+        r = self.store.acquire(self.lid, tokens(p), session)
+        self.leases[r.lease_id] = (session, tuple(c.chunk_hash for c in r.chunks), p)
+        return r.lease_id
+
+    @rule(lid=leases_b)
+    def release(self, lid):
+        released = self.store.release(lid)
+        assert released == (lid in self.leases)
+        self.leases.pop(lid, None)
+
+    @rule(session=st.sampled_from(SESSIONS))
+    def end_session(self, session):
+        rec = self.store.release_session(session)
+        mine_l = [k for k, v in self.leases.items() if v[0] == session]
+        mine_p = [k for k, v in self.puts.items() if v[0] == session]
+        assert (rec.leases, rec.reservations) == (len(mine_l), len(mine_p))
+        for k in mine_l:
+            del self.leases[k]
+        for k in mine_p:
+            del self.puts[k]
+
+    @rule(dt=st.sampled_from([1, 5, 15, 30]))
+    def time_passes(self, dt):
+        self.clock.advance(dt)
+        self.store.expire()
+        now = self.clock.t
+        for k in [k for k in self.leases if self.store._leases.get(k) is None]:
+            del self.leases[k]
+        for k in [k for k in self.puts if self.store._reservations.get(k) is None]:
+            del self.puts[k]
+        assert all(self.store._leases.get(k).expires_at > now for k in self.leases)
+
+    @rule()
+    def evict_all(self):
+        self.store.evict()
+        pinned = {h for _, hs, _ in self.leases.values() for h in hs}
+        assert {n.hash for n in self.store.index.nodes()} >= pinned
+
+    @rule()
+    def flush(self):
+        self.store.flush()
+
+    # -- invariants ---------------------------------------------------------------------
+
+    @invariant()
+    def refcounts_match_the_model(self):
+        want: dict[bytes, int] = {}
+        for _, hashes, _ in self.leases.values():
+            for h in hashes:
+                want[h] = want.get(h, 0) + 1
+        for _, parent, _ in self.puts.values():
+            if parent is not None:
+                want[parent] = want.get(parent, 0) + 1
+        got = {n.hash: n.refcount for n in self.store.index.nodes() if n.refcount}
+        assert got == want
+        assert all(n.refcount >= 0 for n in self.store.index.nodes())
+
+    @invariant()
+    def leased_chunks_are_in_the_pool_with_their_bytes(self):
+        for lease_id, (_, hashes, p) in self.leases.items():
+            for i, h in enumerate(hashes):
+                node = self.store.index.get(h)
+                assert node is not None and node.tiers & TierId.POOL
+                assert bytes(self.store.pool.read(h)) == chunk_payload(p[: i + 1])
+
+    @invariant()
+    def structure_is_consistent(self):
+        self.store.index.check_invariants()  # whole prefixes, child counts, queue membership
+        pool = self.store.pool
+        in_pool = sum(1 for n in self.store.index.nodes() if n.tiers & TierId.POOL)
+        assert pool.committed_blocks == in_pool
+        assert pool.free_blocks + pool.reserved_blocks + pool.committed_blocks == pool.num_blocks
+        reserved = sum(len(self.store._reservations.get(r).payload.slots) for r in self.puts)
+        assert pool.reserved_blocks == reserved
+        nvme = self.store.nvme
+        on_nvme = {n.hash for n in self.store.index.nodes() if n.tiers & TierId.NVME}
+        assert nvme.chunk_count == len(on_nvme)
+        assert nvme.used_bytes <= nvme.capacity_bytes
+
+    @invariant()
+    def every_indexed_chunk_holds_its_prefix_bytes(self):
+        for node in self.store.index.nodes():
+            want = chunk_payload(self.prefix_of[node.hash])
+            if node.tiers & TierId.POOL:
+                assert bytes(self.store.pool.read(node.hash)) == want
+            if node.tiers & TierId.NVME:
+                assert bytes(self.store.nvme.read(node.hash)) == want
+
+
+TestStoreWriteBack = StoreMachine.TestCase
+TestStoreWriteBack.settings = settings(
+    max_examples=100, stateful_step_count=50, deadline=None, suppress_health_check=list(HealthCheck)
+)
+
+
+class WriteThroughMachine(StoreMachine):
+    write_through = True
+
+
+TestStoreWriteThrough = WriteThroughMachine.TestCase
+TestStoreWriteThrough.settings = settings(
+    max_examples=30, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
+)
