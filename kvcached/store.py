@@ -27,7 +27,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kvcached.config import StoreConfig
@@ -38,13 +37,11 @@ from kvcached.errors import (
     InvalidLayout,
     InvalidTokens,
     LeaseExpired,
-    ReservationClosed,
     StoreClosed,
     StoreLocked,
     TierFull,
     UnknownLayout,
     UnknownLease,
-    UnknownReservation,
 )
 from kvcached.index import Node, PrefixIndex
 from kvcached.keys import ChunkHash, ChunkHasher, KVLayout, LayoutId, Namespace, TokenInput, load_or_create_key, normalize_tokens
@@ -61,23 +58,14 @@ from kvcached.receipts import (
     SessionReleaseReceipt,
 )
 from kvcached.rebuild import rebuild_index
+from kvcached.writes import WritePath
 from kvcached.stats import Counters, NvmeStats, PoolStats, StoreStats
-from kvcached.tiers.base import ChunkMeta, Slot
 from kvcached.tiers.nvme import NvmeTier
 from kvcached.tiers.pool_shm import HostPool, PoolHandle, remove_stale_segments
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SESSION = SessionId("local")
-
-
-@dataclass
-class _PendingPut:
-    layout_id: LayoutId
-    parent: Node | None  # pinned until commit/abort
-    hashes: list[ChunkHash]
-    slots: list[Slot]
-    first_position: int
 
 
 class Store:
@@ -92,8 +80,6 @@ class Store:
         self.index = PrefixIndex()
         self.counters = Counters()
         self._leases: TimedTable[tuple[Node, ...]] = TimedTable("lease")
-        self._reservations: TimedTable[_PendingPut] = TimedTable("put")
-        self._in_flight: dict[ChunkHash, ReservationId] = {}
         remove_stale_segments(f"kvcached.{config.domain}")
         self.pool = HostPool(
             f"kvcached.{config.domain}", config.pool_block_bytes, config.pool_blocks, prefault=config.pool_prefault
@@ -107,6 +93,7 @@ class Store:
                     map_size=config.nvme_map_bytes,
                 )
             self._mover = Mover(config, self.index, self.pool, self.nvme, self.counters, self._layout)
+            self.writes = WritePath(config, self.index, self.pool, self._mover, self.counters, self._layout, self._unpin)
             self.rebuild_report: RebuildReport | None = None
             if self.nvme is not None:
                 for layout in self.nvme.load_layouts().values():
@@ -277,125 +264,34 @@ class Store:
             loc = receipt.chunks[position]
             return self.pool.read(loc.chunk_hash)
 
-    # -- write path -----------------------------------------------------------------
+    # -- write path (two-phase; see kvcached.writes) -------------------------------------
 
     def reserve(
         self, layout_id: LayoutId, tokens: TokenInput, session: SessionId = DEFAULT_SESSION, *, ttl: float | None = None
     ) -> ReservationReceipt:
-        """Reserve pool blocks for the prompt's full chunks that are not cached yet.
-
-        One writer per chunk: chunks that another reservation is writing are
-        reported as ``in_flight_tokens`` and not reserved (nor anything after
-        them, since a chunk is only stored after its whole prefix). If the
-        pool cannot free enough blocks, the reservation covers as many
-        leading chunks as it could get; with none at all it raises
-        :class:`TierFull` (unless nothing needed writing).
-        """
+        """Reserve pool blocks for the prompt's full chunks that are not cached yet
+        (see :meth:`kvcached.writes.WritePath.reserve`)."""
         with self._lock:
             self._check_open()
             hashes = self.hashes(layout_id, tokens)
-            layout = self._layouts[layout_id][0]
-            now = self._clock()
-            cached = self.index.match(hashes)
-            self.index.touch(cached, now)
-            parent = cached[-1] if cached else None
-            if parent is not None:
-                # Pin first: making room below must not evict the prefix we extend.
-                self.index.pin([parent], now)
-            k = len(cached)
-            todo: list[ChunkHash] = []
-            in_flight = 0
-            for h in hashes[k:]:
-                if h in self._in_flight:
-                    in_flight = len(hashes) - k - len(todo)
-                    self.counters.in_flight_conflicts += 1
-                    break
-                todo.append(h)
-            slots: list[Slot] = []
-            for _ in todo:
-                if not self._mover.pool_room(1):
-                    break
-                slots.append(self.pool.reserve(layout.chunk_bytes))
-            if todo and not slots:
-                if parent is not None:
-                    self._unpin([parent], now)
-                raise TierFull(
-                    f"the pool has no free block for a new chunk ({self.pool.num_blocks} blocks, all leased or reserved)"
-                )
-            todo = todo[: len(slots)]
-            pending = _PendingPut(layout_id, parent, todo, slots, k)
-            entry = self._reservations.add(session, pending, ttl or self.config.reservation_ttl, now)
-            for h in todo:
-                self._in_flight[h] = ReservationId(entry.id)
-            self.counters.reservations += 1
-            locs = tuple(
-                ChunkLocation(k + i, h, s.slot_id, s.offset, s.nbytes) for i, (h, s) in enumerate(zip(todo, slots))
-            )
-            return ReservationReceipt(
-                ReservationId(entry.id),
-                session,
-                layout_id,
-                k * layout.chunk_tokens,
-                in_flight * layout.chunk_tokens,
-                locs,
-                entry.expires_at,
-                self.pool.generation,
-            )
+            return self.writes.reserve(layout_id, hashes, session, ttl or self.config.reservation_ttl, self._clock())
 
     def write_reserved(self, reservation_id: ReservationId, position: int, data: bytes | memoryview) -> None:
         """In-process write of one reserved chunk (clients in other processes write the mapped pool)."""
         with self._lock:
-            pending = self._pending(reservation_id).payload
-            i = position - pending.first_position
-            if not 0 <= i < len(pending.slots):
-                raise InvalidKV(f"chunk {position} is not part of reservation {reservation_id}")
-            self.pool.write(pending.slots[i], data)
+            self.writes.write(reservation_id, position, data)
 
     def commit(self, reservation_id: ReservationId, *, chunks: int | None = None) -> CommitReceipt:
         """Make the written chunks visible. ``chunks`` commits only the first N (the rest are aborted)."""
         with self._lock:
             self._check_open()
-            entry = self._pending(reservation_id)
-            pending = entry.payload
-            n = len(pending.slots) if chunks is None else chunks
-            if not 0 <= n <= len(pending.slots):
-                raise InvalidKV(f"cannot commit {n} chunks of a reservation of {len(pending.slots)}")
-            self._reservations.remove(reservation_id, "committed")
-            now = self._clock()
-            layout = self._layouts[pending.layout_id][0]
-            parent = pending.parent
-            if parent is not None and self.index.is_detached(parent):
-                self._close_pending(pending, now, committed=0)
-                raise ReservationClosed("the cached prefix this put extends was dropped as corrupt; put again")
-            for i in range(n):
-                h, slot = pending.hashes[i], pending.slots[i]
-                meta = ChunkMeta(h, parent.hash if parent else self._layouts[pending.layout_id][1],
-                                 pending.layout_id, pending.first_position + i, layout.chunk_tokens)
-                self.pool.commit(slot, meta)
-                node = self.index.insert(h, parent, pending.layout_id, TierId.POOL, now)
-                if self.config.write_through and self.nvme is not None:
-                    if self._mover.write_nvme(node, self.pool.read(h)):
-                        self.counters.write_through_writes += 1
-                    else:
-                        self.counters.write_through_failures += 1
-                parent = node
-            self._close_pending(pending, now, committed=n)
-            self.counters.commits += 1
-            self.counters.committed_chunks += n
-            return CommitReceipt(reservation_id, n, (pending.first_position + n) * layout.chunk_tokens)
+            return self.writes.commit(reservation_id, chunks, self._clock())
 
     def abort(self, reservation_id: ReservationId) -> bool:
         """Free a reservation's blocks. Idempotent: False if it was already closed;
         an id never issued raises :class:`UnknownReservation`."""
         with self._lock:
-            entry = self._reservations.remove(reservation_id, "aborted")
-            if entry is None:
-                if self._reservations.closed_reason(reservation_id) is None:
-                    raise UnknownReservation(f"no reservation {reservation_id!r} was ever made here")
-                return False
-            self._close_pending(entry.payload, self._clock(), committed=0)
-            self.counters.aborts += 1
-            return True
+            return self.writes.abort(reservation_id, self._clock())
 
     def put(
         self,
@@ -427,23 +323,6 @@ class Store:
                 raise
             return self.commit(r.reservation_id)
 
-    def _pending(self, reservation_id: ReservationId) -> Entry[_PendingPut]:
-        entry = self._reservations.get(reservation_id)
-        if entry is None:
-            why = self._reservations.closed_reason(reservation_id)
-            if why is not None:
-                raise ReservationClosed(f"reservation {reservation_id} was already {why}")
-            raise UnknownReservation(f"no reservation {reservation_id!r}")
-        return entry
-
-    def _close_pending(self, pending: _PendingPut, now: float, committed: int) -> None:
-        for h, slot in zip(pending.hashes[committed:], pending.slots[committed:]):
-            self.pool.abort(slot)
-        for h in pending.hashes:
-            self._in_flight.pop(h, None)
-        if pending.parent is not None:
-            self._unpin([pending.parent], now)
-
     # -- sessions, expiry ------------------------------------------------------------
 
     def release_session(self, session: SessionId) -> SessionReleaseReceipt:
@@ -454,14 +333,11 @@ class Store:
             for entry in leases:
                 self._leases.remove(entry.id, "session ended")
                 self._unpin(entry.payload, now)
-            puts = self._reservations.of_session(session)
-            for p in puts:
-                self._reservations.remove(p.id, "session ended")
-                self._close_pending(p.payload, now, committed=0)
+            puts = self.writes.end_session(session, now)
             self.counters.leases_session_released += len(leases)
             if leases or puts:
-                log.info("session %s ended: released %d leases, aborted %d reservations", session, len(leases), len(puts))
-            return SessionReleaseReceipt(len(leases), len(puts))
+                log.info("session %s ended: released %d leases, aborted %d reservations", session, len(leases), puts)
+            return SessionReleaseReceipt(len(leases), puts)
 
     def expire(self) -> dict[str, int]:
         """Expire leases, reservations and chunks whose TTL ran out. Call periodically."""
@@ -470,9 +346,7 @@ class Store:
             leases = self._leases.pop_expired(now)
             for entry in leases:
                 self._unpin(entry.payload, now)
-            puts = self._reservations.pop_expired(now)
-            for p in puts:
-                self._close_pending(p.payload, now, committed=0)
+            puts = self.writes.expire(now)
             chunks = 0
             horizon = now - self.config.cache_ttl
             while True:
@@ -482,9 +356,8 @@ class Store:
                 self._mover.drop(node)
                 chunks += 1
             self.counters.leases_expired += len(leases)
-            self.counters.reservations_expired += len(puts)
             self.counters.ttl_expirations += chunks
-            return {"leases": len(leases), "reservations": len(puts), "chunks": chunks}
+            return {"leases": len(leases), "reservations": puts, "chunks": chunks}
 
     def _unpin(self, nodes: Sequence[Node], now: float) -> None:
         self.index.unpin(nodes, now)
@@ -539,7 +412,7 @@ class Store:
                 nstats = NvmeStats(n.capacity_bytes, n.used_bytes, n.chunk_count, n.file_bytes(), n.map_size,
                                    n.readers(), n.admitting)
             return StoreStats(
-                self.config.domain, len(self._layouts), len(self.index), len(self._leases), len(self._reservations),
+                self.config.domain, len(self._layouts), len(self.index), len(self._leases), len(self.writes.reservations),
                 self._leases.sessions(), pstats, nstats, Counters(**vars(self.counters)),
             )
 

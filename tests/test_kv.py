@@ -37,7 +37,7 @@ def test_write_chunk_goes_straight_into_a_reserved_block(store, lid):
     kv = kv_for(TINY, 2 * TINY.chunk_tokens, seed=3)
     r = store.reserve(lid, prompt(2))
     for loc in r.slots:
-        write_chunk(TINY, store.pool.reserved_view(store._reservations.get(r.reservation_id).payload.slots[loc.position]), kv, loc.position)
+        write_chunk(TINY, store.pool.reserved_view(store.writes.reservations.get(r.reservation_id).payload.slots[loc.position]), kv, loc.position)
     store.commit(r.reservation_id)
     lease = store.acquire(lid, prompt(2))
     assert torch.equal(chunk_view(TINY, store.read_chunk(lease, 1)), kv[:, :, :, 4:8, :])

@@ -27,7 +27,7 @@ def test_expiry_in_deadline_order_and_renewal_postpones():
     t: TimedTable[str] = TimedTable("lease")
     a = t.add(S1, "a", ttl=10, now=0)
     b = t.add(S1, "b", ttl=5, now=0)
-    c = t.add(S2, "c", ttl=20, now=0)
+    t.add(S2, "c", ttl=20, now=0)
     t.renew(b.id, ttl=30, now=1)  # b now ends at 31
     assert t.pop_expired(4.9) == []
     assert [e.payload for e in t.pop_expired(10)] == ["a"]

@@ -251,7 +251,7 @@ def test_reserve_gets_what_fits_when_pool_is_short(make_store):
     store = make_store(pool_blocks=3, nvme_chunks=None)
     lid = store.register_layout(TINY)
     a, _ = put(store, lid, 1)
-    lease = store.acquire(lid, a)
+    store.acquire(lid, a)
     r = store.reserve(lid, prompt(5, start=100))
     assert [s.position for s in r.slots] == [0, 1]  # two free blocks, the rest of the prompt waits
 

@@ -108,7 +108,7 @@ class StoreMachine(RuleBasedStateMachine):
         if rid not in self.puts:
             return
         _, _, p = self.puts[rid]
-        entry = self.store._reservations.get(rid)
+        entry = self.store.writes.reservations.get(rid)
         slots = entry.payload.slots
         first = entry.payload.first_position
         for i in range(min(n, len(slots))):
@@ -155,7 +155,7 @@ class StoreMachine(RuleBasedStateMachine):
         now = self.clock.t
         for k in [k for k in self.leases if self.store._leases.get(k) is None]:
             del self.leases[k]
-        for k in [k for k in self.puts if self.store._reservations.get(k) is None]:
+        for k in [k for k in self.puts if self.store.writes.reservations.get(k) is None]:
             del self.puts[k]
         assert all(self.store._leases.get(k).expires_at > now for k in self.leases)
 
@@ -199,7 +199,7 @@ class StoreMachine(RuleBasedStateMachine):
         in_pool = sum(1 for n in self.store.index.nodes() if n.tiers & TierId.POOL)
         assert pool.committed_blocks == in_pool
         assert pool.free_blocks + pool.reserved_blocks + pool.committed_blocks == pool.num_blocks
-        reserved = sum(len(self.store._reservations.get(r).payload.slots) for r in self.puts)
+        reserved = sum(len(self.store.writes.reservations.get(r).payload.slots) for r in self.puts)
         assert pool.reserved_blocks == reserved
         nvme = self.store.nvme
         on_nvme = {n.hash for n in self.store.index.nodes() if n.tiers & TierId.NVME}

@@ -1,0 +1,195 @@
+"""The write path: two-phase puts with one writer per chunk.
+
+::
+
+    reserve  -> pool blocks for the chunks not cached and not in flight;
+                the deepest cached chunk (the parent) is pinned
+    write    -> the writer fills its blocks (in place, through the mapped pool)
+    commit   -> blocks become indexed chunks, in prompt order, under the parent
+    abort    -> blocks go back to the free list (also on expiry or session end)
+
+The in-flight registry maps each reserved chunk hash to its reservation, so a
+second writer of the same prompt learns the chunk is being written instead
+of writing it twice. Pinning the parent keeps the whole cached prefix from
+being dropped while the writer works (a node with a child is never a leaf,
+and the pinned parent itself is never evictable), so commit can always link
+the new chunks under it. The one exception is corruption: if the parent's
+bytes turn out corrupt it is detached, and commit then refuses.
+
+Not thread-safe; the store calls it under its lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from kvcached.config import StoreConfig
+from kvcached.errors import InvalidKV, ReservationClosed, TierFull, UnknownReservation
+from kvcached.index import Node, PrefixIndex
+from kvcached.keys import ChunkHash, KVLayout, LayoutId
+from kvcached.leases import Entry, ReservationId, SessionId, TimedTable
+from kvcached.locations import TierId
+from kvcached.movement import Mover
+from kvcached.receipts import ChunkLocation, CommitReceipt, ReservationReceipt
+from kvcached.stats import Counters
+from kvcached.tiers.base import ChunkMeta, Slot
+from kvcached.tiers.pool_shm import HostPool
+
+
+@dataclass
+class PendingPut:
+    layout_id: LayoutId
+    parent: Node | None  # pinned until commit/abort
+    hashes: list[ChunkHash]
+    slots: list[Slot]
+    first_position: int
+
+
+class WritePath:
+    def __init__(
+        self,
+        config: StoreConfig,
+        index: PrefixIndex,
+        pool: HostPool,
+        mover: Mover,
+        counters: Counters,
+        layout_of: Callable[[LayoutId], tuple[KVLayout, ChunkHash]],
+        unpin: Callable[[Sequence[Node], float], None],
+    ) -> None:
+        self.config = config
+        self.index = index
+        self.pool = pool
+        self.mover = mover
+        self.counters = counters
+        self._layout_of = layout_of
+        self._unpin = unpin
+        self.reservations: TimedTable[PendingPut] = TimedTable("put")
+        self.in_flight: dict[ChunkHash, ReservationId] = {}
+
+    def reserve(
+        self, layout_id: LayoutId, hashes: list[ChunkHash], session: SessionId, ttl: float, now: float
+    ) -> ReservationReceipt:
+        """Reserve pool blocks for the prompt's full chunks that are not cached yet.
+
+        Chunks that another reservation is writing are reported as
+        ``in_flight_tokens`` and not reserved, nor is anything after them
+        (a chunk is only stored after its whole prefix). If the pool cannot
+        free enough blocks, the reservation covers as many leading chunks as
+        it could get; with none at all it raises :class:`TierFull` (unless
+        nothing needed writing).
+        """
+        layout = self._layout_of(layout_id)[0]
+        cached = self.index.match(hashes)
+        self.index.touch(cached, now)
+        parent = cached[-1] if cached else None
+        if parent is not None:
+            # Pin first: making room below must not evict the prefix we extend.
+            self.index.pin([parent], now)
+        k = len(cached)
+        todo: list[ChunkHash] = []
+        in_flight = 0
+        for h in hashes[k:]:
+            if h in self.in_flight:
+                in_flight = len(hashes) - k - len(todo)
+                self.counters.in_flight_conflicts += 1
+                break
+            todo.append(h)
+        slots: list[Slot] = []
+        for _ in todo:
+            if not self.mover.pool_room(1):
+                break
+            slots.append(self.pool.reserve(layout.chunk_bytes))
+        if todo and not slots:
+            if parent is not None:
+                self._unpin([parent], now)
+            raise TierFull(
+                f"the pool has no free block for a new chunk ({self.pool.num_blocks} blocks, all leased or reserved)"
+            )
+        todo = todo[: len(slots)]
+        entry = self.reservations.add(session, PendingPut(layout_id, parent, todo, slots, k), ttl, now)
+        for h in todo:
+            self.in_flight[h] = ReservationId(entry.id)
+        self.counters.reservations += 1
+        locs = tuple(ChunkLocation(k + i, h, s.slot_id, s.offset, s.nbytes) for i, (h, s) in enumerate(zip(todo, slots)))
+        return ReservationReceipt(
+            ReservationId(entry.id), session, layout_id, k * layout.chunk_tokens, in_flight * layout.chunk_tokens,
+            locs, entry.expires_at, self.pool.generation,
+        )
+
+    def write(self, reservation_id: ReservationId, position: int, data: bytes | memoryview) -> None:
+        pending = self.pending(reservation_id).payload
+        i = position - pending.first_position
+        if not 0 <= i < len(pending.slots):
+            raise InvalidKV(f"chunk {position} is not part of reservation {reservation_id}")
+        self.pool.write(pending.slots[i], data)
+
+    def commit(self, reservation_id: ReservationId, chunks: int | None, now: float) -> CommitReceipt:
+        pending = self.pending(reservation_id).payload
+        n = len(pending.slots) if chunks is None else chunks
+        if not 0 <= n <= len(pending.slots):
+            raise InvalidKV(f"cannot commit {n} chunks of a reservation of {len(pending.slots)}")
+        self.reservations.remove(reservation_id, "committed")
+        layout, root = self._layout_of(pending.layout_id)
+        parent = pending.parent
+        if parent is not None and self.index.is_detached(parent):
+            self.close(pending, now, committed=0)
+            raise ReservationClosed("the cached prefix this put extends was dropped as corrupt; put again")
+        for i in range(n):
+            h, slot = pending.hashes[i], pending.slots[i]
+            meta = ChunkMeta(h, parent.hash if parent else root, pending.layout_id,
+                             pending.first_position + i, layout.chunk_tokens)
+            self.pool.commit(slot, meta)
+            node = self.index.insert(h, parent, pending.layout_id, TierId.POOL, now)
+            if self.config.write_through and self.mover.nvme is not None:
+                if self.mover.write_nvme(node, self.pool.read(h)):
+                    self.counters.write_through_writes += 1
+                else:
+                    self.counters.write_through_failures += 1
+            parent = node
+        self.close(pending, now, committed=n)
+        self.counters.commits += 1
+        self.counters.committed_chunks += n
+        return CommitReceipt(reservation_id, n, (pending.first_position + n) * layout.chunk_tokens)
+
+    def abort(self, reservation_id: ReservationId, now: float) -> bool:
+        entry = self.reservations.remove(reservation_id, "aborted")
+        if entry is None:
+            if self.reservations.closed_reason(reservation_id) is None:
+                raise UnknownReservation(f"no reservation {reservation_id!r} was ever made here")
+            return False
+        self.close(entry.payload, now, committed=0)
+        self.counters.aborts += 1
+        return True
+
+    def end_session(self, session: SessionId, now: float) -> int:
+        puts = self.reservations.of_session(session)
+        for p in puts:
+            self.reservations.remove(p.id, "session ended")
+            self.close(p.payload, now, committed=0)
+        return len(puts)
+
+    def expire(self, now: float) -> int:
+        puts = self.reservations.pop_expired(now)
+        for p in puts:
+            self.close(p.payload, now, committed=0)
+        self.counters.reservations_expired += len(puts)
+        return len(puts)
+
+    def pending(self, reservation_id: ReservationId) -> Entry[PendingPut]:
+        entry = self.reservations.get(reservation_id)
+        if entry is None:
+            why = self.reservations.closed_reason(reservation_id)
+            if why is not None:
+                raise ReservationClosed(f"reservation {reservation_id} was already {why}")
+            raise UnknownReservation(f"no reservation {reservation_id!r}")
+        return entry
+
+    def close(self, pending: PendingPut, now: float, committed: int) -> None:
+        """Return uncommitted blocks, clear in-flight marks, unpin the parent."""
+        for slot in pending.slots[committed:]:
+            self.pool.abort(slot)
+        for h in pending.hashes:
+            self.in_flight.pop(h, None)
+        if pending.parent is not None:
+            self._unpin([pending.parent], now)
