@@ -26,7 +26,7 @@ from kvcached.config import StoreConfig
 from kvcached.errors import ChunkNotCached, CorruptChunk, TierFull
 from kvcached.index import Node, PrefixIndex
 from kvcached.keys import ChunkHash, KVLayout, LayoutId
-from kvcached.locations import TierId
+from kvcached.locations import NVME, POOL
 from kvcached.stats import Counters
 from kvcached.tiers.base import ChunkMeta
 from kvcached.tiers.nvme import NvmeTier
@@ -72,17 +72,17 @@ class Mover:
             return True
         finally:
             for node in skipped:
-                if node.refcount == 0 and node.tiers & TierId.POOL:
+                if node.refcount == 0 and node.tiers & POOL:
                     self.index.pool_lru.add(node)
 
     def evict_pool_copy(self, node: Node) -> bool:
         """Move or drop the pool copy of an unpinned chunk. False if it must stay."""
-        if not node.tiers & TierId.NVME and self.nvme is not None and not self.config.write_through:
+        if not node.tiers & NVME and self.nvme is not None and not self.config.write_through:
             if self.write_nvme(node, self.pool.read(node.hash)):
                 self.counters.demotions += 1
-        if node.tiers & TierId.NVME:
+        if node.tiers & NVME:
             self.pool.delete(node.hash)
-            self.index.drop_tier(node, TierId.POOL)
+            self.index.drop_tier(node, POOL)
             self.counters.pool_evictions += 1
             return True
         if node.children == 0:
@@ -99,7 +99,7 @@ class Mover:
         :class:`CorruptChunk` when the NVMe copy fails its checksum (the
         NVMe tier has already deleted it; call :meth:`drop_corrupt`).
         """
-        assert self.nvme is not None and node.tiers & TierId.NVME
+        assert self.nvme is not None and node.tiers & NVME
         if not self.pool_room(1):
             raise TierFull("the pool is full of leased chunks; cannot promote from NVMe")
         layout, _ = self._layout_of(node.layout_id)
@@ -110,7 +110,7 @@ class Mover:
             self.pool.abort(slot)
             raise
         self.pool.commit(slot, self.meta_of(node))
-        self.index.add_tier(node, TierId.POOL)
+        self.index.add_tier(node, POOL)
         self.counters.promotions += 1
 
     # -- NVMe ----------------------------------------------------------------------
@@ -124,7 +124,7 @@ class Mover:
                 return False
             self.nvme.delete(victim.hash)
             self.counters.nvme_evictions += 1
-            if not self.index.drop_tier(victim, TierId.NVME):
+            if not self.index.drop_tier(victim, NVME):
                 self.index.remove(victim)
             if not self.nvme.admitting and self.nvme.used_bytes <= self.nvme.capacity_bytes // 2:
                 self.nvme.resume_admission()
@@ -151,7 +151,7 @@ class Mover:
             except BaseException:
                 self.nvme.abort(slot)
                 raise
-            self.index.add_tier(node, TierId.NVME)
+            self.index.add_tier(node, NVME)
             return True
         return False
 
@@ -164,7 +164,7 @@ class Mover:
                 break
             self.nvme.delete(victim.hash)
             self.counters.nvme_evictions += 1
-            if not self.index.drop_tier(victim, TierId.NVME):
+            if not self.index.drop_tier(victim, NVME):
                 self.index.remove(victim)
         self.nvme.resume_admission()
 
@@ -173,10 +173,10 @@ class Mover:
     def drop(self, node: Node) -> int:
         """Remove an unpinned leaf from every tier and the index; returns bytes freed."""
         freed = 0
-        if node.tiers & TierId.POOL:
+        if node.tiers & POOL:
             freed += self.pool.read(node.hash).nbytes
             self.pool.delete(node.hash)
-        if node.tiers & TierId.NVME and self.nvme is not None:
+        if node.tiers & NVME and self.nvme is not None:
             try:
                 self.nvme.delete(node.hash)
             except ChunkNotCached:  # pragma: no cover - delete returns False instead
@@ -190,9 +190,9 @@ class Mover:
         """Detach a chunk whose NVMe bytes are corrupt, with its now unreachable subtree."""
         removed = self.index.detach_subtree(node)
         for n in removed:
-            if n.tiers & TierId.NVME and self.nvme is not None:
+            if n.tiers & NVME and self.nvme is not None:
                 self.nvme.delete(n.hash)
-            n.tiers &= ~int(TierId.NVME)
+            n.tiers &= ~int(NVME)
             self.free_detached(n)
         self.counters.corrupt_dropped += 1
         log.error("dropped corrupt chunk %s and %d descendants", node.hash.hex(), len(removed) - 1)
@@ -200,15 +200,15 @@ class Mover:
 
     def free_detached(self, node: Node) -> None:
         """Free the pool block of a detached chunk once nobody pins it any more."""
-        if node.refcount == 0 and node.tiers & TierId.POOL:
+        if node.refcount == 0 and node.tiers & POOL:
             self.pool.delete(node.hash)
             node.tiers = 0
 
     def read(self, node: Node) -> memoryview:
         """The chunk's bytes from the fastest tier that has them."""
-        if node.tiers & TierId.POOL:
+        if node.tiers & POOL:
             return self.pool.read(node.hash)
-        if node.tiers & TierId.NVME and self.nvme is not None:
+        if node.tiers & NVME and self.nvme is not None:
             return self.nvme.read(node.hash)
         raise ChunkNotCached(f"chunk {node.hash.hex()} lives in no tier")
 

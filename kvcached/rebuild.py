@@ -14,7 +14,7 @@ import logging
 
 from kvcached.index import PrefixIndex
 from kvcached.keys import ChunkHash, KVLayout, LayoutId
-from kvcached.locations import TierId
+from kvcached.locations import NVME
 from kvcached.progress import Progress
 from kvcached.receipts import RebuildReport
 from kvcached.tiers.nvme import NvmeTier
@@ -52,7 +52,7 @@ def rebuild_index(
             orphans += 1
             nvme.delete(meta.chunk_hash)
             continue
-        index.insert(meta.chunk_hash, parent, meta.layout_id, TierId.NVME, now)
+        index.insert(meta.chunk_hash, parent, meta.layout_id, NVME, now)
     report = RebuildReport(len(index), orphans, nvme.dropped_corrupt, unknown, 0.0)
     seconds = progress.finish(
         f"{report.chunks} chunks indexed, {orphans} orphans, {report.corrupt_dropped} corrupt, "

@@ -46,7 +46,7 @@ from kvcached.errors import (
 from kvcached.index import Node, PrefixIndex
 from kvcached.keys import ChunkHash, ChunkHasher, KVLayout, LayoutId, Namespace, TokenInput, load_or_create_key, normalize_tokens
 from kvcached.leases import Entry, LeaseId, ReservationId, SessionId, TimedTable
-from kvcached.locations import TierId
+from kvcached.locations import NVME, POOL
 from kvcached.movement import Mover
 from kvcached.receipts import (
     ChunkLocation,
@@ -196,7 +196,7 @@ class Store:
     def _ensure_in_pool(self, nodes: list[Node], now: float) -> list[Node]:
         """Promote NVMe-only pinned nodes; on failure unpin the rest and truncate."""
         for i, node in enumerate(nodes):
-            if node.tiers & TierId.POOL:
+            if node.tiers & POOL:
                 continue
             try:
                 self._mover.promote(node)
@@ -210,10 +210,11 @@ class Store:
         return nodes
 
     def _lease_receipt(self, entry: Entry[tuple[Node, ...]], layout_id: LayoutId, layout: KVLayout) -> LeaseReceipt:
+        locate, bb = self.pool.locate, self.pool.block_bytes
         chunks = []
         for pos, node in enumerate(entry.payload):
-            slot = self.pool.slot_of(node.hash)
-            chunks.append(ChunkLocation(pos, node.hash, slot.slot_id, slot.offset, slot.nbytes))
+            block, nbytes = locate(node.hash)
+            chunks.append(ChunkLocation(pos, node.hash, block, block * bb, nbytes))
         return LeaseReceipt(
             LeaseId(entry.id),
             entry.session,
@@ -360,10 +361,8 @@ class Store:
             return {"leases": len(leases), "reservations": puts, "chunks": chunks}
 
     def _unpin(self, nodes: Sequence[Node], now: float) -> None:
-        self.index.unpin(nodes, now)
-        for node in nodes:
-            if node.refcount == 0 and self.index.is_detached(node):
-                self._mover.free_detached(node)
+        for node in self.index.unpin(nodes, now):
+            self._mover.free_detached(node)
 
     # -- maintenance -------------------------------------------------------------------
 
@@ -392,7 +391,7 @@ class Store:
                 return 0
             written = 0
             for node in self.index.nodes():
-                if node.tiers & TierId.POOL and not node.tiers & TierId.NVME:
+                if node.tiers & POOL and not node.tiers & NVME:
                     if self._mover.write_nvme(node, self.pool.read(node.hash)):
                         written += 1
                         self.counters.demotions += 1
@@ -400,7 +399,7 @@ class Store:
 
     def stats(self) -> StoreStats:
         with self._lock:
-            leased = sum(1 for n in self.index.nodes() if n.refcount and n.tiers & TierId.POOL)
+            leased = sum(1 for n in self.index.nodes() if n.refcount and n.tiers & POOL)
             pool = self.pool
             pstats = PoolStats(
                 pool.capacity_bytes, pool.used_bytes, pool.committed_blocks, pool.block_bytes, pool.num_blocks,

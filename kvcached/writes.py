@@ -29,7 +29,7 @@ from kvcached.errors import InvalidKV, ReservationClosed, TierFull, UnknownReser
 from kvcached.index import Node, PrefixIndex
 from kvcached.keys import ChunkHash, KVLayout, LayoutId
 from kvcached.leases import Entry, ReservationId, SessionId, TimedTable
-from kvcached.locations import TierId
+from kvcached.locations import POOL
 from kvcached.movement import Mover
 from kvcached.receipts import ChunkLocation, CommitReceipt, ReservationReceipt
 from kvcached.stats import Counters
@@ -140,7 +140,7 @@ class WritePath:
             meta = ChunkMeta(h, parent.hash if parent else root, pending.layout_id,
                              pending.first_position + i, layout.chunk_tokens)
             self.pool.commit(slot, meta)
-            node = self.index.insert(h, parent, pending.layout_id, TierId.POOL, now)
+            node = self.index.insert(h, parent, pending.layout_id, POOL, now)
             if self.config.write_through and self.mover.nvme is not None:
                 if self.mover.write_nvme(node, self.pool.read(h)):
                     self.counters.write_through_writes += 1

@@ -35,12 +35,13 @@ from typing import Iterable, Iterator, Sequence
 from kvcached.errors import InternalInvariantError, RefcountUnderflow
 from kvcached.index.eviction import EvictionQueue
 from kvcached.keys import ChunkHash, LayoutId
-from kvcached.locations import TierId
+from kvcached.locations import NVME, POOL, TierId
 
 _IN_LEAVES = 1
 _IN_POOL_LRU = 2
 _IN_NVME_LEAVES = 4
 _DETACHED = 8
+_QUEUED = _IN_LEAVES | _IN_POOL_LRU | _IN_NVME_LEAVES
 
 
 class Node:
@@ -128,7 +129,7 @@ class PrefixIndex:
         self._nodes[h] = node
         if parent is not None:
             parent.children += 1
-            if tiers & TierId.POOL:
+            if tiers & POOL:
                 parent.pool_children += 1
             self._refresh(parent)
         self._refresh(node)
@@ -147,7 +148,7 @@ class PrefixIndex:
         parent = node.parent
         if parent is not None:
             parent.children -= 1
-            if node.tiers & TierId.POOL:
+            if node.tiers & POOL:
                 parent.pool_children -= 1
             self._refresh(parent)
         node.tiers = 0
@@ -156,7 +157,7 @@ class PrefixIndex:
         if node.tiers & tier:
             return
         node.tiers |= int(tier)
-        if tier & TierId.POOL and node.parent is not None:
+        if tier & POOL and node.parent is not None:
             node.parent.pool_children += 1
             self._refresh(node.parent)
         self._refresh(node)
@@ -168,10 +169,10 @@ class PrefixIndex:
         """
         if not node.tiers & tier:
             return node.tiers
-        if node.refcount and tier & TierId.POOL:
+        if node.refcount and tier & POOL:
             raise InternalInvariantError(f"evicting the pool copy of pinned {node!r}")
         node.tiers &= ~int(tier)
-        if tier & TierId.POOL and node.parent is not None:
+        if tier & POOL and node.parent is not None:
             node.parent.pool_children -= 1
             self._refresh(node.parent)
         self._refresh(node)
@@ -183,25 +184,33 @@ class PrefixIndex:
         for node in nodes:
             node.refcount += 1
             node.last_use = now
-            if node.refcount == 1:
+            if node.qflags & _QUEUED:
                 self._dequeue(node)
 
-    def unpin(self, nodes: Iterable[Node], now: float) -> None:
+    def unpin(self, nodes: Iterable[Node], now: float) -> list[Node]:
         """Release one pin on each node; a release counts as a use.
 
         Raises :class:`RefcountUnderflow` instead of clamping: an unpin
         without a matching pin is a bookkeeping bug that would otherwise let
-        a chunk in use be evicted.
+        a chunk in use be evicted. Returns the detached nodes (see
+        :meth:`detach_subtree`) that nobody pins any more, whose bytes the
+        caller must now free.
         """
         nodes = list(nodes)
         for node in nodes:
             if node.refcount <= 0:
                 raise RefcountUnderflow(f"unpin of {node!r} whose refcount is already {node.refcount}")
+        freed: list[Node] = []
         for node in nodes:
             node.refcount -= 1
-            node.last_use = max(node.last_use, now)
-            if node.refcount == 0 and not node.qflags & _DETACHED:
-                self._refresh(node)
+            if node.last_use < now:
+                node.last_use = now
+            if node.refcount == 0:
+                if node.qflags & _DETACHED:
+                    freed.append(node)
+                elif not node.pool_children:  # with a child in the pool it joins no queue
+                    self._refresh(node)
+        return freed
 
     def touch(self, nodes: Iterable[Node], now: float) -> None:
         for node in nodes:
@@ -236,7 +245,7 @@ class PrefixIndex:
         parent = top.parent
         if parent is not None:
             parent.children -= 1
-            if top.tiers & TierId.POOL:
+            if top.tiers & POOL:
                 parent.pool_children -= 1
             self._refresh(parent)
         return out
@@ -255,14 +264,14 @@ class PrefixIndex:
             return
         if node.refcount == 0 and node.children == 0:
             self.leaves.add(node)
-            if node.tiers & TierId.NVME:
+            if node.tiers & NVME:
                 self.nvme_leaves.add(node)
             else:
                 self.nvme_leaves.discard(node)
         else:
             self.leaves.discard(node)
             self.nvme_leaves.discard(node)
-        if node.refcount == 0 and node.pool_children == 0 and node.tiers & TierId.POOL:
+        if node.refcount == 0 and node.pool_children == 0 and node.tiers & POOL:
             self.pool_lru.add(node)
         else:
             self.pool_lru.discard(node)
@@ -283,7 +292,7 @@ class PrefixIndex:
                 if self._nodes.get(p.hash) is not p:
                     raise InternalInvariantError(f"{node!r} has an unindexed parent")
                 children[p.hash] = children.get(p.hash, 0) + 1
-                if node.tiers & TierId.POOL:
+                if node.tiers & POOL:
                     pool_children[p.hash] = pool_children.get(p.hash, 0) + 1
         for h, node in self._nodes.items():
             if node.children != children.get(h, 0) or node.pool_children != pool_children.get(h, 0):
@@ -291,8 +300,8 @@ class PrefixIndex:
             leaf = node.refcount == 0 and node.children == 0
             if leaf != (node in self.leaves):
                 raise InternalInvariantError(f"{node!r} leaf-queue membership is wrong")
-            pool_ev = node.refcount == 0 and node.pool_children == 0 and bool(node.tiers & TierId.POOL)
+            pool_ev = node.refcount == 0 and node.pool_children == 0 and bool(node.tiers & POOL)
             if pool_ev != (node in self.pool_lru):
                 raise InternalInvariantError(f"{node!r} pool-queue membership is wrong")
-            if (leaf and bool(node.tiers & TierId.NVME)) != (node in self.nvme_leaves):
+            if (leaf and bool(node.tiers & NVME)) != (node in self.nvme_leaves):
                 raise InternalInvariantError(f"{node!r} NVMe-queue membership is wrong")

@@ -169,6 +169,10 @@ class HostPool(Tier):
             raise ChunkNotCached(f"chunk {h.hex()} is not in the pool") from None
         return Slot(TierId.POOL, block, block * self.block_bytes, nbytes)
 
+    def locate(self, h: ChunkHash) -> tuple[int, int]:
+        """(block, nbytes) of a committed chunk; KeyError if absent. The fast path of slot_of."""
+        return self._committed[h]
+
     def reserved_view(self, slot: Slot) -> memoryview:
         """Writable view of a reserved block (what an in-process writer fills)."""
         self._check_reserved(slot)
