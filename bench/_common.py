@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import platform
 import sys
 import time
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(REPO_ROOT, "bench", "results")
@@ -31,11 +32,12 @@ def machine_info() -> dict:
         "python_impl": platform.python_implementation(),
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "command": " ".join([_exe()] + sys.argv),
         "argv": list(sys.argv),
         "cwd": os.getcwd(),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    info.update(_git_state())
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -62,11 +64,33 @@ def machine_info() -> dict:
     return info
 
 
+def _git_state() -> dict:
+    """Commit of the engine the numbers belong to, and whether kvcached/ had uncommitted edits."""
+    import subprocess
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", REPO_ROOT, *a], capture_output=True, text=True, timeout=10, check=False).stdout.strip()
+
+    try:
+        return {
+            "git_commit": git("rev-parse", "HEAD") or None,
+            "kvcached_uncommitted_changes": bool(git("status", "--porcelain", "--", "kvcached")),
+        }
+    except (OSError, subprocess.SubprocessError):
+        return {"git_commit": None}
+
+
+def _exe() -> str:
+    exe = sys.executable or "python"
+    rel = os.path.relpath(exe)
+    return rel if not rel.startswith("..") else exe
+
+
 def percentile(sorted_values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile of an already sorted sequence (q in 0..100)."""
     if not sorted_values:
         return float("nan")
-    k = min(len(sorted_values) - 1, max(0, int(round(q / 100.0 * (len(sorted_values) - 1)))))
+    k = min(len(sorted_values) - 1, max(0, round(q / 100.0 * (len(sorted_values) - 1))))
     return float(sorted_values[k])
 
 
@@ -116,7 +140,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
 
     def cell(v: object) -> str:
         if isinstance(v, float):
-            if v != v:  # nan
+            if math.isnan(v):
                 return "-"
             if abs(v) >= 1000:
                 return f"{v:,.0f}"

@@ -44,13 +44,19 @@ import tracemalloc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import RESULTS_DIR, format_table, ratio, summarize_ns, time_calls, write_json  # noqa: E402
+import numpy as np
+import pygtrie
+from _common import (
+    RESULTS_DIR,
+    format_table,
+    ratio,
+    summarize_ns,
+    time_calls,
+    write_json,
+)
 
-import numpy as np  # noqa: E402
-import pygtrie  # noqa: E402
-
-from kvcached.index import Node, PrefixIndex  # noqa: E402
-from kvcached.locations import TierId  # noqa: E402
+from kvcached.index import Node, PrefixIndex
+from kvcached.locations import TierId
 
 TARGET_BYTES_PER_CHUNK = 300
 PROMPT_CHUNKS = 64
@@ -228,7 +234,7 @@ def time_matches(name: str, index, queries: list[list[bytes]], reps: int, expect
     out: dict[str, list[int]] = {}
     if name == "flat":
         fns = {"match": index.match}
-        conv = lambda q: q  # noqa: E731  (the hash chain already is a list)
+        conv = lambda q: q
     else:
         fns = {"longest_prefix+parents": index.match_longest, "prefixes": index.match_prefixes}
         conv = tuple  # key conversion is part of the pygtrie call
@@ -242,7 +248,7 @@ def time_matches(name: str, index, queries: list[list[bytes]], reps: int, expect
             # cached yet and equality is a memcmp, not an identity check.
             fresh = [[bytes(bytearray(h)) for h in q] for q in queries]
             for q in fresh:
-                time_calls(lambda: f(conv(q)), 1, xs)
+                time_calls(lambda f=f, q=q: f(conv(q)), 1, xs)
             del fresh
         out[label] = xs
     return {k: summarize_ns(v) for k, v in out.items()}

@@ -90,7 +90,16 @@ class TimedTable(Generic[P]):
         self._closed[entry_id] = why
         if len(self._closed) > CLOSED_MEMORY:
             self._closed.popitem(last=False)
+        if len(self._deadlines) > 2 * len(self._entries) + 1024:
+            self._compact()
         return entry
+
+    def _compact(self) -> None:
+        """Drop deadline entries of removed or renewed entries (bounded memory without expire())."""
+        self._deadlines = [
+            d for d in self._deadlines if (e := self._entries.get(d[2])) is not None and e.expires_at == d[0]
+        ]
+        heapq.heapify(self._deadlines)
 
     def renew(self, entry_id: str, ttl: float, now: float) -> Entry[P] | None:
         entry = self._entries.get(entry_id)
@@ -98,6 +107,8 @@ class TimedTable(Generic[P]):
             return None
         entry.expires_at = now + ttl
         heapq.heappush(self._deadlines, (entry.expires_at, next(self._seq), entry_id))
+        if len(self._deadlines) > 2 * len(self._entries) + 1024:
+            self._compact()
         return entry
 
     def of_session(self, session: SessionId) -> list[Entry[P]]:

@@ -174,7 +174,7 @@ class Mover:
         """Remove an unpinned leaf from every tier and the index; returns bytes freed."""
         freed = 0
         if node.tiers & POOL:
-            freed += self.pool.read(node.hash).nbytes
+            freed += self.pool.locate(node.hash)[1]
             self.pool.delete(node.hash)
         if node.tiers & NVME and self.nvme is not None:
             try:

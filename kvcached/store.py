@@ -210,11 +210,12 @@ class Store:
         return nodes
 
     def _lease_receipt(self, entry: Entry[tuple[Node, ...]], layout_id: LayoutId, layout: KVLayout) -> LeaseReceipt:
-        locate, bb = self.pool.locate, self.pool.block_bytes
-        chunks = []
-        for pos, node in enumerate(entry.payload):
-            block, nbytes = locate(node.hash)
-            chunks.append(ChunkLocation(pos, node.hash, block, block * bb, nbytes))
+        hashes = [node.hash for node in entry.payload]
+        new = tuple.__new__  # NamedTuple construction without the Python-level __new__
+        chunks = [
+            new(ChunkLocation, (pos, h, b, off, n))
+            for pos, (h, (b, off, n)) in enumerate(zip(hashes, self.pool.locate_many(hashes)))
+        ]
         return LeaseReceipt(
             LeaseId(entry.id),
             entry.session,

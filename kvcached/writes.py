@@ -135,18 +135,19 @@ class WritePath:
         if parent is not None and self.index.is_detached(parent):
             self.close(pending, now, committed=0)
             raise ReservationClosed("the cached prefix this put extends was dropped as corrupt; put again")
+        prev_hash = parent.hash if parent else root
         for i in range(n):
-            h, slot = pending.hashes[i], pending.slots[i]
-            meta = ChunkMeta(h, parent.hash if parent else root, pending.layout_id,
-                             pending.first_position + i, layout.chunk_tokens)
-            self.pool.commit(slot, meta)
-            node = self.index.insert(h, parent, pending.layout_id, POOL, now)
-            if self.config.write_through and self.mover.nvme is not None:
-                if self.mover.write_nvme(node, self.pool.read(h)):
+            h = pending.hashes[i]
+            meta = ChunkMeta(h, prev_hash, pending.layout_id, pending.first_position + i, layout.chunk_tokens)
+            self.pool.commit(pending.slots[i], meta)
+            prev_hash = h
+        nodes = self.index.insert_chain(pending.hashes[:n], parent, pending.layout_id, POOL, now)
+        if self.config.write_through and self.mover.nvme is not None:
+            for node in nodes:
+                if self.mover.write_nvme(node, self.pool.read(node.hash)):
                     self.counters.write_through_writes += 1
                 else:
                     self.counters.write_through_failures += 1
-            parent = node
         self.close(pending, now, committed=n)
         self.counters.commits += 1
         self.counters.committed_chunks += n

@@ -47,3 +47,13 @@ def test_sessions_group_entries():
     assert t.sessions() == 2
     t.remove(d.id, "released")
     assert t.of_session(S2) == [] and t.sessions() == 1
+
+
+def test_deadline_heap_stays_bounded_without_expire():
+    t: TimedTable[int] = TimedTable("lease")
+    keep = t.add(S1, -1, ttl=10, now=0)
+    for i in range(10_000):
+        t.remove(t.add(S1, i, ttl=10, now=0).id, "released")
+        t.renew(keep.id, ttl=10, now=i)
+    assert len(t._deadlines) <= 2 * len(t) + 1024
+    assert t.next_deadline() == 9_999 + 10

@@ -173,6 +173,11 @@ class HostPool(Tier):
         """(block, nbytes) of a committed chunk; KeyError if absent. The fast path of slot_of."""
         return self._committed[h]
 
+    def locate_many(self, hashes: list[ChunkHash]) -> list[tuple[int, int, int]]:
+        """(block, offset, nbytes) of each committed chunk, for lease receipts."""
+        committed, bb = self._committed, self.block_bytes
+        return [(b, b * bb, n) for b, n in map(committed.__getitem__, hashes)]
+
     def reserved_view(self, slot: Slot) -> memoryview:
         """Writable view of a reserved block (what an in-process writer fills)."""
         self._check_reserved(slot)

@@ -160,3 +160,22 @@ def test_eviction_queue_compacts_stale_entries():
         ix.touch([n["a"]], 10.0 + t)
     assert len(ix.leaves._heap) < 2 * len(ix.leaves) + 1100
     assert ix.leaves.peek() is n["a"]
+
+
+def test_insert_chain_equals_repeated_insert():
+    a, b = PrefixIndex(), PrefixIndex()
+    root_a = a.insert(h("r"), None, L, P, 0.0)
+    root_b = b.insert(h("r"), None, L, P, 0.0)
+    chain = [h(f"c{i}") for i in range(5)]
+    prev = root_a
+    for x in chain:
+        prev = a.insert(x, prev, L, P, 1.0)
+    nodes = b.insert_chain(chain, root_b, L, P, 1.0)
+    a.check_invariants()
+    b.check_invariants()
+    shape = lambda ix: sorted((n.hash, n.depth, n.children, n.pool_children, n.hash in ix.leaves) for n in ix.nodes())
+    assert shape(a) == shape(b)
+    assert [n.depth for n in nodes] == [1, 2, 3, 4, 5]
+    assert len(b.leaves._heap) < len(a.leaves._heap)  # no stale entries for the inner nodes
+    with pytest.raises(InternalInvariantError):
+        b.insert_chain([h("c0")], root_b, L, P, 2.0)
