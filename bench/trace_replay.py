@@ -2,7 +2,7 @@
 the real engine reach with a pool of C blocks (C = 1k, 10k, 30k, 50k, 100k, infinite), next to
 a plain LRU block cache of the same capacity, and is the engine >= the plain LRU everywhere?
 
-Workload: /work/shared/traces/mooncake-fast25/{conversation,synthetic}_trace.jsonl (see the
+Workload: ../shared/traces/mooncake-fast25/{conversation,synthetic}_trace.jsonl (see the
 README there): one request per line, ``hash_ids`` are prefix block ids of 512-token blocks,
 ``input_length`` tokens. Block ``h`` is given the deterministic, collision-free tokens
 ``h*512 .. h*512+511`` (uint32); a request's prompt is the concatenation of its blocks' tokens
@@ -56,7 +56,12 @@ from kvcached.errors import TierFull
 from kvcached.keys import KVLayout
 from kvcached.store import Store
 
-TRACE_DIR = "/work/shared/traces/mooncake-fast25"
+# ../shared/traces beside the repository (as on the dev machines and in CI); override with
+# KVCACHED_TRACES=/path/to/mooncake-fast25.
+TRACE_DIR = os.environ.get(
+    "KVCACHED_TRACES",
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "traces", "mooncake-fast25"),
+)
 TRACES = ("conversation", "synthetic")
 BLOCK = 512
 CAPACITIES = (1_000, 10_000, 30_000, 50_000, 100_000, None)  # None = infinite

@@ -1,0 +1,28 @@
+"""The benchmarks still run (quick mode) and write their JSON. Speed is not asserted here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRACES = os.path.join(ROOT, "..", "shared", "traces", "mooncake-fast25")
+
+
+@pytest.mark.parametrize("name", ["acquire_latency", "index_memory", "trace_replay"])
+def test_benchmark_runs_quick(name, tmp_path):
+    if name == "trace_replay" and not os.path.isdir(TRACES):
+        pytest.skip(f"the Mooncake traces are not beside the repository ({TRACES})")
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", f"{name}.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    files = [f for f in os.listdir(tmp_path) if f.endswith(".json")]
+    assert len(files) == 1, files
+    data = json.load(open(tmp_path / files[0]))
+    assert data["machine"]["nproc"] >= 1
