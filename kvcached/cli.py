@@ -1,139 +1,246 @@
-"""Console scripts ``kvcached`` and ``kvcachectl`` (DESIGN.md section 6).
+"""Console scripts ``kvcached`` and ``kvcachectl`` (DESIGN.md section 6, the contract).
 
-Until the gRPC service lands, ``kvcached serve`` opens the engine on the
-embedded defaults, rebuilds the index from NVMe, runs a self-check
-(put -> acquire -> read back -> release -> evict on a scratch layout) and
-reports what it holds. ``kvcachectl`` commands that need the daemon say so.
+``kvcached serve`` runs the daemon: embedded defaults < config file < flags.
+``kvcached selfcheck`` opens the engine in process and checks a put/acquire
+round trip (no daemon needed). ``kvcachectl`` talks to a running daemon.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 import re
 import sys
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from kvcached import __version__
-from kvcached.config import StoreConfig
-from kvcached.errors import KvcacheError
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)?\s*$", re.IGNORECASE)
+from kvcached.settings import SettingsError, default_socket, load_settings, parse_size
 
 
-def parse_size(text: str) -> int:
-    """``"512M"``, ``"2GiB"``, ``"1048576"`` -> bytes (binary multiples)."""
-    m = _SIZE.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M, 2G, 1073741824)")
-    mult = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
-    return int(float(m.group(1)) * mult)
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except SettingsError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def default_state_dir() -> str:
-    """``$STATE_DIRECTORY`` (systemd) or ``~/.local/state/kvcached``."""
-    sd = os.environ.get("STATE_DIRECTORY")
-    if sd:
-        return sd.split(":")[0]
-    return os.path.join(os.path.expanduser("~"), ".local", "state", "kvcached")
-
-
-def default_socket() -> str:
-    """``$KVCACHED_SOCKET``, else under ``$RUNTIME_DIRECTORY`` / ``$XDG_RUNTIME_DIR`` / /tmp."""
-    if os.environ.get("KVCACHED_SOCKET"):
-        return os.environ["KVCACHED_SOCKET"]
-    base = os.environ.get("RUNTIME_DIRECTORY") or os.environ.get("XDG_RUNTIME_DIR")
-    if base:
-        return os.path.join(base.split(":")[0], "kvcached.sock")
-    return os.path.join("/tmp", f"kvcached-{os.getuid()}", "kvcached.sock")
-
-
-def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="run the daemon (for now: open the engine and self-check)")
-    p.add_argument("--config", help="TOML config file (default /etc/kvcached/kvcached.toml if present)")
-    p.add_argument("--socket", help="Unix socket path")
-    p.add_argument("--state-dir", help="state directory (hash key, NVMe tier)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
-    p.add_argument("--pool-bytes", type=parse_size, help="device pool size, e.g. 2G")
-    p.add_argument("--nvme-bytes", type=parse_size, help="NVMe tier size, e.g. 64G; 0 disables it")
-    p.add_argument("--metrics-addr", help="HOST:PORT for Prometheus metrics")
+# -- kvcached ---------------------------------------------------------------------------
 
 
 def kvcached_main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvcached", description="KV-cache reuse daemon for LLM serving")
     ap.add_argument("--version", action="version", version=f"kvcached {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    _serve_parser(sub)
+    for name, help_ in (("serve", "run the daemon"), ("selfcheck", "check the engine in process, then exit")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--config", help="TOML config file (default /etc/kvcached/kvcached.toml if it exists)")
+        p.add_argument("--socket", help="Unix socket path (default $KVCACHED_SOCKET or the runtime dir)")
+        p.add_argument("--state-dir", help="state directory: hash key, NVMe tier (default $STATE_DIRECTORY)")
+        p.add_argument("--device", help="auto | cpu | cuda[:N]")
+        p.add_argument("--pool-bytes", type=_size, help="device pool size, e.g. 2G")
+        p.add_argument("--nvme-bytes", type=_size, help="NVMe tier size, e.g. 64G; 0 disables it")
+        p.add_argument("--metrics-addr", help="HOST:PORT for Prometheus metrics")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.device not in ("auto", "cpu") and not args.device.startswith("cuda"):
-        ap.error(f"--device must be auto, cpu or cuda[:N], not {args.device!r}")
-    state_dir = args.state_dir or default_state_dir()
-    kwargs: dict = {"state_dir": state_dir}
-    if args.pool_bytes is not None:
-        kwargs["pool_bytes"] = args.pool_bytes
-        # A small pool still gets 16 blocks (the self-check needs 4).
-        kwargs["pool_block_bytes"] = max(1, min(StoreConfig.pool_block_bytes, args.pool_bytes // 16))
-    else:
-        kwargs["pool_bytes"] = 256 << 20  # embedded default for the host pool until the daemon sizes it
-    if args.nvme_bytes is not None:
-        kwargs["nvme_bytes"] = args.nvme_bytes
+    overrides = {
+        "socket": args.socket, "state_dir": args.state_dir, "device": args.device, "pool_bytes": args.pool_bytes,
+        "nvme_bytes": args.nvme_bytes, "metrics_addr": args.metrics_addr,
+    }
     try:
-        return _selfcheck(StoreConfig(**kwargs))
-    except (KvcacheError, ValueError, OSError) as e:
+        settings = load_settings(args.config, overrides)
+    except SettingsError as e:
+        print(f"kvcached: {e}", file=sys.stderr)
+        return 2
+    if args.cmd == "selfcheck":
+        return _selfcheck(settings)
+    from kvcached.daemon import run
+    from kvcached.errors import KvcacheError
+
+    try:
+        return run(settings, config_file=args.config, overrides=overrides)
+    except (KvcacheError, SettingsError, OSError) as e:
         print(f"kvcached: {e}", file=sys.stderr)
         return 1
 
 
-def _selfcheck(config: StoreConfig) -> int:
+def _selfcheck(settings: Any) -> int:
+    from kvcached.errors import KvcacheError
     from kvcached.keys import KVLayout
     from kvcached.store import Store
 
     t0 = time.monotonic()
-    with Store(config) as store:
-        print(f"kvcached {__version__}: state in {config.state_dir}")
-        r = store.rebuild_report
-        if r is not None:
-            print(f"  NVMe: {r.chunks} chunks indexed in {r.seconds:.2f} s "
-                  f"({r.orphans_dropped} orphans, {r.corrupt_dropped} corrupt dropped)")
-        layout = KVLayout("kvcached/selfcheck@0", 2, 2, 16, "float16", chunk_tokens=16)
-        lid = store.register_layout(layout)
-        tokens = list(range(64))
-        payloads = [bytes([i]) * layout.chunk_bytes for i in range(4)]
-        store.put(lid, tokens, payloads)
-        lease = store.acquire(lid, tokens)
-        ok = lease.matched_tokens == 64 and all(
-            bytes(store.read_chunk(lease, i)) == payloads[i] for i in range(4)
-        )
-        store.release(lease.lease_id)
-        store.evict(lid)
-        s = store.stats()
-        print(f"  pool: {s.pool.blocks_total} blocks of {s.pool.block_bytes} bytes (host shared memory)")
-        if s.nvme is not None:
-            print(f"  NVMe: {s.nvme.chunks} chunks, {s.nvme.used_bytes} of {s.nvme.capacity_bytes} bytes")
-        print(f"  self-check: {'ok' if ok else 'FAILED'} in {time.monotonic() - t0:.2f} s")
-        print("  gRPC service: not yet (arrives with the daemon issue); exiting")
-        return 0 if ok else 1
+    try:
+        with Store(settings.store_config()) as store:
+            layout = KVLayout("kvcached/selfcheck@0", 2, 2, 16, "float16", chunk_tokens=16)
+            lid = store.register_layout(layout)
+            tokens = list(range(64))
+            payloads = [bytes([i]) * layout.chunk_bytes for i in range(4)]
+            store.put(lid, tokens, payloads)
+            lease = store.acquire(lid, tokens)
+            ok = lease.matched_tokens == 64 and all(bytes(store.read_chunk(lease, i)) == payloads[i] for i in range(4))
+            store.release(lease.lease_id)
+            store.evict(lid)
+            s = store.stats()
+    except (KvcacheError, OSError) as e:
+        print(f"kvcached selfcheck: {e}", file=sys.stderr)
+        return 1
+    print(f"kvcached {__version__} selfcheck: {'ok' if ok else 'FAILED'} in {time.monotonic() - t0:.2f} s")
+    print(f"  state: {settings.state_dir}; pool: {s.pool.blocks_total} blocks x {s.pool.block_bytes} bytes; "
+          + (f"NVMe: {s.nvme.chunks} chunks" if s.nvme else "NVMe: disabled"))
+    return 0 if ok else 1
+
+
+# -- kvcachectl -------------------------------------------------------------------------------
 
 
 def kvcachectl_main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvcachectl", description="inspect and drive a kvcached daemon")
-    ap.add_argument("--socket", default=None, help="daemon socket (default $KVCACHED_SOCKET)")
+    ap.add_argument("--socket", default=None, help="daemon socket (default $KVCACHED_SOCKET or the runtime dir)")
+    ap.add_argument("--timeout", type=float, default=10.0)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("status")
-    st = sub.add_parser("stats")
-    st.add_argument("--json", action="store_true")
-    for name in ("lookup", "evict", "flush", "drain", "doctor"):
-        sub.add_parser(name)
+    sub.add_parser("status", help="is the daemon up, and what does it hold").add_argument("--json", action="store_true")
+    sub.add_parser("stats", help="every counter").add_argument("--json", action="store_true")
+    lk = sub.add_parser("lookup", help="cached prefix length of token ids read from a file or stdin")
+    lk.add_argument("file", nargs="?", default="-", help="token ids: JSON list or whitespace/comma separated ('-' = stdin)")
+    lk.add_argument("--layout-id", help="layout id (see `kvcachectl stats`); default: the only registered layout")
+    lk.add_argument("--json", action="store_true")
+    ev = sub.add_parser("evict", help="drop every unpinned chunk (of one layout, or all)")
+    ev.add_argument("--layout-id", default="")
+    ev.add_argument("--json", action="store_true")
+    sub.add_parser("flush", help="write pool-only chunks to NVMe").add_argument("--json", action="store_true")
+    sub.add_parser("drain", help="refuse new leases and puts, flush to NVMe").add_argument("--json", action="store_true")
+    sub.add_parser("doctor", help="troubleshooting checks (not yet)")
     args = ap.parse_args(argv)
+
+    from kvcached_client import Client, KvcachedError, UnavailableError
+
     sock = args.socket or default_socket()
-    print(json.dumps({"error": "not yet", "command": args.cmd, "socket": sock,
-                      "detail": "kvcachectl talks to the gRPC daemon, which is not built yet"}),
-          file=sys.stderr)
-    return 2
+    if args.cmd == "doctor":
+        print("kvcachectl doctor: not yet (arrives with the operations issue)", file=sys.stderr)
+        return 2
+    try:
+        with Client(sock, timeout=args.timeout, session=False) as c:
+            return _COMMANDS[args.cmd](c, args)
+    except BrokenPipeError:  # output piped into `head` and closed early
+        return 0
+    except UnavailableError as e:
+        _fail(args, f"kvcached is not reachable on {sock}: {e.details}")
+        return 3
+    except KvcachedError as e:
+        _fail(args, f"{e.code.name}: {e.details}")
+        return 1
+
+
+def _fail(args: argparse.Namespace, msg: str) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps({"error": msg}))
+    else:
+        print(f"kvcachectl: {msg}", file=sys.stderr)
+
+
+def _out(args: argparse.Namespace, data: dict, rows: list[tuple[str, Any]]) -> int:
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        width = max(len(k) for k, _ in rows)
+        for k, v in rows:
+            print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)  # pragma: no cover
+
+
+def _status(c: Any, args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    c.ping()
+    rtt = (time.perf_counter() - t0) * 1e3
+    s = c.stats()
+    p, n = s["pool"], s["nvme"]
+    data = {"up": True, "rtt_ms": rtt, "version": s["version"], "listen": s["listen"], "uptime_seconds": s["uptime_seconds"],
+            "draining": s["draining"], "indexed_chunks": s["indexed_chunks"], "hit_rate": s["hit_rate"],
+            "pool_blocks_free": p["blocks_free"], "pool_blocks_total": p["blocks_total"],
+            "nvme_chunks": n["chunks"] if n else None, "leases_active": s["leases_active"], "sessions": s["sessions_open"]}
+    rows = [
+        ("daemon", f"up, kvcached {s['version']}, {s['listen']}, uptime {s['uptime_seconds']:.0f} s, rtt {rtt:.2f} ms"
+                   + (", DRAINING" if s["draining"] else "")),
+        ("chunks", f"{s['indexed_chunks']} indexed in {s['layouts']} layouts, hit rate {s['hit_rate']:.1%}"),
+        ("pool", f"{p['blocks_free']} free / {p['blocks_leased']} leased / {p['blocks_cached']} cached / "
+                 f"{p['blocks_reserved']} reserved of {p['blocks_total']} blocks"),
+        ("nvme", f"{n['chunks']} chunks, {_bytes(n['used_bytes'])} of {_bytes(n['capacity_bytes'])}" if n else "disabled"),
+        ("clients", f"{s['sessions_open']} sessions, {s['leases_active']} leases, {s['reservations_active']} reservations"),
+    ]
+    return _out(args, data, rows)
+
+
+def _stats(c: Any, args: argparse.Namespace) -> int:
+    s = c.stats()
+    rows: list[tuple[str, Any]] = [("version", s["version"]), ("listen", s["listen"]),
+                                   ("hit_rate", f"{s['hit_rate']:.4f}")]
+    for k in ("layouts", "indexed_chunks", "leases_active", "reservations_active", "sessions_open", "draining"):
+        rows.append((k, s[k]))
+    for k, v in s["pool"].items():
+        rows.append((f"pool.{k}", v))
+    for k, v in (s["nvme"] or {}).items():
+        rows.append((f"nvme.{k}", v))
+    for k, v in s["counters"].items():
+        rows.append((f"counters.{k}", v))
+    for lid, lay in s["layouts_detail"].items():
+        rows.append((f"layout {lid}", f"{lay['model']} layers={lay['num_layers']} kv_heads={lay['num_kv_heads']} "
+                                      f"head_dim={lay['head_dim']} {lay['dtype']} chunk={lay['chunk_tokens']}"))
+    return _out(args, s, rows)
+
+
+def _lookup(c: Any, args: argparse.Namespace) -> int:
+    from kvcached.keys import KVLayout
+
+    text = sys.stdin.read() if args.file == "-" else open(args.file).read()
+    text = text.strip()
+    try:
+        tokens = json.loads(text) if text.startswith("[") else [int(t) for t in re.split(r"[\s,]+", text) if t]
+    except ValueError as e:
+        raise SystemExit(f"kvcachectl lookup: token ids must be integers: {e}") from None
+    layouts = c.stats()["layouts_detail"]
+    lid = args.layout_id
+    if not lid:
+        if len(layouts) != 1:
+            raise SystemExit(f"kvcachectl lookup: {len(layouts)} layouts are registered; pick one with --layout-id "
+                             f"({', '.join(layouts) or 'none'})")
+        lid = next(iter(layouts))
+    if lid not in layouts:
+        raise SystemExit(f"kvcachectl lookup: unknown layout id {lid}")
+    layout = KVLayout.from_dict(layouts[lid])
+    cached = c.lookup(layout, tokens)
+    ct = layout.chunk_tokens
+    data = {"layout_id": lid, "model": layout.model, "tokens": len(tokens), "cached_tokens": cached,
+            "cached_chunks": cached // ct, "full_chunks": len(tokens) // ct}
+    rows = [("layout", f"{lid} ({layout.model})"), ("tokens", len(tokens)),
+            ("cached", f"{cached} tokens = {cached // ct} of {len(tokens) // ct} full chunks")]
+    return _out(args, data, rows)
+
+
+def _evict(c: Any, args: argparse.Namespace) -> int:
+    chunks, nbytes = c.evict(args.layout_id)
+    return _out(args, {"chunks": chunks, "bytes": nbytes}, [("evicted", f"{chunks} chunks, {_bytes(nbytes)}")])
+
+
+def _flush(c: Any, args: argparse.Namespace) -> int:
+    n = c.flush()
+    return _out(args, {"chunks": n}, [("flushed", f"{n} chunks written to NVMe")])
+
+
+def _drain(c: Any, args: argparse.Namespace) -> int:
+    flushed, leases = c.drain()
+    return _out(args, {"flushed_chunks": flushed, "leases_active": leases},
+                [("drained", f"new leases and puts refused; {flushed} chunks flushed; {leases} leases still active")])
+
+
+_COMMANDS = {"status": _status, "stats": _stats, "lookup": _lookup, "evict": _evict, "flush": _flush, "drain": _drain}
 
 
 if __name__ == "__main__":  # pragma: no cover

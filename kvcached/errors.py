@@ -112,6 +112,10 @@ class StoreClosed(Unavailable):
     pass
 
 
+class StoreDraining(Unavailable):
+    """The daemon is shutting down or was drained by an operator."""
+
+
 class StoreLocked(Unavailable):
     """Another process already serves this state directory and domain."""
 

@@ -22,6 +22,7 @@ periodically (tests call it with a controlled clock).
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import logging
 import os
@@ -38,10 +39,12 @@ from kvcached.errors import (
     InvalidTokens,
     LeaseExpired,
     StoreClosed,
+    StoreDraining,
     StoreLocked,
     TierFull,
     UnknownLayout,
     UnknownLease,
+    UnknownReservation,
 )
 from kvcached.index import Node, PrefixIndex
 from kvcached.keys import ChunkHash, ChunkHasher, KVLayout, LayoutId, Namespace, TokenInput, load_or_create_key, normalize_tokens
@@ -106,6 +109,7 @@ class Store:
             os.close(self._lockfile)
             raise
         self._closed = False
+        self._draining = False
 
     # -- layouts ------------------------------------------------------------------
 
@@ -127,6 +131,10 @@ class Store:
 
     def layout(self, layout_id: LayoutId) -> KVLayout:
         return self._layout(layout_id)[0]
+
+    def layouts(self) -> dict[LayoutId, KVLayout]:
+        with self._lock:
+            return {lid: lay for lid, (lay, _) in self._layouts.items()}
 
     def _add_layout(self, layout: KVLayout) -> None:
         root = self._hasher.root(Namespace(self.config.domain, layout))
@@ -177,7 +185,7 @@ class Store:
         with zero chunks is still a valid lease (release it like any other).
         """
         with self._lock:
-            self._check_open()
+            self._check_admitting()
             hashes = self.hashes(layout_id, tokens)
             layout = self._layouts[layout_id][0]
             now = self._clock()
@@ -256,6 +264,26 @@ class Store:
             assert renewed is not None
             return renewed.expires_at
 
+    def release_many(self, lease_ids: Sequence[LeaseId], session: SessionId | None = None) -> int:
+        """Batch :meth:`release`. Every id is checked first: one never-granted id raises
+        :class:`UnknownLease` and releases nothing. Returns how many were live."""
+        with self._lock:
+            for lid in lease_ids:
+                if self._leases.get(lid) is None and self._leases.closed_reason(lid) is None:
+                    raise UnknownLease(f"no lease {lid!r} was ever granted here")
+            return sum(self.release(lid, session) for lid in lease_ids)
+
+    def renew_many(self, lease_ids: Sequence[LeaseId], session: SessionId | None = None, *,
+                   ttl: float | None = None) -> float | None:
+        """Batch :meth:`renew`, all or nothing. Returns the earliest new deadline (None if no ids)."""
+        with self._lock:
+            for lid in lease_ids:
+                entry = self._leases.get(lid)
+                if entry is None or (session is not None and entry.session != session):
+                    self.renew(lid, session, ttl=ttl)  # raises the precise error
+            deadlines = [self.renew(lid, session, ttl=ttl) for lid in lease_ids]
+            return min(deadlines) if deadlines else None
+
     def read_chunk(self, receipt: LeaseReceipt, position: int) -> memoryview:
         """In-process read of a leased chunk (clients in other processes map the pool)."""
         with self._lock:
@@ -274,7 +302,7 @@ class Store:
         """Reserve pool blocks for the prompt's full chunks that are not cached yet
         (see :meth:`kvcached.writes.WritePath.reserve`)."""
         with self._lock:
-            self._check_open()
+            self._check_admitting()
             hashes = self.hashes(layout_id, tokens)
             return self.writes.reserve(layout_id, hashes, session, ttl or self.config.reservation_ttl, self._clock())
 
@@ -294,6 +322,15 @@ class Store:
         an id never issued raises :class:`UnknownReservation`."""
         with self._lock:
             return self.writes.abort(reservation_id, self._clock())
+
+    def abort_many(self, reservation_ids: Sequence[ReservationId]) -> int:
+        """Batch :meth:`abort`; a never-issued id raises and aborts nothing."""
+        with self._lock:
+            table = self.writes.reservations
+            for rid in reservation_ids:
+                if table.get(rid) is None and table.closed_reason(rid) is None:
+                    raise UnknownReservation(f"no reservation {rid!r} was ever made here")
+            return sum(self.abort(rid) for rid in reservation_ids)
 
     def put(
         self,
@@ -416,6 +453,13 @@ class Store:
                 self._leases.sessions(), pstats, nstats, Counters(**vars(self.counters)),
             )
 
+    def reconfigure(self, *, cache_ttl: float, lease_ttl: float, reservation_ttl: float) -> None:
+        """Apply reloadable settings (SIGHUP). Existing leases keep their deadlines."""
+        with self._lock:
+            self.config = dataclasses.replace(
+                self.config, cache_ttl=cache_ttl, lease_ttl=lease_ttl, reservation_ttl=reservation_ttl
+            )
+
     def pool_handle(self) -> PoolHandle:
         return self.pool.handle()
 
@@ -439,6 +483,25 @@ class Store:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosed("the store is closed")
+
+    def _check_admitting(self) -> None:
+        self._check_open()
+        if self._draining:
+            raise StoreDraining("kvcached is draining: no new leases or reservations; retry on another instance")
+
+    def drain(self) -> tuple[int, int]:
+        """Refuse new leases and reservations, write pool-only chunks to NVMe.
+
+        Returns (chunks flushed, leases still active). Existing leases stay
+        valid until released or expired; lookups keep working.
+        """
+        with self._lock:
+            self._draining = True
+            return self.flush(), len(self._leases)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
 
 
 def _lock_state_dir(state_dir: str, domain: str) -> int:

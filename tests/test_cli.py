@@ -6,39 +6,52 @@ import sys
 
 import pytest
 
-from kvcached.cli import default_socket, default_state_dir, parse_size
+from kvcached.settings import (
+    DaemonSettings,
+    SettingsError,
+    default_socket,
+    default_state_dir,
+    load_settings,
+    parse_size,
+)
 
 
-def run(*args, env=None):
+def run(*args, env=None, prog="kvcached"):
     e = dict(os.environ)
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "kvcached.cli", *args], capture_output=True, text=True, env=e, timeout=120)
+    exe = os.path.join(os.path.dirname(sys.executable), prog)
+    return subprocess.run([exe, *args], capture_output=True, text=True, env=e, timeout=120)
 
 
-def test_serve_self_check_on_embedded_defaults(tmp_path):
-    r = run("serve", env={"STATE_DIRECTORY": str(tmp_path / "state"), "HOME": str(tmp_path)})
+def test_selfcheck_on_embedded_defaults(tmp_path):
+    r = run("selfcheck", env={"STATE_DIRECTORY": str(tmp_path / "state"), "HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr
-    assert "self-check: ok" in r.stdout
+    assert "selfcheck: ok" in r.stdout
     assert os.path.exists(tmp_path / "state" / "hash.key")
-    r2 = run("serve", "--state-dir", str(tmp_path / "state"), "--pool-bytes", "1M", "--nvme-bytes", "0")
+    r2 = run("selfcheck", "--state-dir", str(tmp_path / "state"), "--pool-bytes", "1M", "--nvme-bytes", "0")
     assert r2.returncode == 0, r2.stderr
-    assert "self-check: ok" in r2.stdout and "NVMe:" not in r2.stdout
+    assert "NVMe: disabled" in r2.stdout
 
 
-def test_serve_rejects_bad_flags(tmp_path):
+def test_bad_flags_and_config_are_refused(tmp_path):
     assert run("serve", "--pool-bytes", "lots").returncode == 2
-    assert run("serve", "--device", "tpu", "--state-dir", str(tmp_path)).returncode == 2
+    r = run("serve", "--device", "tpu", "--state-dir", str(tmp_path))
+    assert r.returncode == 2 and "device must be" in r.stderr
+    cfg = tmp_path / "k.toml"
+    cfg.write_text('pool_bytes = "64M"\nbogus = 1\n')
+    r = run("serve", "--config", str(cfg))
+    assert r.returncode == 2 and "unknown setting(s) bogus" in r.stderr
 
 
-def test_console_scripts_are_installed():
-    bindir = os.path.dirname(sys.executable)
-    for name in ("kvcached", "kvcachectl"):
-        assert os.access(os.path.join(bindir, name), os.X_OK)
-    r = subprocess.run([os.path.join(bindir, "kvcachectl"), "status"], capture_output=True, text=True)
-    assert r.returncode == 2 and "not yet" in r.stderr
+def test_kvcachectl_without_a_daemon_says_so(tmp_path):
+    r = run("--socket", str(tmp_path / "none.sock"), "status", prog="kvcachectl")
+    assert r.returncode == 3 and "not reachable" in r.stderr
+    r = run("--socket", str(tmp_path / "none.sock"), "status", "--json", prog="kvcachectl")
+    assert r.returncode == 3 and '"error"' in r.stdout
 
 
-@pytest.mark.parametrize("text,want", [("0", 0), ("512", 512), ("4k", 4096), ("2M", 2 << 20), ("1.5G", 3 << 29), ("2GiB", 2 << 30)])
+@pytest.mark.parametrize("text,want", [("0", 0), ("512", 512), ("4k", 4096), ("2M", 2 << 20), ("1.5G", 3 << 29),
+                                       ("2GiB", 2 << 30), (123, 123)])
 def test_parse_size(text, want):
     assert parse_size(text) == want
 
@@ -54,3 +67,41 @@ def test_default_paths(monkeypatch):
     monkeypatch.delenv("KVCACHED_SOCKET")
     monkeypatch.setenv("RUNTIME_DIRECTORY", "/run/kvcached")
     assert default_socket() == "/run/kvcached/kvcached.sock"
+    monkeypatch.delenv("RUNTIME_DIRECTORY")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000")
+    assert default_socket() == "/run/user/1000/kvcached.sock"
+
+
+def test_config_file_then_flags(tmp_path):
+    cfg = tmp_path / "k.toml"
+    cfg.write_text('pool_bytes = "64M"\nsocket_mode = "0600"\ncache_ttl = 10\nwrite_through = true\n')
+    s = load_settings(str(cfg), {"pool_bytes": 32 << 20, "nvme_bytes": None})
+    assert s.pool_bytes == 32 << 20  # the flag wins
+    assert s.socket_mode == 0o600 and s.cache_ttl == 10.0 and s.write_through is True
+    assert s.nvme_bytes == 64 << 30  # untouched default
+    sc = s.store_config()
+    assert sc.pool_bytes == 32 << 20 and sc.write_through
+
+
+@pytest.mark.parametrize(
+    "toml,match",
+    [('cache_ttl = "soon"', "cache_ttl must be a float"), ("write_through = 1", "true or false"),
+     ('socket_mode = "rwx"', "not octal"), ('pool_bytes = "lots"', "not a size"), ("[[x", "k.toml")],
+)
+def test_bad_config_values(tmp_path, toml, match):
+    cfg = tmp_path / "k.toml"
+    cfg.write_text(toml + "\n")
+    with pytest.raises(SettingsError, match=match):
+        load_settings(str(cfg))
+
+
+def test_tcp_needs_tls_unless_loopback_or_allowed():
+    base = dict(socket="/x", state_dir="/y")
+    with pytest.raises(SettingsError, match="refusing plain TCP"):
+        DaemonSettings(**base, tcp_listen="0.0.0.0:5000")
+    DaemonSettings(**base, tcp_listen="127.0.0.1:5000")
+    DaemonSettings(**base, tcp_listen="[::1]:5000")
+    DaemonSettings(**base, tcp_listen="0.0.0.0:5000", allow_insecure_tcp=True)
+    DaemonSettings(**base, tcp_listen="0.0.0.0:5000", tls_cert="c.pem", tls_key="k.pem")
+    with pytest.raises(SettingsError, match="go together"):
+        DaemonSettings(**base, tcp_listen="127.0.0.1:5000", tls_cert="c.pem")

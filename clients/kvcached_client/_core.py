@@ -1,0 +1,93 @@
+"""What the sync and asyncio clients share: request building and response handling.
+
+Neither flavour does any I/O here; they only differ in how they call the stub.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from kvcached.errors import KvcacheError
+from kvcached.keys import KVLayout, TokenInput, normalize_tokens
+from kvcached.service.convert import layout_to_proto
+from kvcached.settings import default_socket
+from kvcached.tiers.pool_shm import PoolHandle
+from kvcached.v1 import kvcached_pb2 as pb
+from kvcached_client.errors import InvalidArgumentError
+from kvcached_client.pool import PoolMap
+
+if TYPE_CHECKING:
+    import torch
+
+MiB = 1 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 * MiB),
+    ("grpc.max_send_message_length", 256 * MiB),
+]
+
+
+def target(socket: str | None) -> str:
+    """``unix:PATH`` for a socket path (default: $KVCACHED_SOCKET or the runtime dir)."""
+    path = socket or default_socket()
+    if path.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
+        return path
+    return f"unix:{os.path.abspath(path)}"
+
+
+def pack_tokens(tokens: "TokenInput | torch.Tensor") -> bytes:
+    """Token ids as packed little-endian uint32 (what the wire carries)."""
+    if type(tokens).__module__.startswith("torch"):
+        tokens = tokens.detach().cpu().numpy()  # type: ignore[union-attr]
+    try:
+        return normalize_tokens(tokens)  # type: ignore[arg-type]
+    except KvcacheError as e:
+        raise InvalidArgumentError(str(e)) from e
+
+
+def layout_request(layout: KVLayout) -> pb.RegisterLayoutRequest:
+    return pb.RegisterLayoutRequest(layout=layout_to_proto(layout))
+
+
+def handle_from_proto(msg: pb.PoolHandle) -> PoolHandle:
+    return PoolHandle(msg.kind, msg.name, msg.block_bytes, msg.num_blocks, msg.generation)
+
+
+@dataclass(frozen=True)
+class Location:
+    position: int
+    offset: int
+    nbytes: int
+
+
+def locations(chunks: Sequence[Any]) -> tuple[Location, ...]:
+    return tuple(Location(c.position, c.offset, c.nbytes) for c in chunks)
+
+
+def validate_kv(layout: KVLayout, kv: "torch.Tensor", n_tokens: int) -> None:
+    from kvcached.kv import validate_kv as _validate
+
+    try:
+        _validate(layout, kv)
+    except KvcacheError as e:
+        raise InvalidArgumentError(str(e)) from e
+    if kv.shape[3] < n_tokens // layout.chunk_tokens * layout.chunk_tokens:
+        raise InvalidArgumentError(
+            f"kv covers {kv.shape[3]} tokens but the prompt has {n_tokens // layout.chunk_tokens} full chunks "
+            f"({n_tokens // layout.chunk_tokens * layout.chunk_tokens} tokens)"
+        )
+
+
+def write_slots(pool: PoolMap, layout: KVLayout, slots: Sequence[Location], kv: "torch.Tensor") -> None:
+    """Copy each reserved chunk of ``kv`` straight into its pool block."""
+    c = layout.chunk_tokens
+    src = kv if kv.device.type == "cpu" else kv.cpu()
+    for s in slots:
+        pool.view(layout, s.offset, s.nbytes).copy_(src[:, :, :, s.position * c : (s.position + 1) * c, :])
+
+
+def tokens_array(tokens: bytes) -> np.ndarray:
+    return np.frombuffer(tokens, dtype="<u4")

@@ -1,0 +1,203 @@
+"""asyncio client: the same operations as :class:`kvcached_client.Client`, awaitable.
+
+::
+
+    async with AsyncClient() as c:
+        async with await c.acquire(layout, token_ids) as lease:
+            lease.chunk(0)
+        await c.put(layout, token_ids, kv)
+
+Copying KV into or out of the mapped pool is plain memory traffic and runs
+inline; only the control calls are awaited.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence, TypeVar
+
+import grpc
+
+from kvcached.keys import KVLayout, TokenInput
+from kvcached.v1 import kvcached_pb2 as pb
+from kvcached.v1 import kvcached_pb2_grpc as pb_grpc
+from kvcached_client import _core
+from kvcached_client.errors import FailedPreconditionError, NotFoundError, from_rpc_error
+from kvcached_client.pool import PoolMap
+
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
+
+
+class AsyncLease:
+    def __init__(self, client: "AsyncClient", layout: KVLayout, resp: pb.AcquireResponse) -> None:
+        self._client = client
+        self.layout = layout
+        self.lease_id: str = resp.lease_id
+        self.matched_tokens: int = resp.matched_tokens
+        self.locations = _core.locations(resp.chunks)
+        self.released = False
+
+    def __len__(self) -> int:
+        return len(self.locations)
+
+    def chunk(self, i: int) -> "torch.Tensor":
+        if self.released:
+            raise FailedPreconditionError("the lease was released; its chunks may already hold other data")
+        loc = self.locations[i]
+        return self._client._pool.view(self.layout, loc.offset, loc.nbytes)
+
+    async def keep_alive(self, ttl: float | None = None) -> float:
+        return await self._client.keep_alive([self.lease_id], ttl)
+
+    async def release(self) -> None:
+        if not self.released:
+            self.released = True
+            await self._client.release([self.lease_id])
+
+    async def __aenter__(self) -> "AsyncLease":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()
+
+
+class AsyncClient:
+    def __init__(self, socket: str | None = None, *, timeout: float = 10.0, client_name: str | None = None) -> None:
+        self.target = _core.target(socket)
+        self.timeout = timeout
+        self.client_name = client_name or f"pid {os.getpid()} (asyncio)"
+        self._channel = grpc.aio.insecure_channel(self.target, options=_core.CHANNEL_OPTIONS)
+        self._stub = pb_grpc.KVCacheStub(self._channel)
+        self._pool = PoolMap()
+        self._layouts: dict[KVLayout, str] = {}
+        self._session_id: str | None = None
+        self._session_call: Any = None
+
+    async def _call(self, method: Callable[..., Awaitable[T]], request: Any, timeout: float | None = None) -> T:
+        try:
+            return await method(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    async def session_id(self) -> str:
+        call = self._session_call
+        if self._session_id is None or call is None or call.done():
+            call = self._stub.Session()
+            try:
+                await call.write(pb.SessionRequest(client_name=self.client_name))
+                first = await call.read()
+            except grpc.RpcError as e:
+                raise from_rpc_error(e) from None
+            self._session_id, self._session_call = first.session_id, call
+        return self._session_id
+
+    async def _with_session(self, fn: Callable[[str], Awaitable[T]]) -> T:
+        try:
+            return await fn(await self.session_id())
+        except FailedPreconditionError as e:
+            if "session" not in e.details:
+                raise
+            self._session_id = None
+            return await fn(await self.session_id())
+
+    async def _layout_id(self, layout: KVLayout) -> str:
+        lid = self._layouts.get(layout)
+        if lid is None:
+            lid = (await self._call(self._stub.RegisterLayout, _core.layout_request(layout))).layout_id
+            self._layouts[layout] = lid
+        return lid
+
+    async def _with_layout(self, layout: KVLayout, fn: Callable[[str], Awaitable[T]]) -> T:
+        try:
+            return await fn(await self._layout_id(layout))
+        except NotFoundError as e:
+            if "layout" not in e.details:
+                raise
+            self._layouts.pop(layout, None)
+            return await fn(await self._layout_id(layout))
+
+    async def _ensure_pool(self, generation: str) -> None:
+        if self._pool.generation != generation:
+            h = await self._call(self._stub.GetPoolHandle, pb.PoolHandleRequest())
+            self._pool.ensure(_core.handle_from_proto(h))
+
+    async def register(self, layout: KVLayout) -> str:
+        return await self._layout_id(layout)
+
+    async def lookup(self, layout: KVLayout, tokens: TokenInput) -> int:
+        return (await self.lookup_many(layout, [tokens]))[0]
+
+    async def lookup_many(self, layout: KVLayout, prompts: Sequence[TokenInput]) -> list[int]:
+        packed = [_core.pack_tokens(t) for t in prompts]
+        resp = await self._with_layout(
+            layout, lambda lid: self._call(self._stub.Lookup, pb.LookupRequest(layout_id=lid, tokens=packed)))
+        return list(resp.cached_tokens)
+
+    async def acquire(self, layout: KVLayout, tokens: TokenInput, *, ttl: float | None = None) -> AsyncLease:
+        packed = _core.pack_tokens(tokens)
+
+        async def go(lid: str) -> pb.AcquireResponse:
+            return await self._with_session(lambda sid: self._call(
+                self._stub.Acquire, pb.AcquireRequest(layout_id=lid, tokens=packed, session_id=sid, ttl_seconds=ttl or 0)))
+
+        resp = await self._with_layout(layout, go)
+        lease = AsyncLease(self, layout, resp)
+        if lease.locations:
+            try:
+                await self._ensure_pool(resp.pool_generation)
+            except BaseException:
+                await lease.release()
+                raise
+        return lease
+
+    async def release(self, lease_ids: Sequence[str]) -> int:
+        return (await self._call(self._stub.Release, pb.ReleaseRequest(lease_ids=list(lease_ids)))).released
+
+    async def keep_alive(self, lease_ids: Sequence[str], ttl: float | None = None) -> float:
+        req = pb.KeepAliveRequest(lease_ids=list(lease_ids), ttl_seconds=ttl or 0)
+        return (await self._call(self._stub.KeepAlive, req)).ttl_seconds
+
+    async def put(self, layout: KVLayout, tokens: TokenInput, kv: "torch.Tensor") -> int:
+        packed = _core.pack_tokens(tokens)
+        _core.validate_kv(layout, kv, len(packed) // 4)
+
+        async def reserve(lid: str) -> pb.ReserveResponse:
+            return await self._with_session(lambda sid: self._call(
+                self._stub.Reserve, pb.ReserveRequest(layout_id=lid, tokens=packed, session_id=sid)))
+
+        r = await self._with_layout(layout, reserve)
+        if r.slots:
+            try:
+                await self._ensure_pool(r.pool_generation)
+                _core.write_slots(self._pool, layout, _core.locations(r.slots), kv)
+            except BaseException:
+                await self._call(self._stub.Abort, pb.AbortRequest(reservation_ids=[r.reservation_id]))
+                raise
+        resp = await self._call(self._stub.Commit, pb.CommitRequest(reservation_id=r.reservation_id))
+        return resp.committed_chunks
+
+    async def stats(self) -> dict:
+        resp = await self._call(self._stub.Stats, pb.StatsRequest())
+        d = json.loads(resp.json)
+        d.update(version=resp.version, uptime_seconds=resp.uptime_seconds, listen=resp.listen)
+        return d
+
+    async def ping(self) -> None:
+        await self._call(self._stub.Ping, pb.PingRequest())
+
+    async def close(self) -> None:
+        if self._session_call is not None:
+            self._session_call.cancel()
+            self._session_call = self._session_id = None
+        self._pool.close()
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

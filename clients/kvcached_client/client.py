@@ -1,0 +1,315 @@
+"""Synchronous client.
+
+::
+
+    with Client() as c:                         # $KVCACHED_SOCKET or the default socket
+        n = c.lookup(layout, token_ids)         # cached prefix length, in tokens
+        with c.acquire(layout, token_ids) as lease:
+            lease.matched_tokens
+            lease.chunk(i)                      # zero-copy tensor view of the pool block
+        c.put(layout, token_ids, kv)            # kv: [2, layers, kv_heads, n_tokens, head_dim]
+
+Ownership: a lease's chunk views point into the shared pool. They are valid
+(the daemon will not evict or change those blocks) until the lease is
+released, expires, or this client's session ends; copy what you need to keep.
+
+Sessions: the client opens one Session stream lazily. Everything it leases
+or reserves is tied to that session, so if this process dies the daemon
+releases it all at once. After a daemon restart the client opens a new
+session and maps the new pool on its own.
+
+Thread-safe: calls may come from several threads.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
+
+import grpc
+
+from kvcached.keys import KVLayout, TokenInput
+from kvcached.v1 import kvcached_pb2 as pb
+from kvcached.v1 import kvcached_pb2_grpc as pb_grpc
+from kvcached_client import _core
+from kvcached_client.errors import FailedPreconditionError, KvcachedError, NotFoundError, from_rpc_error
+from kvcached_client.pool import PoolMap
+
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
+
+
+class Lease:
+    """A pinned cached prefix. Use as a context manager, or call :meth:`release`."""
+
+    def __init__(self, client: "Client", layout: KVLayout, resp: pb.AcquireResponse) -> None:
+        self._client = client
+        self.layout = layout
+        self.lease_id: str = resp.lease_id
+        self.matched_tokens: int = resp.matched_tokens
+        self.locations = _core.locations(resp.chunks)
+        self.ttl_seconds: float = resp.ttl_seconds
+        self.released = False
+
+    def __len__(self) -> int:
+        return len(self.locations)
+
+    def chunk(self, i: int) -> "torch.Tensor":
+        """Chunk ``i`` as a [2, layers, kv_heads, chunk_tokens, head_dim] view of the pool (no copy)."""
+        if self.released:
+            raise FailedPreconditionError("the lease was released; its chunks may already hold other data")
+        loc = self.locations[i]
+        return self._client._pool.view(self.layout, loc.offset, loc.nbytes)
+
+    def kv(self) -> "torch.Tensor":
+        """The whole matched prefix as one new tensor [2, layers, kv_heads, matched_tokens, head_dim] (a copy)."""
+        import torch
+
+        if not self.locations:
+            shape = (2, self.layout.num_layers, self.layout.num_kv_heads, 0, self.layout.head_dim)
+            from kvcached.kv import torch_dtype
+
+            return torch.empty(shape, dtype=torch_dtype(self.layout.dtype))
+        return torch.cat([self.chunk(i) for i in range(len(self))], dim=3)
+
+    def keep_alive(self, ttl: float | None = None) -> float:
+        return self._client.keep_alive([self.lease_id], ttl)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._client.release([self.lease_id])
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Client:
+    def __init__(
+        self,
+        socket: str | None = None,
+        *,
+        timeout: float = 10.0,
+        client_name: str | None = None,
+        session: bool = True,
+    ) -> None:
+        self.target = _core.target(socket)
+        self.timeout = timeout
+        self.client_name = client_name or f"pid {os.getpid()}"
+        self._channel = grpc.insecure_channel(self.target, options=_core.CHANNEL_OPTIONS)
+        self._stub = pb_grpc.KVCacheStub(self._channel)
+        self._pool = PoolMap()
+        self._layouts: dict[KVLayout, str] = {}
+        self._lock = threading.Lock()
+        self._use_session = session
+        self._session_id: str | None = None
+        self._session_end: queue.Queue[None] | None = None
+        self._session_call: Any = None
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    def _call(self, method: Callable[..., T], request: Any, timeout: float | None = None) -> T:
+        try:
+            return method(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def session_id(self) -> str:
+        """This client's session id, opening the session stream if needed."""
+        if not self._use_session:
+            return ""
+        with self._lock:
+            if self._session_id is not None and self._session_alive():
+                return self._session_id
+            self._open_session()
+            assert self._session_id is not None
+            return self._session_id
+
+    def _session_alive(self) -> bool:
+        call = self._session_call
+        return call is not None and call.is_active()
+
+    def _open_session(self) -> None:
+        end: queue.Queue[None] = queue.Queue()
+        name = self.client_name
+
+        def requests() -> Iterator[pb.SessionRequest]:
+            yield pb.SessionRequest(client_name=name)
+            end.get()  # held open until close(); the daemon releases everything when it ends
+
+        call = self._stub.Session(requests())
+        try:
+            first = next(call)
+        except grpc.RpcError as e:
+            end.put(None)
+            raise from_rpc_error(e) from None
+        self._session_id, self._session_end, self._session_call = first.session_id, end, call
+
+    def _with_session(self, fn: Callable[[str], T]) -> T:
+        """Run ``fn(session_id)``; if the daemon no longer knows the session (it restarted), reopen once."""
+        sid = self.session_id()
+        try:
+            return fn(sid)
+        except FailedPreconditionError as e:
+            if "session" not in e.details:
+                raise
+            with self._lock:
+                self._session_id = None
+            return fn(self.session_id())
+
+    def _layout_id(self, layout: KVLayout) -> str:
+        lid = self._layouts.get(layout)
+        if lid is None:
+            lid = self._call(self._stub.RegisterLayout, _core.layout_request(layout)).layout_id
+            self._layouts[layout] = lid
+        return lid
+
+    def _with_layout(self, layout: KVLayout, fn: Callable[[str], T]) -> T:
+        """Run ``fn(layout_id)``; re-register once if the daemon forgot the layout (restart without NVMe)."""
+        try:
+            return fn(self._layout_id(layout))
+        except NotFoundError as e:
+            if "layout" not in e.details:
+                raise
+            self._layouts.pop(layout, None)
+            return fn(self._layout_id(layout))
+
+    def _ensure_pool(self, generation: str) -> None:
+        if self._pool.generation != generation:
+            self._pool.ensure(self.pool_handle())
+
+    # -- API -------------------------------------------------------------------------------
+
+    def register(self, layout: KVLayout) -> str:
+        return self._layout_id(layout)
+
+    def lookup(self, layout: KVLayout, tokens: TokenInput) -> int:
+        """Cached prefix length in tokens. Pins nothing."""
+        return self.lookup_many(layout, [tokens])[0]
+
+    def lookup_many(self, layout: KVLayout, prompts: Sequence[TokenInput]) -> list[int]:
+        packed = [_core.pack_tokens(t) for t in prompts]
+        resp = self._with_layout(
+            layout, lambda lid: self._call(self._stub.Lookup, pb.LookupRequest(layout_id=lid, tokens=packed))
+        )
+        return list(resp.cached_tokens)
+
+    def acquire(self, layout: KVLayout, tokens: TokenInput, *, ttl: float | None = None) -> Lease:
+        """Pin the cached prefix of ``tokens``; the returned lease maps its chunks."""
+        packed = _core.pack_tokens(tokens)
+
+        def go(lid: str) -> pb.AcquireResponse:
+            return self._with_session(lambda sid: self._call(
+                self._stub.Acquire, pb.AcquireRequest(layout_id=lid, tokens=packed, session_id=sid, ttl_seconds=ttl or 0)))
+
+        resp = self._with_layout(layout, go)
+        lease = Lease(self, layout, resp)
+        if lease.locations:
+            try:
+                self._ensure_pool(resp.pool_generation)
+            except BaseException:
+                lease.release()
+                raise
+        return lease
+
+    def release(self, lease_ids: Sequence[str]) -> int:
+        return self._call(self._stub.Release, pb.ReleaseRequest(lease_ids=list(lease_ids))).released
+
+    def keep_alive(self, lease_ids: Sequence[str], ttl: float | None = None) -> float:
+        req = pb.KeepAliveRequest(lease_ids=list(lease_ids), ttl_seconds=ttl or 0)
+        return self._call(self._stub.KeepAlive, req).ttl_seconds
+
+    def put(self, layout: KVLayout, tokens: TokenInput, kv: "torch.Tensor") -> int:
+        """Store the full chunks of ``kv`` that are not cached yet; returns how many were stored.
+
+        ``kv`` is [2, layers, kv_heads, n_tokens, head_dim] in the layout's dtype. Chunks
+        already cached, or being written by another client right now, are skipped.
+        """
+        packed = _core.pack_tokens(tokens)
+        _core.validate_kv(layout, kv, len(packed) // 4)
+
+        def reserve(lid: str) -> pb.ReserveResponse:
+            return self._with_session(lambda sid: self._call(
+                self._stub.Reserve, pb.ReserveRequest(layout_id=lid, tokens=packed, session_id=sid)))
+
+        r = self._with_layout(layout, reserve)
+        if not r.slots:
+            self._call(self._stub.Commit, pb.CommitRequest(reservation_id=r.reservation_id))
+            return 0
+        try:
+            self._ensure_pool(r.pool_generation)
+            _core.write_slots(self._pool, layout, _core.locations(r.slots), kv)
+        except BaseException:
+            self._call(self._stub.Abort, pb.AbortRequest(reservation_ids=[r.reservation_id]))
+            raise
+        return self._call(self._stub.Commit, pb.CommitRequest(reservation_id=r.reservation_id)).committed_chunks
+
+    def put_bytes(self, layout: KVLayout, tokens: TokenInput, chunks: Sequence[bytes]) -> int:
+        """Fallback for processes that cannot map the pool: the KV bytes travel over gRPC (slow)."""
+        packed = _core.pack_tokens(tokens)
+        resp = self._with_layout(layout, lambda lid: self._call(
+            self._stub.PutBytes, pb.PutBytesRequest(layout_id=lid, tokens=packed, chunks=list(chunks))))
+        return resp.committed_chunks
+
+    def get_bytes(self, layout: KVLayout, tokens: TokenInput) -> list[bytes]:
+        """Fallback read: the cached prefix's chunk payloads, copied over gRPC (slow)."""
+        packed = _core.pack_tokens(tokens)
+        resp = self._with_layout(layout, lambda lid: self._call(
+            self._stub.GetBytes, pb.GetBytesRequest(layout_id=lid, tokens=packed)))
+        return list(resp.chunks)
+
+    def pool_handle(self):  # -> PoolHandle
+        return _core.handle_from_proto(self._call(self._stub.GetPoolHandle, pb.PoolHandleRequest()))
+
+    def stats(self) -> dict:
+        import json
+
+        resp = self._call(self._stub.Stats, pb.StatsRequest())
+        d = json.loads(resp.json)
+        d.update(version=resp.version, uptime_seconds=resp.uptime_seconds, listen=resp.listen)
+        return d
+
+    def ping(self) -> None:
+        self._call(self._stub.Ping, pb.PingRequest())
+
+    def evict(self, layout_id: str = "") -> tuple[int, int]:
+        r = self._call(self._stub.Evict, pb.EvictRequest(layout_id=layout_id))
+        return r.chunks, r.bytes
+
+    def flush(self) -> int:
+        return self._call(self._stub.Flush, pb.FlushRequest(), timeout=max(self.timeout, 300)).chunks
+
+    def drain(self) -> tuple[int, int]:
+        r = self._call(self._stub.Drain, pb.DrainRequest(), timeout=max(self.timeout, 300))
+        return r.flushed_chunks, r.leases_active
+
+    @property
+    def pool_maps(self) -> int:
+        """How many times this client mapped a pool (once per daemon generation)."""
+        return self._pool.maps
+
+    def close(self) -> None:
+        with self._lock:
+            if self._session_end is not None:
+                self._session_end.put(None)
+            if self._session_call is not None:
+                self._session_call.cancel()
+            self._session_id = self._session_end = self._session_call = None
+        self._pool.close()
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["Client", "Lease", "KvcachedError"]

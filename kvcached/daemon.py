@@ -1,0 +1,125 @@
+"""Daemon lifecycle: open the store, serve, expire on a timer, reload, stop.
+
+Order at start: settings -> store (takes the state-dir lock, creates the
+pool, rebuilds the index from NVMe) -> server bound and SERVING -> "ready"
+line. Order at stop (SIGTERM/SIGINT): health NOT_SERVING, stop accepting,
+grace period for in-flight calls, write pool-only chunks to NVMe, close.
+SIGHUP re-reads the config file and applies the reloadable settings
+(:data:`kvcached.settings.RELOADABLE`); the others are logged as needing a
+restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+import sys
+from typing import Any
+
+from kvcached import __version__
+from kvcached.settings import RELOADABLE, DaemonSettings, SettingsError, load_settings
+from kvcached.store import Store
+
+log = logging.getLogger("kvcached.daemon")
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+def run(settings: DaemonSettings, *, config_file: str | None = None, overrides: dict[str, Any] | None = None) -> int:
+    """Run until SIGTERM/SIGINT. Returns the process exit status."""
+    configure_logging(settings.log_level)
+    if settings.device.startswith("cuda"):
+        log.error("--device %s: the CUDA pool is not built yet; use --device cpu (host shared memory)", settings.device)
+        return 2
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency; keep working without it
+        runner = asyncio.run
+    return runner(_serve(settings, config_file, overrides or {}))
+
+
+async def _serve(settings: DaemonSettings, config_file: str | None, overrides: dict[str, Any]) -> int:
+    from kvcached.service.server import start_server
+
+    loop = asyncio.get_running_loop()
+    store = await loop.run_in_executor(None, Store, settings.store_config())
+    try:
+        running = await start_server(settings, store)
+    except BaseException:
+        store.close()
+        raise
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(_reload(settings, store, running, config_file, overrides)))
+    _announce(settings, store, running.tcp_port)
+    expirer = asyncio.create_task(_expire_loop(store, settings.expire_interval))
+    await stop.wait()
+    log.info("stopping: health NOT_SERVING, draining in-flight calls")
+    expirer.cancel()
+    await running.stop(grace=5.0)
+    flushed = await loop.run_in_executor(None, store.flush)
+    store.close()
+    log.info("stopped; wrote %d pool-only chunks to NVMe", flushed)
+    return 0
+
+
+def _announce(settings: DaemonSettings, store: Store, tcp_port: int | None) -> None:
+    s = store.stats()
+    r = store.rebuild_report
+    lines = [
+        f"kvcached {__version__} ready",
+        f"  listening: unix:{settings.socket} (mode {settings.socket_mode:04o})"
+        + (f", tcp {settings.tcp_listen}" if tcp_port else ""),
+        f"  state: {settings.state_dir} (domain {settings.domain})",
+        f"  pool: host shared memory /dev/shm/{store.pool.name}, "
+        f"{s.pool.blocks_total} blocks x {s.pool.block_bytes} bytes",
+        "  nvme: " + (f"{s.nvme.chunks} chunks, {s.nvme.used_bytes} of {s.nvme.capacity_bytes} bytes"
+                      + (f", index rebuilt in {r.seconds:.2f} s" if r else "") if s.nvme else "disabled"),
+        f"  layouts: {s.layouts}",
+    ]
+    for line in lines:
+        log.info("%s", line.strip())
+    print("\n".join(lines), flush=True)
+
+
+async def _expire_loop(store: Store, interval: float) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            out = await loop.run_in_executor(None, store.expire)
+        except Exception:  # keep the loop alive; the error is a bug worth a traceback
+            log.exception("expiry pass failed")
+            continue
+        if any(out.values()):
+            log.info("expired %d leases, %d reservations, %d chunks", out["leases"], out["reservations"], out["chunks"])
+
+
+async def _reload(settings: DaemonSettings, store: Store, running: Any, config_file: str | None,
+                  overrides: dict[str, Any]) -> None:
+    try:
+        new = load_settings(config_file, overrides)
+    except SettingsError as e:
+        log.error("reload failed, keeping the running settings: %s", e)
+        return
+    changed = {f.name for f in dataclasses.fields(DaemonSettings) if getattr(new, f.name) != getattr(settings, f.name)}
+    ignored = sorted(changed - RELOADABLE)
+    if ignored:
+        log.warning("reload: %s need a restart to take effect", ", ".join(ignored))
+    applied = sorted(changed & RELOADABLE)
+    store.reconfigure(cache_ttl=new.cache_ttl, lease_ttl=new.lease_ttl, reservation_ttl=new.reservation_ttl)
+    running.servicer.call_timeout = new.call_timeout
+    logging.getLogger().setLevel(getattr(logging, new.log_level.upper()))
+    log.info("reloaded: %s", ", ".join(applied) or "nothing changed")

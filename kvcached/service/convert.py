@@ -1,0 +1,78 @@
+"""Protobuf <-> domain objects. No logic beyond field mapping and validation of shape."""
+
+from __future__ import annotations
+
+from kvcached.errors import InvalidLayout, InvalidTokens
+from kvcached.keys import KVLayout
+from kvcached.receipts import ChunkLocation, LeaseReceipt, ReservationReceipt
+from kvcached.tiers.pool_shm import PoolHandle
+from kvcached.v1 import kvcached_pb2 as pb
+
+
+def layout_from_proto(msg: pb.Layout) -> KVLayout:
+    if not msg.model:
+        raise InvalidLayout("layout.model is required")
+    return KVLayout(
+        model=msg.model,
+        num_layers=msg.num_layers,
+        num_kv_heads=msg.num_kv_heads,
+        head_dim=msg.head_dim,
+        dtype=msg.dtype or "bfloat16",
+        chunk_tokens=msg.chunk_tokens or 128,
+        lora_name=msg.lora_name,
+        lora_version=msg.lora_version,
+        extra=tuple(sorted(msg.extra.items())),
+        vocab_size=msg.vocab_size,
+    )
+
+
+def layout_to_proto(layout: KVLayout) -> pb.Layout:
+    return pb.Layout(
+        model=layout.model,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        dtype=layout.dtype,
+        chunk_tokens=layout.chunk_tokens,
+        lora_name=layout.lora_name,
+        lora_version=layout.lora_version,
+        extra=dict(layout.extra),
+        vocab_size=layout.vocab_size,
+    )
+
+
+def tokens_from_proto(raw: bytes) -> bytes:
+    """Packed little-endian uint32 token ids. The store checks values; this checks framing."""
+    if len(raw) % 4:
+        raise InvalidTokens(f"tokens field has {len(raw)} bytes; it must be packed little-endian uint32 (4 bytes each)")
+    return raw
+
+
+def locations_to_proto(chunks: tuple[ChunkLocation, ...]) -> list[pb.ChunkLocation]:
+    return [pb.ChunkLocation(position=c.position, block=c.block, offset=c.offset, nbytes=c.nbytes) for c in chunks]
+
+
+def lease_to_proto(r: LeaseReceipt, ttl: float) -> pb.AcquireResponse:
+    return pb.AcquireResponse(
+        lease_id=r.lease_id,
+        matched_tokens=r.matched_tokens,
+        chunks=locations_to_proto(r.chunks),
+        ttl_seconds=ttl,
+        pool_generation=r.pool_generation,
+    )
+
+
+def reservation_to_proto(r: ReservationReceipt, ttl: float) -> pb.ReserveResponse:
+    return pb.ReserveResponse(
+        reservation_id=r.reservation_id,
+        cached_tokens=r.cached_tokens,
+        in_flight_tokens=r.in_flight_tokens,
+        slots=locations_to_proto(r.slots),
+        ttl_seconds=ttl,
+        pool_generation=r.pool_generation,
+    )
+
+
+def pool_handle_to_proto(h: PoolHandle) -> pb.PoolHandle:
+    return pb.PoolHandle(kind=h.kind, name=h.name, block_bytes=h.block_bytes, num_blocks=h.num_blocks,
+                         generation=h.generation)

@@ -1,0 +1,255 @@
+"""KVCache servicer: protobuf in, store call, protobuf out.
+
+Every store call runs on a worker thread (the store may do LMDB I/O under its
+lock; see :mod:`kvcached.store`), so the event loop only parses, dispatches
+and answers. Domain errors become status codes here and only here
+(:data:`STATUS_OF`); a bad request never changes state (the store validates
+before it mutates) and never takes the daemon down.
+
+Sessions: a client opens the ``Session`` stream and gets a random session id.
+Leases and reservations made under that id are released when the stream ends
+for any reason, including the client being killed: the kernel closes its
+socket, gRPC cancels the stream, and the ``finally`` below runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable, TypeVar
+
+import grpc
+
+from kvcached import __version__
+from kvcached.errors import ErrorKind, KvcacheError
+from kvcached.leases import ReservationId, SessionId
+from kvcached.service import convert
+from kvcached.store import DEFAULT_SESSION, Store
+from kvcached.v1 import kvcached_pb2 as pb
+from kvcached.v1 import kvcached_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: The one mapping from domain error kinds to gRPC status codes.
+STATUS_OF: dict[ErrorKind, grpc.StatusCode] = {
+    ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorKind.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+MAX_TTL = 24 * 3600.0
+MAX_IDS_PER_CALL = 4096
+
+
+class KVCacheServicer(pb_grpc.KVCacheServicer):
+    def __init__(self, store: Store, *, workers: int = 4, call_timeout: float = 30.0, listen: str = "") -> None:
+        self.store = store
+        self.call_timeout = call_timeout
+        self.listen = listen
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvcached-store")
+        self._sessions: dict[str, str] = {}  # session id -> client name
+        self._started = time.monotonic()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    @property
+    def sessions(self) -> int:
+        return len(self._sessions)
+
+    # -- plumbing --------------------------------------------------------------------
+
+    async def _run(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self._pool, lambda: fn(*args, **kw))
+        try:
+            return await asyncio.wait_for(fut, self.call_timeout)
+        except KvcacheError as e:
+            if e.kind is ErrorKind.INTERNAL:
+                log.error("internal error in %s: %s", getattr(fn, "__name__", fn), e, exc_info=e)
+            await context.abort(STATUS_OF[e.kind], str(e))
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the store did not answer within {self.call_timeout} s")
+        raise AssertionError("unreachable")  # pragma: no cover - abort() raises
+
+    async def _invalid(self, context: grpc.aio.ServicerContext, message: str) -> None:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+    async def _session(self, context: grpc.aio.ServicerContext, session_id: str) -> SessionId:
+        if not session_id:
+            return DEFAULT_SESSION
+        if session_id not in self._sessions:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"session {session_id!r} is not open (it ended, or the daemon restarted); open a new Session",
+            )
+        return SessionId(session_id)
+
+    async def _ttl(self, context: grpc.aio.ServicerContext, ttl: float) -> float | None:
+        if ttl == 0:
+            return None
+        if not (0 < ttl <= MAX_TTL) or math.isnan(ttl):
+            await self._invalid(context, f"ttl_seconds must be in (0, {MAX_TTL:.0f}], got {ttl}")
+        return ttl
+
+    async def _ids(self, context: grpc.aio.ServicerContext, ids: Any, what: str) -> list[str]:
+        if len(ids) > MAX_IDS_PER_CALL:
+            await self._invalid(context, f"at most {MAX_IDS_PER_CALL} {what} per call, got {len(ids)}")
+        return list(ids)
+
+    def _remaining(self, expires_at: float) -> float:
+        return max(0.0, expires_at - time.monotonic())
+
+    # -- RPCs --------------------------------------------------------------------------
+
+    async def RegisterLayout(self, request: pb.RegisterLayoutRequest, context) -> pb.RegisterLayoutResponse:
+        try:
+            layout = convert.layout_from_proto(request.layout)
+        except KvcacheError as e:
+            await context.abort(STATUS_OF[e.kind], str(e))
+        lid = await self._run(context, self.store.register_layout, layout)
+        return pb.RegisterLayoutResponse(layout_id=lid, chunk_bytes=layout.chunk_bytes)
+
+    async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
+        prompts = [convert.tokens_from_proto(t) for t in request.tokens] if self._framed(request.tokens) else None
+        if prompts is None:
+            await self._invalid(context, "every tokens entry must be packed little-endian uint32 (a multiple of 4 bytes)")
+        if len(prompts) > MAX_IDS_PER_CALL:
+            await self._invalid(context, f"at most {MAX_IDS_PER_CALL} prompts per Lookup")
+
+        def lookup_all() -> list[int]:
+            return [self.store.lookup(request.layout_id, t) for t in prompts]
+
+        return pb.LookupResponse(cached_tokens=await self._run(context, lookup_all))
+
+    @staticmethod
+    def _framed(tokens: Any) -> bool:
+        return all(len(t) % 4 == 0 for t in tokens)
+
+    async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
+        if not self._framed([request.tokens]):
+            await self._invalid(context, "tokens must be packed little-endian uint32 (a multiple of 4 bytes)")
+        session = await self._session(context, request.session_id)
+        ttl = await self._ttl(context, request.ttl_seconds)
+        r = await self._run(context, self.store.acquire, request.layout_id, request.tokens, session, ttl=ttl)
+        return convert.lease_to_proto(r, self._remaining(r.expires_at))
+
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        ids = await self._ids(context, request.lease_ids, "lease ids")
+        session = await self._session(context, request.session_id) if request.session_id else None
+
+        return pb.ReleaseResponse(released=await self._run(context, self.store.release_many, ids, session))
+
+    async def KeepAlive(self, request: pb.KeepAliveRequest, context) -> pb.KeepAliveResponse:
+        ids = await self._ids(context, request.lease_ids, "lease ids")
+        session = await self._session(context, request.session_id) if request.session_id else None
+        ttl = await self._ttl(context, request.ttl_seconds)
+
+        deadline = await self._run(context, self.store.renew_many, ids, session, ttl=ttl)
+        return pb.KeepAliveResponse(ttl_seconds=self._remaining(deadline) if deadline is not None else 0.0)
+
+    async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
+        if not self._framed([request.tokens]):
+            await self._invalid(context, "tokens must be packed little-endian uint32 (a multiple of 4 bytes)")
+        session = await self._session(context, request.session_id)
+        ttl = await self._ttl(context, request.ttl_seconds)
+        r = await self._run(context, self.store.reserve, request.layout_id, request.tokens, session, ttl=ttl)
+        return convert.reservation_to_proto(r, self._remaining(r.expires_at))
+
+    async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
+        chunks = request.chunks if request.HasField("chunks") else None
+        c = await self._run(context, self.store.commit, ReservationId(request.reservation_id), chunks=chunks)
+        return pb.CommitResponse(committed_chunks=c.committed_chunks, cached_tokens=c.cached_tokens)
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        ids = await self._ids(context, request.reservation_ids, "reservation ids")
+
+        return pb.AbortResponse(aborted=await self._run(context, self.store.abort_many, ids))
+
+    async def Session(self, request_iterator: AsyncIterator[pb.SessionRequest], context) -> AsyncIterator[pb.SessionEvent]:
+        sid = f"session-{secrets.token_hex(8)}"
+        self._sessions[sid] = "?"
+        log.info("session %s opened (peer %s)", sid, context.peer())
+        try:
+            yield pb.SessionEvent(session_id=sid, pool_generation=self.store.pool.generation)
+            async for msg in request_iterator:
+                if msg.client_name:
+                    self._sessions[sid] = msg.client_name
+        finally:
+            name = self._sessions.pop(sid, "?")
+            # Not awaited: this also runs when the stream was cancelled, and the release
+            # must happen even if nobody is left to wait for it.
+            fut = asyncio.get_running_loop().run_in_executor(self._pool, self.store.release_session, SessionId(sid))
+            fut.add_done_callback(lambda f: _log_session_end(sid, name, f))
+
+    async def GetPoolHandle(self, request: pb.PoolHandleRequest, context) -> pb.PoolHandle:
+        return convert.pool_handle_to_proto(self.store.pool_handle())
+
+    async def PutBytes(self, request: pb.PutBytesRequest, context) -> pb.CommitResponse:
+        if not self._framed([request.tokens]):
+            await self._invalid(context, "tokens must be packed little-endian uint32 (a multiple of 4 bytes)")
+        session = await self._session(context, request.session_id)
+        c = await self._run(context, self.store.put, request.layout_id, request.tokens, list(request.chunks), session)
+        return pb.CommitResponse(committed_chunks=c.committed_chunks, cached_tokens=c.cached_tokens)
+
+    async def GetBytes(self, request: pb.GetBytesRequest, context) -> pb.GetBytesResponse:
+        if not self._framed([request.tokens]):
+            await self._invalid(context, "tokens must be packed little-endian uint32 (a multiple of 4 bytes)")
+        session = await self._session(context, request.session_id)
+
+        def read() -> tuple[int, list[bytes]]:
+            r = self.store.acquire(request.layout_id, request.tokens, session)
+            try:
+                return r.matched_tokens, [bytes(self.store.read_chunk(r, i)) for i in range(len(r.chunks))]
+            finally:
+                self.store.release(r.lease_id)
+
+        matched, chunks = await self._run(context, read)
+        return pb.GetBytesResponse(matched_tokens=matched, chunks=chunks)
+
+    async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
+        def snapshot() -> dict:
+            d = self.store.stats().to_dict()
+            d["layouts_detail"] = {lid: lay.to_dict() for lid, lay in self.store.layouts().items()}
+            d["sessions_open"] = len(self._sessions)
+            d["draining"] = self.store.draining
+            return d
+
+        d = await self._run(context, snapshot)
+        return pb.StatsResponse(json=json.dumps(d), version=__version__,
+                                uptime_seconds=time.monotonic() - self._started, listen=self.listen)
+
+    async def Evict(self, request: pb.EvictRequest, context) -> pb.EvictResponse:
+        r = await self._run(context, self.store.evict, request.layout_id or None)
+        return pb.EvictResponse(chunks=r.chunks, bytes=r.bytes)
+
+    async def Flush(self, request: pb.FlushRequest, context) -> pb.FlushResponse:
+        return pb.FlushResponse(chunks=await self._run(context, self.store.flush))
+
+    async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
+        flushed, leases = await self._run(context, self.store.drain)
+        return pb.DrainResponse(flushed_chunks=flushed, leases_active=leases)
+
+    async def Ping(self, request: pb.PingRequest, context) -> pb.PingResponse:
+        return pb.PingResponse()
+
+
+def _log_session_end(sid: str, name: str, fut: "asyncio.Future[Any]") -> None:
+    if fut.cancelled():
+        return
+    exc = fut.exception()
+    if exc is not None:
+        log.error("releasing session %s failed: %s", sid, exc)
+        return
+    r = fut.result()
+    log.info("session %s (%s) ended: released %d leases, aborted %d reservations", sid, name, r.leases, r.reservations)

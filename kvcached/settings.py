@@ -1,0 +1,205 @@
+"""Daemon settings: embedded defaults < TOML config file < command-line flags.
+
+``kvcached serve`` with no arguments and no config file works: every setting
+has a default that needs nothing installed (DESIGN.md section 6). The config
+file is ``/etc/kvcached/kvcached.toml`` when it exists, or ``--config FILE``.
+
+Sizes may be integers (bytes) or strings such as ``"512M"`` / ``"2GiB"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import re
+import shutil
+import tomllib
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from kvcached.config import GiB, MiB, StoreConfig
+
+DEFAULT_CONFIG_FILE = "/etc/kvcached/kvcached.toml"
+
+#: Settings SIGHUP may change on a running daemon; everything else needs a restart.
+RELOADABLE = frozenset({"cache_ttl", "lease_ttl", "reservation_ttl", "call_timeout", "log_level"})
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)?\s*$", re.IGNORECASE)
+
+
+class SettingsError(ValueError):
+    """A config file or flag value is wrong; the message names it."""
+
+
+def parse_size(text: str | int) -> int:
+    """``"512M"``, ``"2GiB"``, ``1048576`` -> bytes (binary multiples)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise SettingsError(f"size must be >= 0, got {text}")
+        return text
+    m = _SIZE.match(str(text))
+    if not m:
+        raise SettingsError(f"not a size: {text!r} (use e.g. 512M, 2G, 1073741824)")
+    mult = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    return int(float(m.group(1)) * mult)
+
+
+def default_state_dir() -> str:
+    """``$STATE_DIRECTORY`` (set by systemd's StateDirectory=) or ``~/.local/state/kvcached``."""
+    sd = os.environ.get("STATE_DIRECTORY")
+    if sd:
+        return sd.split(":")[0]
+    return os.path.join(os.path.expanduser("~"), ".local", "state", "kvcached")
+
+
+def default_socket() -> str:
+    """``$KVCACHED_SOCKET``, else ``kvcached.sock`` under ``$RUNTIME_DIRECTORY`` /
+    ``$XDG_RUNTIME_DIR``, else under ``/tmp/kvcached-$UID``."""
+    if os.environ.get("KVCACHED_SOCKET"):
+        return os.environ["KVCACHED_SOCKET"]
+    base = os.environ.get("RUNTIME_DIRECTORY") or os.environ.get("XDG_RUNTIME_DIR")
+    if base:
+        return os.path.join(base.split(":")[0], "kvcached.sock")
+    return os.path.join("/tmp", f"kvcached-{os.getuid()}", "kvcached.sock")
+
+
+def default_pool_bytes() -> int:
+    """Host pool: a quarter of what /dev/shm has free, at most 1 GiB, at least 64 MiB."""
+    try:
+        free = shutil.disk_usage("/dev/shm").free
+    except OSError:  # pragma: no cover
+        free = 4 * GiB
+    return max(64 * MiB, min(1 * GiB, free // 4))
+
+
+@dataclass(frozen=True)
+class DaemonSettings:
+    socket: str
+    state_dir: str
+    socket_mode: int = 0o660
+    socket_owner: str = ""
+    socket_group: str = ""
+    device: str = "auto"
+    domain: str = "default"
+    pool_bytes: int = 0  # 0: default_pool_bytes()
+    pool_block_bytes: int = 16 * MiB
+    nvme_bytes: int = 64 * GiB
+    nvme_map_bytes: int = 0  # 0: 2 x nvme_bytes
+    write_through: bool = False
+    cache_ttl: float = 3600.0
+    lease_ttl: float = 30.0
+    reservation_ttl: float = 30.0
+    prefetch_distance: int = 8
+    max_prompt_tokens: int = 1 << 20
+    metrics_addr: str = "127.0.0.1:9464"
+    tcp_listen: str = ""  # e.g. "127.0.0.1:50551"; empty: Unix socket only
+    tls_cert: str = ""
+    tls_key: str = ""
+    allow_insecure_tcp: bool = False
+    max_message_bytes: int = 64 * MiB
+    call_timeout: float = 30.0
+    expire_interval: float = 1.0
+    worker_threads: int = 4
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not (self.device in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", self.device)):
+            raise SettingsError(f"device must be auto, cpu or cuda[:N], not {self.device!r}")
+        if not 0 <= self.socket_mode <= 0o777:
+            raise SettingsError(f"socket_mode must be an octal permission like 0660, got {oct(self.socket_mode)}")
+        if self.max_message_bytes < 64 * 1024:
+            raise SettingsError("max_message_bytes must be at least 64K")
+        if self.call_timeout <= 0 or self.expire_interval <= 0 or self.worker_threads <= 0:
+            raise SettingsError("call_timeout, expire_interval and worker_threads must be positive")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise SettingsError(f"log_level must be debug, info, warning or error, not {self.log_level!r}")
+        if self.tcp_listen:
+            self.check_tcp()
+
+    def check_tcp(self) -> None:
+        """TLS is required on TCP unless the address is loopback or insecure TCP is allowed."""
+        host = self.tcp_listen.rsplit(":", 1)[0].strip("[]")
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not (self.tls_cert and self.tls_key) and not loopback and not self.allow_insecure_tcp:
+            raise SettingsError(
+                f"refusing plain TCP on {self.tcp_listen}: set tls_cert and tls_key, listen on loopback, "
+                "or set allow_insecure_tcp = true if the network is trusted"
+            )
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise SettingsError("tls_cert and tls_key go together")
+
+    def store_config(self) -> StoreConfig:
+        pool = self.pool_bytes or default_pool_bytes()
+        block = min(self.pool_block_bytes, max(1, pool // 16))  # a small pool still gets 16 blocks
+        return StoreConfig(
+            state_dir=self.state_dir,
+            domain=self.domain,
+            pool_bytes=pool,
+            pool_block_bytes=block,
+            nvme_bytes=self.nvme_bytes,
+            nvme_map_bytes=self.nvme_map_bytes or None,
+            cache_ttl=self.cache_ttl,
+            lease_ttl=self.lease_ttl,
+            reservation_ttl=self.reservation_ttl,
+            write_through=self.write_through,
+            prefetch_distance=self.prefetch_distance,
+            max_prompt_tokens=self.max_prompt_tokens,
+        )
+
+
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+_SIZES = {"pool_bytes", "pool_block_bytes", "nvme_bytes", "nvme_map_bytes", "max_message_bytes"}
+
+
+def _coerce(name: str, value: Any, field: dataclasses.Field) -> Any:
+    if name in _SIZES:
+        return parse_size(value)
+    if name == "socket_mode":
+        if isinstance(value, str):
+            try:
+                return int(value, 8)
+            except ValueError:
+                raise SettingsError(f"socket_mode {value!r} is not octal (e.g. \"0660\")") from None
+        return int(value)
+    typ = _TYPES[str(field.type)]
+    if typ is bool:
+        if not isinstance(value, bool):
+            raise SettingsError(f"{name} must be true or false, got {value!r}")
+        return value
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, typ) or isinstance(value, bool) and typ is not bool:
+        raise SettingsError(f"{name} must be a {typ.__name__}, got {value!r}")
+    return value
+
+
+def load_settings(config_file: str | None = None, overrides: Mapping[str, Any] | None = None) -> DaemonSettings:
+    """Defaults, then the config file (if any), then ``overrides`` (flags; None values ignored)."""
+    values: dict[str, Any] = {}
+    path = config_file if config_file is not None else (DEFAULT_CONFIG_FILE if os.path.exists(DEFAULT_CONFIG_FILE) else None)
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                values.update(tomllib.load(f))
+        except FileNotFoundError:
+            raise SettingsError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise SettingsError(f"{path}: {e}") from None
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    fields = {f.name: f for f in dataclasses.fields(DaemonSettings)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise SettingsError(f"unknown setting(s) {', '.join(unknown)}{f' in {path}' if path else ''}")
+    kwargs = {k: _coerce(k, v, fields[k]) for k, v in values.items()}
+    kwargs.setdefault("socket", default_socket())
+    kwargs.setdefault("state_dir", default_state_dir())
+    try:
+        return DaemonSettings(**kwargs)
+    except SettingsError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise SettingsError(str(e)) from None

@@ -1,0 +1,316 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Layout(_message.Message):
+    __slots__ = ("model", "num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_tokens", "lora_name", "lora_version", "extra", "vocab_size")
+    class ExtraEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    chunk_tokens: int
+    lora_name: str
+    lora_version: str
+    extra: _containers.ScalarMap[str, str]
+    vocab_size: int
+    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., lora_version: _Optional[str] = ..., extra: _Optional[_Mapping[str, str]] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+
+class RegisterLayoutRequest(_message.Message):
+    __slots__ = ("layout",)
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    layout: Layout
+    def __init__(self, layout: _Optional[_Union[Layout, _Mapping]] = ...) -> None: ...
+
+class RegisterLayoutResponse(_message.Message):
+    __slots__ = ("layout_id", "chunk_bytes")
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    layout_id: str
+    chunk_bytes: int
+    def __init__(self, layout_id: _Optional[str] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("layout_id", "tokens")
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    layout_id: str
+    tokens: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("cached_tokens",)
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    cached_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ChunkLocation(_message.Message):
+    __slots__ = ("position", "block", "offset", "nbytes")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    block: int
+    offset: int
+    nbytes: int
+    def __init__(self, position: _Optional[int] = ..., block: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("layout_id", "tokens", "session_id", "ttl_seconds")
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    layout_id: str
+    tokens: bytes
+    session_id: str
+    ttl_seconds: float
+    def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., session_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class AcquireResponse(_message.Message):
+    __slots__ = ("lease_id", "matched_tokens", "chunks", "ttl_seconds", "pool_generation")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    matched_tokens: int
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkLocation]
+    ttl_seconds: float
+    pool_generation: str
+    def __init__(self, lease_id: _Optional[str] = ..., matched_tokens: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkLocation, _Mapping]]] = ..., ttl_seconds: _Optional[float] = ..., pool_generation: _Optional[str] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_ids", "session_id")
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    session_id: str
+    def __init__(self, lease_ids: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("lease_ids", "ttl_seconds", "session_id")
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    ttl_seconds: float
+    session_id: str
+    def __init__(self, lease_ids: _Optional[_Iterable[str]] = ..., ttl_seconds: _Optional[float] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("ttl_seconds",)
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ttl_seconds: float
+    def __init__(self, ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("layout_id", "tokens", "session_id", "ttl_seconds")
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    layout_id: str
+    tokens: bytes
+    session_id: str
+    ttl_seconds: float
+    def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., session_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("reservation_id", "cached_tokens", "in_flight_tokens", "slots", "ttl_seconds", "pool_generation")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    cached_tokens: int
+    in_flight_tokens: int
+    slots: _containers.RepeatedCompositeFieldContainer[ChunkLocation]
+    ttl_seconds: float
+    pool_generation: str
+    def __init__(self, reservation_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[ChunkLocation, _Mapping]]] = ..., ttl_seconds: _Optional[float] = ..., pool_generation: _Optional[str] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("reservation_id", "chunks")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    chunks: int
+    def __init__(self, reservation_id: _Optional[str] = ..., chunks: _Optional[int] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("committed_chunks", "cached_tokens")
+    COMMITTED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    committed_chunks: int
+    cached_tokens: int
+    def __init__(self, committed_chunks: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("reservation_ids",)
+    RESERVATION_IDS_FIELD_NUMBER: _ClassVar[int]
+    reservation_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, reservation_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("aborted",)
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    aborted: int
+    def __init__(self, aborted: _Optional[int] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("client_name",)
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    def __init__(self, client_name: _Optional[str] = ...) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("session_id", "pool_generation")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    pool_generation: str
+    def __init__(self, session_id: _Optional[str] = ..., pool_generation: _Optional[str] = ...) -> None: ...
+
+class PoolHandleRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PoolHandle(_message.Message):
+    __slots__ = ("kind", "name", "ipc_handle", "block_bytes", "num_blocks", "generation", "device_uuid")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    name: str
+    ipc_handle: bytes
+    block_bytes: int
+    num_blocks: int
+    generation: str
+    device_uuid: str
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., generation: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+
+class PutBytesRequest(_message.Message):
+    __slots__ = ("layout_id", "tokens", "chunks", "session_id")
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    layout_id: str
+    tokens: bytes
+    chunks: _containers.RepeatedScalarFieldContainer[bytes]
+    session_id: str
+    def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., chunks: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class GetBytesRequest(_message.Message):
+    __slots__ = ("layout_id", "tokens", "session_id")
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    layout_id: str
+    tokens: bytes
+    session_id: str
+    def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class GetBytesResponse(_message.Message):
+    __slots__ = ("matched_tokens", "chunks")
+    MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    matched_tokens: int
+    chunks: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, matched_tokens: _Optional[int] = ..., chunks: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("json", "version", "uptime_seconds", "listen")
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LISTEN_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    version: str
+    uptime_seconds: float
+    listen: str
+    def __init__(self, json: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., listen: _Optional[str] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("layout_id",)
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    layout_id: str
+    def __init__(self, layout_id: _Optional[str] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("chunks", "bytes")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    chunks: int
+    bytes: int
+    def __init__(self, chunks: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class FlushRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FlushResponse(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: int
+    def __init__(self, chunks: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("flushed_chunks", "leases_active")
+    FLUSHED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    flushed_chunks: int
+    leases_active: int
+    def __init__(self, flushed_chunks: _Optional[int] = ..., leases_active: _Optional[int] = ...) -> None: ...
+
+class PingRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PingResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
