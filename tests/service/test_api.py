@@ -1,0 +1,201 @@
+"""The gRPC surface: status codes for bad requests, health, reflection, the committed stubs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+import torch
+from google.protobuf import descriptor_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from kvcached.v1 import kvcached_pb2 as pb
+from kvcached.v1 import kvcached_pb2_grpc as pb_grpc
+from kvcached_client import AsyncClient, Client
+from tests.service.conftest import LAYOUT
+
+CT = LAYOUT.chunk_tokens
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def tokens(n: int, start: int = 0) -> bytes:
+    import numpy as np
+
+    return np.arange(start, start + n, dtype="<u4").tobytes()
+
+
+def state(c: Client) -> tuple:
+    s = c.stats()
+    return (s["indexed_chunks"], s["leases_active"], s["reservations_active"], s["pool"]["blocks_free"],
+            s["nvme"]["chunks"], s["layouts"])
+
+
+@pytest.fixture
+def ready(daemon):
+    """A daemon with one registered layout, 2 cached chunks and a live session."""
+    c = Client(daemon.socket)
+    c.put(LAYOUT, list(range(2 * CT)), torch.zeros(2, 2, 2, 2 * CT, 8))
+    lid = c.register(LAYOUT)
+    sid = c.session_id()
+    yield c, c._stub, lid, sid
+    c.close()
+
+
+def _bad_requests(lid: str, sid: str) -> list:
+    big_layout = pb.Layout(model="m", num_layers=4096, num_kv_heads=64, head_dim=512, dtype="float32", chunk_tokens=128)
+    return [
+        ("unknown-layout", "Acquire", pb.AcquireRequest(layout_id="nope", tokens=tokens(CT)), grpc.StatusCode.NOT_FOUND),
+        ("unknown-layout-lookup", "Lookup", pb.LookupRequest(layout_id="nope", tokens=[tokens(CT)]), grpc.StatusCode.NOT_FOUND),
+        ("ragged-tokens", "Acquire", pb.AcquireRequest(layout_id=lid, tokens=b"\x01\x02\x03"), grpc.StatusCode.INVALID_ARGUMENT),
+        ("ragged-tokens-reserve", "Reserve", pb.ReserveRequest(layout_id=lid, tokens=b"\x01" * 7), grpc.StatusCode.INVALID_ARGUMENT),
+        ("ragged-tokens-lookup", "Lookup", pb.LookupRequest(layout_id=lid, tokens=[tokens(4), b"\x00"]), grpc.StatusCode.INVALID_ARGUMENT),
+        ("unknown-lease", "Release", pb.ReleaseRequest(lease_ids=["lease-0000000000000000"]), grpc.StatusCode.NOT_FOUND),
+        ("unknown-lease-keepalive", "KeepAlive", pb.KeepAliveRequest(lease_ids=["lease-x"]), grpc.StatusCode.NOT_FOUND),
+        ("unknown-reservation", "Commit", pb.CommitRequest(reservation_id="put-x"), grpc.StatusCode.NOT_FOUND),
+        ("unknown-reservation-abort", "Abort", pb.AbortRequest(reservation_ids=["put-x"]), grpc.StatusCode.NOT_FOUND),
+        ("closed-session", "Acquire", pb.AcquireRequest(layout_id=lid, tokens=tokens(CT), session_id="session-gone"),
+         grpc.StatusCode.FAILED_PRECONDITION),
+        ("negative-ttl", "Acquire", pb.AcquireRequest(layout_id=lid, tokens=tokens(CT), ttl_seconds=-1), grpc.StatusCode.INVALID_ARGUMENT),
+        ("huge-ttl", "Reserve", pb.ReserveRequest(layout_id=lid, tokens=tokens(CT), ttl_seconds=1e9), grpc.StatusCode.INVALID_ARGUMENT),
+        ("empty-layout", "RegisterLayout", pb.RegisterLayoutRequest(), grpc.StatusCode.INVALID_ARGUMENT),
+        ("zero-layers", "RegisterLayout", pb.RegisterLayoutRequest(layout=pb.Layout(model="m", num_kv_heads=1, head_dim=1)),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        ("bad-dtype", "RegisterLayout", pb.RegisterLayoutRequest(layout=pb.Layout(model="m", num_layers=1, num_kv_heads=1, head_dim=1, dtype="float64")),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        ("chunk-larger-than-block", "RegisterLayout", pb.RegisterLayoutRequest(layout=big_layout), grpc.StatusCode.INVALID_ARGUMENT),
+        ("wrong-chunk-size", "PutBytes", pb.PutBytesRequest(layout_id=lid, tokens=tokens(CT, 500), chunks=[b"x" * 10]),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        ("too-few-chunks", "PutBytes", pb.PutBytesRequest(layout_id=lid, tokens=tokens(2 * CT, 500), chunks=[bytes(LAYOUT.chunk_bytes)]),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        ("commit-too-many", "Commit", None, grpc.StatusCode.INVALID_ARGUMENT),  # filled in below
+        ("oversized-message", "PutBytes", pb.PutBytesRequest(layout_id=lid, tokens=tokens(CT), chunks=[bytes(600_000)]),
+         grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ]
+
+
+@pytest.mark.parametrize("case", range(20))
+def test_bad_requests_get_the_right_status_and_change_nothing(make_daemon, case):
+    d = make_daemon(max_message_bytes="512K")
+    with Client(d.socket) as c:
+        c.put(LAYOUT, list(range(2 * CT)), torch.zeros(2, 2, 2, 2 * CT, 8))
+        lid, sid = c.register(LAYOUT), c.session_id()
+        lease = c.acquire(LAYOUT, list(range(CT)))
+        name, method, req, code = _bad_requests(lid, sid)[case]
+        if name == "commit-too-many":
+            r = c._stub.Reserve(pb.ReserveRequest(layout_id=lid, tokens=tokens(CT, 900), session_id=sid))
+            req = pb.CommitRequest(reservation_id=r.reservation_id, chunks=5)
+        before = state(c)
+        with pytest.raises(grpc.RpcError) as ei:
+            getattr(c._stub, method)(req, timeout=10)
+        assert ei.value.code() == code, (name, ei.value.details())
+        assert ei.value.details()  # a message a person can act on
+        assert state(c) == before, name
+        c.ping()  # still serving
+        lease.release()
+
+
+def test_health_and_reflection(daemon):
+    with grpc.insecure_channel(f"unix:{daemon.socket}") as ch:
+        h = health_pb2_grpc.HealthStub(ch)
+        assert h.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.SERVING
+        r = h.Check(health_pb2.HealthCheckRequest(service="kvcached.v1.KVCache"))
+        assert r.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = {s.name for s in resp.list_services_response.service}
+        assert {"kvcached.v1.KVCache", "grpc.health.v1.Health"} <= names
+        req = reflection_pb2.ServerReflectionRequest(file_containing_symbol="kvcached.v1.KVCache")
+        resp = next(refl.ServerReflectionInfo(iter([req])))
+        fd = descriptor_pb2.FileDescriptorProto.FromString(resp.file_descriptor_response.file_descriptor_proto[0])
+        assert fd.package == "kvcached.v1" and "Acquire" in [m.name for m in fd.service[0].method]
+
+
+def test_committed_stubs_match_the_proto(tmp_path):
+    """Fails when protos/ changed and scripts/gen-protos was not run."""
+    out = tmp_path / "fds.bin"
+    subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT}/protos", f"--descriptor_set_out={out}",
+         f"{ROOT}/protos/kvcached/v1/kvcached.proto"],
+        check=True, capture_output=True,
+    )
+    fresh = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file[0]
+    _strip_json_names(fresh.message_type)  # --descriptor_set_out adds them; the embedded copy omits them
+    committed = descriptor_pb2.FileDescriptorProto.FromString(pb.DESCRIPTOR.serialized_pb)
+    assert fresh == committed
+    for name in ("RegisterLayout", "Acquire", "Release", "KeepAlive", "Reserve", "Commit", "Abort", "Session",
+                 "GetPoolHandle", "PutBytes", "GetBytes", "Stats", "Evict", "Flush", "Drain"):
+        assert hasattr(pb_grpc.KVCacheStub, "__init__") and name in pb.DESCRIPTOR.services_by_name["KVCache"].methods_by_name
+
+
+def _strip_json_names(messages) -> None:
+    for m in messages:
+        for f in m.field:
+            f.ClearField("json_name")
+        _strip_json_names(m.nested_type)
+
+
+def test_bytes_fallback_round_trip(ready):
+    c, stub, lid, sid = ready
+    chunks = [bytes([i]) * LAYOUT.chunk_bytes for i in range(3)]
+    toks = list(range(5000, 5000 + 3 * CT))
+    assert c.put_bytes(LAYOUT, toks, chunks) == 3
+    assert c.get_bytes(LAYOUT, toks + [1]) == chunks
+    assert c.stats()["leases_active"] == 0  # the fallback read leaves no lease behind
+
+
+def test_in_flight_writer_is_told(ready):
+    c, stub, lid, sid = ready
+    t = tokens(2 * CT, 7000)
+    r1 = stub.Reserve(pb.ReserveRequest(layout_id=lid, tokens=t, session_id=sid))
+    r2 = stub.Reserve(pb.ReserveRequest(layout_id=lid, tokens=t, session_id=sid))
+    assert len(r1.slots) == 2 and len(r2.slots) == 0 and r2.in_flight_tokens == 2 * CT
+    stub.Commit(pb.CommitRequest(reservation_id=r1.reservation_id))
+    stub.Commit(pb.CommitRequest(reservation_id=r2.reservation_id))
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.Commit(pb.CommitRequest(reservation_id=r1.reservation_id))
+    assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "already committed" in ei.value.details()
+
+
+def test_batch_release_is_all_or_nothing(ready):
+    c, stub, lid, sid = ready
+    a = c.acquire(LAYOUT, list(range(CT)))
+    b = c.acquire(LAYOUT, list(range(CT)))
+    with pytest.raises(grpc.RpcError):
+        stub.Release(pb.ReleaseRequest(lease_ids=[a.lease_id, "lease-never"]))
+    assert c.stats()["leases_active"] == 2
+    assert stub.Release(pb.ReleaseRequest(lease_ids=[a.lease_id, b.lease_id, a.lease_id])).released == 2
+
+
+def test_async_client(daemon):
+    async def main() -> None:
+        async with AsyncClient(daemon.socket) as c:
+            kv = torch.randn(2, 2, 2, 2 * CT, 8)
+            assert await c.put(LAYOUT, list(range(2 * CT)), kv) == 2
+            assert await c.lookup(LAYOUT, list(range(2 * CT))) == 2 * CT
+            leases = await asyncio.gather(*[c.acquire(LAYOUT, list(range(2 * CT))) for _ in range(8)])
+            assert all(torch.equal(lease.chunk(1), kv[:, :, :, CT:]) for lease in leases)
+            assert (await c.stats())["leases_active"] == 8
+            for lease in leases:
+                await lease.release()
+            assert (await c.stats())["leases_active"] == 0
+
+    asyncio.run(main())
+
+
+def test_tcp_on_loopback(make_daemon):
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    d = make_daemon(tcp_listen=f"127.0.0.1:{port}")
+    with Client(f"ipv4:127.0.0.1:{port}", session=False) as c:
+        c.ping()
+        assert json.dumps(c.stats())

@@ -1,0 +1,202 @@
+"""The daemon as a process: clients in other processes, restarts, crashes, TTLs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from kvcached_client import Client, FailedPreconditionError
+from tests.service.conftest import LAYOUT, run_py
+
+CT = LAYOUT.chunk_tokens
+
+_WRITER = r"""
+import sys, torch
+from kvcached_client import Client
+from tests.service.conftest import LAYOUT
+sock, n = sys.argv[1], int(sys.argv[2])
+g = torch.Generator().manual_seed(7)
+kv = torch.randn(2, LAYOUT.num_layers, LAYOUT.num_kv_heads, n, LAYOUT.head_dim, generator=g)
+with Client(sock) as c:
+    print(c.put(LAYOUT, list(range(n)), kv))
+torch.save(kv, sys.argv[3])
+"""
+
+_READER = r"""
+import sys, json, torch
+from kvcached_client import Client
+from tests.service.conftest import LAYOUT
+sock, tokens = sys.argv[1], json.loads(sys.argv[2])
+with Client(sock) as c:
+    with c.acquire(LAYOUT, tokens) as lease:
+        torch.save(lease.kv().clone(), sys.argv[3])
+        print(lease.matched_tokens)
+"""
+
+
+def _env_ok(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout.strip()
+
+
+def test_two_client_processes_share_chunks(daemon, tmp_path):
+    n = 4 * CT + 5
+    assert _env_ok(run_py(_WRITER, daemon.socket, str(n), str(tmp_path / "kv.pt"))) == "4"
+    kv = torch.load(tmp_path / "kv.pt")
+    out = _env_ok(run_py(_READER, daemon.socket, json.dumps(list(range(n))), str(tmp_path / "got.pt")))
+    assert out == str(4 * CT)
+    assert torch.equal(torch.load(tmp_path / "got.pt"), kv[:, :, :, : 4 * CT])  # bit-exact
+    half = list(range(2 * CT)) + [10_000 + i for i in range(2 * CT)]  # shares only the first half
+    out = _env_ok(run_py(_READER, daemon.socket, json.dumps(half), str(tmp_path / "half.pt")))
+    assert out == str(2 * CT)
+    assert torch.equal(torch.load(tmp_path / "half.pt"), kv[:, :, :, : 2 * CT])
+
+
+def test_restart_finds_nvme_chunks_and_the_client_remaps(daemon, tmp_path):
+    kv = torch.randn(2, 2, 2, 3 * CT, 8)
+    toks = list(range(3 * CT))
+    with Client(daemon.socket) as c:
+        assert c.put(LAYOUT, toks, kv) == 3
+        with c.acquire(LAYOUT, toks) as lease:
+            first_gen = c._pool.generation
+            assert lease.matched_tokens == 3 * CT
+        assert daemon.stop() == 0  # SIGTERM writes pool-only chunks to NVMe
+        daemon.start()
+        with c.acquire(LAYOUT, toks) as lease:  # same client object: reconnects, new session, new pool
+            assert lease.matched_tokens == 3 * CT
+            assert torch.equal(lease.kv(), kv)
+        assert c._pool.generation != first_gen and c.pool_maps == 2
+    assert "index rebuilt" in daemon.log()
+
+
+def test_pool_is_mapped_once_per_generation(daemon):
+    kv = torch.randn(2, 2, 2, 2 * CT, 8)
+    with Client(daemon.socket) as c:
+        c.put(LAYOUT, list(range(2 * CT)), kv)
+        for _ in range(5):
+            with c.acquire(LAYOUT, list(range(2 * CT))) as lease:
+                lease.chunk(1)
+        assert c.pool_maps == 1
+
+
+_HOLDER = r"""
+import sys, time, torch
+from kvcached_client import Client
+from tests.service.conftest import LAYOUT
+from kvcached.v1 import kvcached_pb2 as pb
+c = Client(sys.argv[1])
+toks = list(range(4 * 16))
+c.put(LAYOUT, toks, torch.zeros(2, 2, 2, 64, 8))
+leases = [c.acquire(LAYOUT, toks, ttl=3600) for _ in range(3)]
+lid = c.register(LAYOUT)
+r = c._stub.Reserve(pb.ReserveRequest(layout_id=lid, tokens=bytes(range(256)) * 4, session_id=c.session_id(), ttl_seconds=3600))
+print(len(r.slots), flush=True)
+time.sleep(600)
+"""
+
+
+def test_sigkilled_client_leaks_nothing(daemon):
+    p = subprocess.Popen([sys.executable, "-c", _HOLDER, daemon.socket], stdout=subprocess.PIPE, text=True)
+    reserved = int(p.stdout.readline())
+    assert reserved > 0
+    with Client(daemon.socket, session=False) as c:
+        s = c.stats()
+        assert s["leases_active"] == 3 and s["reservations_active"] == 1
+        assert s["pool"]["blocks_leased"] == 4 and s["pool"]["blocks_reserved"] == reserved
+        p.kill()  # SIGKILL: no goodbye
+        p.wait()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (c.stats()["leases_active"] or c.stats()["reservations_active"]):
+            time.sleep(0.05)
+        s = c.stats()
+        assert s["leases_active"] == 0 and s["reservations_active"] == 0 and s["sessions_open"] == 0
+        assert s["pool"]["blocks_reserved"] == 0 and s["pool"]["blocks_leased"] == 0
+        chunks, _ = c.evict()
+        assert chunks == 4
+        p2 = c.stats()["pool"]
+        assert p2["blocks_free"] == p2["blocks_total"]  # fully reclaimable
+    assert "released 3 leases, aborted 1 reservations" in daemon.log()
+
+
+def test_lease_ttl_expiry_and_keep_alive(make_daemon):
+    d = make_daemon(lease_ttl=1.0)
+    with Client(d.socket) as c:
+        c.put(LAYOUT, list(range(CT)), torch.zeros(2, 2, 2, CT, 8))
+        kept = c.acquire(LAYOUT, list(range(CT)))
+        lost = c.acquire(LAYOUT, list(range(CT)))
+        for _ in range(4):
+            time.sleep(0.4)
+            assert kept.keep_alive() > 0.5
+        time.sleep(0.3)
+        assert c.stats()["leases_active"] == 1  # only the one kept alive
+        with pytest.raises(FailedPreconditionError, match="expired"):
+            lost.keep_alive()
+        kept.release()
+        assert c.stats()["counters"]["leases_expired"] == 1
+
+
+def test_socket_mode_and_clean_shutdown(daemon):
+    assert stat.S_IMODE(os.stat(daemon.socket).st_mode) == 0o660
+    pool = [line for line in daemon.log().splitlines() if "pool: host shared memory" in line][0]
+    shm = pool.split("memory ")[1].split(",")[0]
+    assert os.path.exists(shm)
+    assert daemon.stop() == 0
+    assert not os.path.exists(daemon.socket) and not os.path.exists(shm)
+    assert "stopped" in daemon.log()
+
+
+def test_second_daemon_on_same_socket_is_refused(daemon):
+    r = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "kvcached"), "serve", "--socket", daemon.socket,
+         "--state-dir", daemon.state_dir + "2", "--pool-bytes", "1M", "--nvme-bytes", "0"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 1 and "already served" in r.stderr
+
+
+def test_sighup_reloads_reloadable_settings(make_daemon):
+    d = make_daemon(lease_ttl=30.0)
+    d.settings["lease_ttl"] = 5.0
+    d.settings["pool_bytes"] = "8M"
+    d.write_config()
+    d.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while "reloaded" not in d.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "reloaded: lease_ttl" in d.log()
+    assert "pool_bytes need a restart" in d.log()
+    with Client(d.socket) as c:
+        c.put(LAYOUT, list(range(CT)), torch.zeros(2, 2, 2, CT, 8))
+        with c.acquire(LAYOUT, list(range(CT))) as lease:
+            assert 4.0 < lease.keep_alive() <= 5.0
+
+
+def test_kvcachectl_against_a_daemon(daemon):
+    def ctl(*args, stdin=None):
+        exe = os.path.join(os.path.dirname(sys.executable), "kvcachectl")
+        return subprocess.run([exe, "--socket", daemon.socket, *args], input=stdin, capture_output=True, text=True,
+                              timeout=60)
+
+    with Client(daemon.socket) as c:
+        c.put(LAYOUT, list(range(3 * CT)), torch.zeros(2, 2, 2, 3 * CT, 8))
+    r = ctl("status")
+    assert r.returncode == 0 and "3 indexed in 1 layouts" in r.stdout
+    s = json.loads(ctl("stats", "--json").stdout)
+    assert s["indexed_chunks"] == 3 and s["pool"]["blocks_cached"] == 3
+    r = ctl("lookup", "--json", stdin=" ".join(map(str, range(2 * CT + 3))))
+    assert json.loads(r.stdout)["cached_tokens"] == 2 * CT
+    assert json.loads(ctl("flush", "--json").stdout) == {"chunks": 3}
+    assert json.loads(ctl("evict", "--json").stdout)["chunks"] == 3
+    r = ctl("drain", "--json")
+    assert json.loads(r.stdout)["leases_active"] == 0
+    with Client(daemon.socket) as c:
+        with pytest.raises(Exception, match="draining"):
+            c.acquire(LAYOUT, list(range(CT)))
