@@ -19,9 +19,10 @@ class ChunkLocation(NamedTuple):
 
     position: int
     chunk_hash: ChunkHash
-    block: int
-    offset: int
+    block: int  # -1 when the chunk is read from NVMe (tier NVME)
+    offset: int  # -1 likewise
     nbytes: int
+    tier: int = 1  # kvcached.locations.POOL or NVME
 
 
 @dataclass(frozen=True)

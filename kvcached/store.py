@@ -176,12 +176,16 @@ class Store:
         *,
         ttl: float | None = None,
         max_chunks: int | None = None,
+        promote: bool = True,
     ) -> LeaseReceipt:
-        """Pin the longest cached prefix (in the pool) and return where it lives.
+        """Pin the longest cached prefix and return where it lives.
 
-        NVMe-only chunks of the prefix are promoted into the pool first. If
-        a chunk cannot be promoted (pool full of leased chunks, or its NVMe
-        copy is corrupt) the lease covers only the prefix before it. A lease
+        With ``promote`` (the default), NVMe-only chunks of the prefix are
+        promoted into the pool first; if a chunk cannot be promoted (pool
+        full of leased chunks, or its NVMe copy is corrupt) the lease covers
+        only the prefix before it. Without ``promote`` they stay on NVMe,
+        pinned (so not evicted) for the lease's life, and are reported with
+        tier NVME for the caller to read from the LMDB file itself. A lease
         with zero chunks is still a valid lease (release it like any other).
         """
         with self._lock:
@@ -191,7 +195,8 @@ class Store:
             now = self._clock()
             nodes = self.index.match(hashes if max_chunks is None else hashes[:max_chunks])
             self.index.pin(nodes, now)
-            nodes = self._ensure_in_pool(nodes, now)
+            if promote or self.nvme is None:
+                nodes = self._ensure_in_pool(nodes, now)
             entry = self._leases.add(session, tuple(nodes), ttl or self.config.lease_ttl, now)
             c = self.counters
             c.acquires += 1
@@ -218,12 +223,22 @@ class Store:
         return nodes
 
     def _lease_receipt(self, entry: Entry[tuple[Node, ...]], layout_id: LayoutId, layout: KVLayout) -> LeaseReceipt:
-        hashes = [node.hash for node in entry.payload]
+        nodes = entry.payload
         new = tuple.__new__  # NamedTuple construction without the Python-level __new__
-        chunks = [
-            new(ChunkLocation, (pos, h, b, off, n))
-            for pos, (h, (b, off, n)) in enumerate(zip(hashes, self.pool.locate_many(hashes)))
-        ]
+        if all(n.tiers & POOL for n in nodes):
+            hashes = [n.hash for n in nodes]
+            chunks = [
+                new(ChunkLocation, (pos, h, b, off, n, POOL))
+                for pos, (h, (b, off, n)) in enumerate(zip(hashes, self.pool.locate_many(hashes)))
+            ]
+        else:
+            chunks = []
+            for pos, node in enumerate(nodes):
+                if node.tiers & POOL:
+                    b, n = self.pool.locate(node.hash)
+                    chunks.append(new(ChunkLocation, (pos, node.hash, b, b * self.pool.block_bytes, n, POOL)))
+                else:
+                    chunks.append(new(ChunkLocation, (pos, node.hash, -1, -1, layout.chunk_bytes, NVME)))
         return LeaseReceipt(
             LeaseId(entry.id),
             entry.session,
@@ -292,6 +307,8 @@ class Store:
             if not 0 <= position < len(receipt.chunks):
                 raise InvalidKV(f"chunk {position} is outside the lease's {len(receipt.chunks)} chunks")
             loc = receipt.chunks[position]
+            if loc.tier == NVME and self.nvme is not None:
+                return self.nvme.read(loc.chunk_hash)
             return self.pool.read(loc.chunk_hash)
 
     # -- write path (two-phase; see kvcached.writes) -------------------------------------

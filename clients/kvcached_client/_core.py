@@ -61,10 +61,11 @@ class Location:
     position: int
     offset: int
     nbytes: int
+    nvme_key: bytes = b""  # set when the chunk is to be read from the NVMe tier directly
 
 
 def locations(chunks: Sequence[Any]) -> tuple[Location, ...]:
-    return tuple(Location(c.position, c.offset, c.nbytes) for c in chunks)
+    return tuple(Location(c.position, c.offset, c.nbytes, c.nvme_key) for c in chunks)
 
 
 def validate_kv(layout: KVLayout, kv: "torch.Tensor", n_tokens: int) -> None:

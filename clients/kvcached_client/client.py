@@ -34,8 +34,18 @@ from kvcached.keys import KVLayout, TokenInput
 from kvcached.v1 import kvcached_pb2 as pb
 from kvcached.v1 import kvcached_pb2_grpc as pb_grpc
 from kvcached_client import _core
-from kvcached_client.errors import FailedPreconditionError, KvcachedError, NotFoundError, from_rpc_error
+from kvcached_client.errors import (
+    FailedPreconditionError,
+    KvcachedError,
+    NotFoundError,
+    PoolMappingError,
+    from_rpc_error,
+)
+from kvcached_client.nvme import NvmeReader
 from kvcached_client.pool import PoolMap
+
+#: How NVMe-only chunks reach a client unless it says otherwise; see bench/chunk_read.py.
+NVME_READ_DEFAULT = "promote"
 
 if TYPE_CHECKING:
     import torch
@@ -54,15 +64,22 @@ class Lease:
         self.locations = _core.locations(resp.chunks)
         self.ttl_seconds: float = resp.ttl_seconds
         self.released = False
+        self._nvme_cache: dict[int, "torch.Tensor"] = {}
 
     def __len__(self) -> int:
         return len(self.locations)
 
     def chunk(self, i: int) -> "torch.Tensor":
-        """Chunk ``i`` as a [2, layers, kv_heads, chunk_tokens, head_dim] view of the pool (no copy)."""
+        """Chunk ``i`` as a [2, layers, kv_heads, chunk_tokens, head_dim] tensor: a view of the
+        pool (no copy), or, for a chunk read straight from NVMe, a new tensor (one copy)."""
         if self.released:
             raise FailedPreconditionError("the lease was released; its chunks may already hold other data")
         loc = self.locations[i]
+        if loc.nvme_key:
+            t = self._nvme_cache.get(i)
+            if t is None:
+                t = self._nvme_cache[i] = self._client._nvme.read(self.layout, loc.nvme_key)
+            return t
         return self._client._pool.view(self.layout, loc.offset, loc.nbytes)
 
     def kv(self) -> "torch.Tensor":
@@ -99,13 +116,23 @@ class Client:
         timeout: float = 10.0,
         client_name: str | None = None,
         session: bool = True,
+        nvme_read: str = NVME_READ_DEFAULT,
     ) -> None:
+        """``nvme_read``: how chunks found only on NVMe reach this process. "promote": the
+        daemon copies them into the pool; "direct": this process reads the LMDB file itself
+        (same host, access to the state directory). The default is the faster one as measured
+        by bench/chunk_read.py."""
+        if nvme_read not in ("promote", "direct"):
+            raise ValueError("nvme_read must be 'promote' or 'direct'")
+        self.nvme_read = nvme_read
         self.target = _core.target(socket)
         self.timeout = timeout
         self.client_name = client_name or f"pid {os.getpid()}"
         self._channel = grpc.insecure_channel(self.target, options=_core.CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVCacheStub(self._channel)
         self._pool = PoolMap()
+        self._nvme = NvmeReader()
+        self._handle: pb.PoolHandle | None = None
         self._layouts: dict[KVLayout, str] = {}
         self._lock = threading.Lock()
         self._use_session = session
@@ -183,7 +210,11 @@ class Client:
 
     def _ensure_pool(self, generation: str) -> None:
         if self._pool.generation != generation:
-            self._pool.ensure(self.pool_handle())
+            msg = self._call(self._stub.GetPoolHandle, pb.PoolHandleRequest())
+            self._handle = msg
+            self._pool.ensure(_core.handle_from_proto(msg))
+            if self._nvme.path is not None and self._nvme.path != msg.nvme_path:
+                self._nvme.close()
 
     # -- API -------------------------------------------------------------------------------
 
@@ -207,13 +238,20 @@ class Client:
 
         def go(lid: str) -> pb.AcquireResponse:
             return self._with_session(lambda sid: self._call(
-                self._stub.Acquire, pb.AcquireRequest(layout_id=lid, tokens=packed, session_id=sid, ttl_seconds=ttl or 0)))
+                self._stub.Acquire, pb.AcquireRequest(layout_id=lid, tokens=packed, session_id=sid, ttl_seconds=ttl or 0,
+                                                      read_nvme_directly=direct)))
 
+        direct = self.nvme_read == "direct"
         resp = self._with_layout(layout, go)
         lease = Lease(self, layout, resp)
         if lease.locations:
             try:
                 self._ensure_pool(resp.pool_generation)
+                if direct and any(loc.nvme_key for loc in lease.locations) and self._nvme.path is None:
+                    assert self._handle is not None
+                    if not self._handle.nvme_path:
+                        raise PoolMappingError("the daemon has no NVMe tier to read from")
+                    self._nvme.open(self._handle.nvme_path)
             except BaseException:
                 lease.release()
                 raise
@@ -303,6 +341,7 @@ class Client:
                 self._session_call.cancel()
             self._session_id = self._session_end = self._session_call = None
         self._pool.close()
+        self._nvme.close()
         self._channel.close()
 
     def __enter__(self) -> "Client":

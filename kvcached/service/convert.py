@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvcached.errors import InvalidLayout, InvalidTokens
 from kvcached.keys import KVLayout
+from kvcached.locations import POOL
 from kvcached.receipts import ChunkLocation, LeaseReceipt, ReservationReceipt
 from kvcached.tiers.pool_shm import PoolHandle
 from kvcached.v1 import kvcached_pb2 as pb
@@ -49,7 +50,13 @@ def tokens_from_proto(raw: bytes) -> bytes:
 
 
 def locations_to_proto(chunks: tuple[ChunkLocation, ...]) -> list[pb.ChunkLocation]:
-    return [pb.ChunkLocation(position=c.position, block=c.block, offset=c.offset, nbytes=c.nbytes) for c in chunks]
+    out = []
+    for c in chunks:
+        if c.tier == POOL:
+            out.append(pb.ChunkLocation(position=c.position, block=c.block, offset=c.offset, nbytes=c.nbytes))
+        else:
+            out.append(pb.ChunkLocation(position=c.position, nbytes=c.nbytes, tier=pb.TIER_NVME, nvme_key=c.chunk_hash))
+    return out
 
 
 def lease_to_proto(r: LeaseReceipt, ttl: float) -> pb.AcquireResponse:
@@ -73,6 +80,6 @@ def reservation_to_proto(r: ReservationReceipt, ttl: float) -> pb.ReserveRespons
     )
 
 
-def pool_handle_to_proto(h: PoolHandle) -> pb.PoolHandle:
+def pool_handle_to_proto(h: PoolHandle, nvme_path: str = "") -> pb.PoolHandle:
     return pb.PoolHandle(kind=h.kind, name=h.name, block_bytes=h.block_bytes, num_blocks=h.num_blocks,
-                         generation=h.generation)
+                         generation=h.generation, nvme_path=nvme_path)

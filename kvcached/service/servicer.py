@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -141,7 +142,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             await self._invalid(context, "tokens must be packed little-endian uint32 (a multiple of 4 bytes)")
         session = await self._session(context, request.session_id)
         ttl = await self._ttl(context, request.ttl_seconds)
-        r = await self._run(context, self.store.acquire, request.layout_id, request.tokens, session, ttl=ttl)
+        r = await self._run(context, self.store.acquire, request.layout_id, request.tokens, session, ttl=ttl,
+                            promote=not request.read_nvme_directly)
         return convert.lease_to_proto(r, self._remaining(r.expires_at))
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
@@ -193,7 +195,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             fut.add_done_callback(lambda f: _log_session_end(sid, name, f))
 
     async def GetPoolHandle(self, request: pb.PoolHandleRequest, context) -> pb.PoolHandle:
-        return convert.pool_handle_to_proto(self.store.pool_handle())
+        nvme = self.store.nvme
+        return convert.pool_handle_to_proto(self.store.pool_handle(), os.path.abspath(nvme.path) if nvme else "")
 
     async def PutBytes(self, request: pb.PutBytesRequest, context) -> pb.CommitResponse:
         if not self._framed([request.tokens]):

@@ -1,10 +1,18 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_POOL: _ClassVar[Tier]
+    TIER_NVME: _ClassVar[Tier]
+TIER_POOL: Tier
+TIER_NVME: Tier
 
 class Layout(_message.Message):
     __slots__ = ("model", "num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_tokens", "lora_name", "lora_version", "extra", "vocab_size")
@@ -66,28 +74,34 @@ class LookupResponse(_message.Message):
     def __init__(self, cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChunkLocation(_message.Message):
-    __slots__ = ("position", "block", "offset", "nbytes")
+    __slots__ = ("position", "block", "offset", "nbytes", "tier", "nvme_key")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    NVME_KEY_FIELD_NUMBER: _ClassVar[int]
     position: int
     block: int
     offset: int
     nbytes: int
-    def __init__(self, position: _Optional[int] = ..., block: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    tier: Tier
+    nvme_key: bytes
+    def __init__(self, position: _Optional[int] = ..., block: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., nvme_key: _Optional[bytes] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("layout_id", "tokens", "session_id", "ttl_seconds")
+    __slots__ = ("layout_id", "tokens", "session_id", "ttl_seconds", "read_nvme_directly")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    READ_NVME_DIRECTLY_FIELD_NUMBER: _ClassVar[int]
     layout_id: str
     tokens: bytes
     session_id: str
     ttl_seconds: float
-    def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., session_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+    read_nvme_directly: bool
+    def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., session_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., read_nvme_directly: _Optional[bool] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease_id", "matched_tokens", "chunks", "ttl_seconds", "pool_generation")
@@ -208,7 +222,7 @@ class PoolHandleRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PoolHandle(_message.Message):
-    __slots__ = ("kind", "name", "ipc_handle", "block_bytes", "num_blocks", "generation", "device_uuid")
+    __slots__ = ("kind", "name", "ipc_handle", "block_bytes", "num_blocks", "generation", "device_uuid", "nvme_path")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +230,7 @@ class PoolHandle(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    NVME_PATH_FIELD_NUMBER: _ClassVar[int]
     kind: str
     name: str
     ipc_handle: bytes
@@ -223,7 +238,8 @@ class PoolHandle(_message.Message):
     num_blocks: int
     generation: str
     device_uuid: str
-    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., generation: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    nvme_path: str
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., generation: _Optional[str] = ..., device_uuid: _Optional[str] = ..., nvme_path: _Optional[str] = ...) -> None: ...
 
 class PutBytesRequest(_message.Message):
     __slots__ = ("layout_id", "tokens", "chunks", "session_id")

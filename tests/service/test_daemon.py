@@ -200,3 +200,27 @@ def test_kvcachectl_against_a_daemon(daemon):
     with Client(daemon.socket) as c:
         with pytest.raises(Exception, match="draining"):
             c.acquire(LAYOUT, list(range(CT)))
+
+
+@pytest.mark.parametrize("mode", ["promote", "direct"])
+def test_nvme_only_chunks_reach_the_client_both_ways(make_daemon, mode):
+    from kvcached.keys import KVLayout
+
+    fat = KVLayout("test/fat@1", num_layers=4, num_kv_heads=4, head_dim=64, dtype="float32", chunk_tokens=16)  # 128 KiB
+    d = make_daemon(pool_bytes="2M", pool_block_bytes="128K")  # 16 blocks
+    a = torch.randn(2, 4, 4, 3 * 16, 64)
+    with Client(d.socket, nvme_read=mode) as c:
+        c.put(fat, list(range(48)), a)
+        for k in range(5):  # 15 more chunks push a out of the pool: write-back demotes it to NVMe
+            c.put(fat, [1000 * (k + 1) + i for i in range(48)], torch.zeros(2, 4, 4, 48, 64))
+        s = c.stats()
+        assert s["counters"]["demotions"] == 2  # a1 and a2 (leaf-first); a0 stays: a lease mixes both tiers
+        with c.acquire(fat, list(range(48))) as lease:
+            assert lease.matched_tokens == 48
+            assert torch.equal(lease.kv(), a)
+        s = c.stats()
+        if mode == "direct":
+            assert s["counters"]["promotions"] == 0  # read from the LMDB file by the client
+        else:
+            assert s["counters"]["promotions"] >= 1
+        assert s["leases_active"] == 0
