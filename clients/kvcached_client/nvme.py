@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvcached.errors import CorruptChunk
 from kvcached.keys import KVLayout
-from kvcached.tiers.record import check_payload, decode_header
+from kvcached.tiers.record import verified_payload
 from kvcached_client.errors import KvcachedError, PoolMappingError
 
 if TYPE_CHECKING:
@@ -67,10 +67,7 @@ class NvmeReader:
             if value is None:
                 raise CorruptChunkError(f"chunk {key.hex()} is not in the NVMe tier")
             try:
-                _meta, plen, pcrc = decode_header(value, key)
-                if plen != layout.chunk_bytes:
-                    raise CorruptChunk(f"payload is {plen} bytes, the layout needs {layout.chunk_bytes}")
-                out.numpy()[:] = np.frombuffer(check_payload(value, pcrc), dtype=np.uint8)
+                out.numpy()[:] = np.frombuffer(verified_payload(value, key, layout.chunk_bytes), dtype=np.uint8)
             except CorruptChunk as e:
                 raise CorruptChunkError(f"NVMe chunk {key.hex()}: {e}") from None
         return out.view(torch_dtype(layout.dtype)).view(layout.chunk_shape)

@@ -39,7 +39,7 @@ from kvcached.errors import ChunkNotCached, CorruptChunk, InternalInvariantError
 from kvcached.keys import ChunkHash, KVLayout, LayoutId
 from kvcached.locations import TierId
 from kvcached.tiers.base import ChunkMeta, Slot, Tier
-from kvcached.tiers.record import HEADER_SIZE, check_payload, decode_header, encode_header
+from kvcached.tiers.record import HEADER_SIZE, decode_header, encode_header, verified_payload
 
 log = logging.getLogger(__name__)
 
@@ -145,8 +145,7 @@ class NvmeTier(Tier):
             value = txn.get(h)
             if value is not None:
                 try:
-                    _meta, _plen, pcrc = decode_header(value, h)
-                    out = bytes(check_payload(value, pcrc))
+                    out = bytes(verified_payload(value, h))
                 except CorruptChunk as e:
                     err = e
                 else:
@@ -166,10 +165,7 @@ class NvmeTier(Tier):
             if value is None:
                 raise ChunkNotCached(f"chunk {h.hex()} is not on NVMe")
             try:
-                _meta, plen, pcrc = decode_header(value, h)
-                if plen != dest.nbytes:
-                    raise CorruptChunk(f"payload is {plen} bytes, expected {dest.nbytes}")
-                dest[:] = check_payload(value, pcrc)
+                dest[:] = verified_payload(value, h, dest.nbytes)
             except CorruptChunk as e:
                 err = e
         if err is not None:

@@ -84,3 +84,15 @@ def check_payload(value: memoryview, pcrc: int) -> memoryview:
     if zlib.crc32(payload) != pcrc:
         raise CorruptChunk("payload CRC mismatch")
     return payload
+
+
+def verified_payload(value: memoryview | bytes, key: bytes, expected_len: int | None = None) -> memoryview:
+    """The payload of a stored value after every check (header, key, length, payload CRC).
+
+    Raises :class:`CorruptChunk`. Used by the daemon's NVMe tier and by clients
+    that read the LMDB file themselves.
+    """
+    _meta, plen, pcrc = decode_header(value, key)
+    if expected_len is not None and plen != expected_len:
+        raise CorruptChunk(f"payload is {plen} bytes, expected {expected_len}")
+    return check_payload(memoryview(value), pcrc)

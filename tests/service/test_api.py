@@ -195,7 +195,7 @@ def test_tcp_on_loopback(make_daemon):
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    d = make_daemon(tcp_listen=f"127.0.0.1:{port}")
+    make_daemon(tcp_listen=f"127.0.0.1:{port}")
     with Client(f"ipv4:127.0.0.1:{port}", session=False) as c:
         c.ping()
         assert json.dumps(c.stats())
