@@ -187,3 +187,146 @@ def _json_default(o: object) -> object:
     if isinstance(o, (set, frozenset, tuple)):
         return list(o)
     return str(o)
+
+
+# -- helpers for the benchmarks that talk to a real daemon (rpc_latency, chunk_read) ----------
+
+
+def install_sigterm_exit() -> None:
+    """Turn SIGTERM into SystemExit so ``finally`` blocks (stopping daemons) still run."""
+    import signal
+
+    def _exit(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
+
+
+def _toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(str(v))  # a TOML basic string for anything we write here
+
+
+class Daemon:
+    """A real ``kvcached serve`` process on a Unix socket in its own temp dir.
+
+    ``settings`` are :class:`kvcached.settings.DaemonSettings` fields, written
+    to a TOML file and passed with ``--config``; ``socket`` and ``state_dir``
+    are set here. Use as a context manager: it is stopped with SIGTERM (then
+    SIGKILL after ``stop_timeout``) and its directory removed on exit, also on
+    error. Its stdout/stderr go to files in the temp dir (``log_tail()``).
+    """
+
+    def __init__(self, settings: dict, *, prefix: str = "kvc-bench-", ready_timeout: float = 120.0,
+                 stop_timeout: float = 60.0, prelude: str | None = None) -> None:
+        import tempfile
+
+        self.settings = dict(settings)
+        self.dir = tempfile.mkdtemp(prefix=prefix)
+        self.socket = os.path.join(self.dir, "kv.sock")
+        self.state_dir = os.path.join(self.dir, "state")
+        self.ready_timeout = ready_timeout
+        self.stop_timeout = stop_timeout
+        self.proc = None
+        self.exit_code: int | None = None
+        self.ready_text = ""
+        self.prelude = prelude  # Python run in the daemon before ``kvcached serve`` (what-if patches)
+
+    @property
+    def nvme_path(self) -> str:
+        """The LMDB environment of the default trust domain."""
+        return os.path.join(self.state_dir, "nvme", self.settings.get("domain", "default"))
+
+    def command(self) -> list[str]:
+        exe_dir = os.path.dirname(sys.executable)
+        script = os.path.join(exe_dir, "kvcached")
+        cfg = os.path.join(self.dir, "kvcached.toml")
+        main = "import sys; from kvcached.cli import kvcached_main; sys.exit(kvcached_main())"
+        if self.prelude:
+            base = [sys.executable, "-c", self.prelude + "\n" + main]
+        else:
+            base = [script] if os.path.exists(script) else [sys.executable, "-c", main]
+        return base + ["serve", "--config", cfg, "--socket", self.socket, "--state-dir", self.state_dir]
+
+    def start(self) -> Daemon:
+        import subprocess
+
+        cfg = os.path.join(self.dir, "kvcached.toml")
+        with open(cfg, "w") as f:
+            f.writelines(f"{k} = {_toml_value(v)}\n" for k, v in self.settings.items())
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, os.path.join(REPO_ROOT, "clients")]
+                                            + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        # Kept open for the daemon's lifetime; closed in close().
+        self._out = open(os.path.join(self.dir, "stdout.log"), "w+")  # noqa: SIM115
+        self._err = open(os.path.join(self.dir, "stderr.log"), "w+")  # noqa: SIM115
+        self.proc = subprocess.Popen(self.command(), stdout=self._out, stderr=self._err, stdin=subprocess.DEVNULL,
+                                     env=env, cwd=REPO_ROOT)
+        deadline = time.monotonic() + self.ready_timeout
+        while True:
+            with open(self._out.name) as f:
+                text = f.read()
+            if " ready" in text:
+                self.ready_text = text
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvcached exited with {self.proc.returncode} before it was ready:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"kvcached was not ready within {self.ready_timeout} s:\n{self.log_tail()}")
+            time.sleep(0.05)
+
+    def log_tail(self, n: int = 4000) -> str:
+        out = []
+        for name in ("stdout.log", "stderr.log"):
+            try:
+                with open(os.path.join(self.dir, name)) as f:
+                    out.append(f"--- {name}\n" + f.read()[-n:])
+            except OSError:
+                pass
+        return "\n".join(out)
+
+    def stop(self) -> int | None:
+        """SIGTERM, wait, SIGKILL if it hangs. Returns the exit code (0 = clean stop)."""
+        import subprocess
+
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None:
+            self.exit_code = self.proc.returncode
+        return self.exit_code
+
+    def close(self) -> None:
+        import shutil
+
+        try:
+            self.stop()
+        finally:
+            for f in (getattr(self, "_out", None), getattr(self, "_err", None)):
+                if f is not None:
+                    f.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> Daemon:  # noqa: PYI034 - typing.Self needs Python 3.11; the project supports 3.10
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def client_path() -> None:
+    """Make ``import kvcached_client`` work from a source checkout (it lives under clients/)."""
+    p = os.path.join(REPO_ROOT, "clients")
+    if p not in sys.path:
+        sys.path.insert(0, p)

@@ -1,0 +1,714 @@
+"""Question: over the daemon's Unix socket, what do acquire + release of a cached 8k-token prompt
+(64 chunks x 128 tokens) cost next to an empty RPC (Ping) on the same server, at concurrency 1,
+16 and 64: p50/p99 latency and throughput?
+
+Setup: one real ``kvcached serve`` process (its own temp dir, default 4 worker threads, NVMe on
+but unused), one small layout (1 layer, 1 KV head, head_dim 8, float16: 4 KiB chunks, so the pool
+is tiny; the RPCs carry ids and offsets only, so their cost does not depend on chunk bytes), and
+one 8,192-token prompt put once, so every acquire is a full 64-chunk hit in the pool. The client
+is this process: Python, grpc.aio, on the same box as the daemon (2 cores here), so a large part
+of every figure is the client's own CPU; the table shows CPU per op on each side.
+
+Concurrency N = N asyncio tasks (callers) issuing ops back to back. Channels:
+
+* ``shared``      one grpc.aio channel (one HTTP/2 connection) for all N callers: what one
+                  inference process with one AsyncClient does
+* ``per-caller``  one channel per caller, each on its own connection
+                  (``grpc.use_local_subchannel_pool``): N processes, each with its own client
+
+Contenders, interleaved round by round (order rotated) so the box's noise hits them alike:
+
+* ``ping``             one empty RPC (the baseline)
+* ``ping x2``          two empty RPCs back to back (the baseline for an op made of 2 RPCs)
+* ``acquire``          one Acquire RPC; the leases are released after the timed window, in
+                       batched Release calls (timed apart, reported per lease)
+* ``acquire+release``  Acquire then Release of that lease: one request's control cost, 2 RPCs
+* ``api acquire``, ``api acquire+release``, ``api ping``: the same through the public
+                       ``AsyncClient`` (lease objects, session and layout handling); shared
+                       channel only
+* ``sync api ...``     the sync ``Client`` at concurrency 1 (what most callers use)
+
+The raw rows call the generated stub with prebuilt requests (tokens already packed), with the
+same ``timeout`` the client library passes.
+
+Attribution: an in-process breakdown (no RPC) of what an Acquire adds to an empty RPC (store
+work, response building, protobuf, the client's per-chunk objects, the servicer's hop to a worker
+thread), with what-if rows for cheaper encodings; and a what-if daemon (``--what-if inline``,
+on by default in full runs) that is the same kvcached with ``KVCacheServicer._run`` patched at
+start to call the store inline on the event loop, measured with the raw rows, shared channel.
+
+Targets from the issue: acquire p50 <= 1.3x the empty RPC's p50, and acquire throughput >= 0.8x
+the empty RPC's. They are checked for ``acquire`` (one RPC) vs ``ping`` and, as the stricter
+per-request reading, ``acquire+release`` (2 RPCs) vs ``ping`` and vs ``ping x2``.
+
+Run:   .venv/bin/python bench/rpc_latency.py            (~4-5 min on a 2-core box)
+       .venv/bin/python bench/rpc_latency.py --quick    (a few seconds; writes *.quick.json)
+Output: bench/results/rpc_latency.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import glob
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import (
+    RESULTS_DIR,
+    Daemon,
+    client_path,
+    format_table,
+    install_sigterm_exit,
+    ratio,
+    summarize_ns,
+    time_calls,
+    write_json,
+)
+
+client_path()
+
+import grpc
+import numpy as np
+from kvcached_client import (
+    AsyncClient,
+    Client,
+    KVLayout,
+    _core,
+)
+
+from kvcached.v1 import kvcached_pb2 as pb
+from kvcached.v1 import kvcached_pb2_grpc as pb_grpc
+
+PROMPT_TOKENS = 8192
+CHUNK_TOKENS = 128
+PROMPT_CHUNKS = PROMPT_TOKENS // CHUNK_TOKENS
+TIMEOUT = 10.0  # what the client library passes on every call
+MAX_IDS = 4096  # the servicer's per-call limit on lease ids
+
+TARGET_P50_RATIO = 1.3
+TARGET_THROUGHPUT_RATIO = 0.8
+
+RAW = ("ping", "ping x2", "acquire", "acquire+release")
+API = ("api ping", "api acquire", "api acquire+release")
+SYNC = ("sync api ping", "sync api acquire", "sync api acquire+release")
+
+LAYOUT = KVLayout(model="bench/rpc-latency@1", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16",
+                  chunk_tokens=CHUNK_TOKENS)
+
+
+# -- CPU accounting -----------------------------------------------------------------------------
+
+
+def daemon_cpu_ns(pid: int) -> int:
+    """CPU time of every thread of ``pid`` so far (ns), from /proc/PID/task/*/schedstat."""
+    total = 0
+    for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+        try:
+            with open(path) as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # a thread that just exited
+    return total
+
+
+# -- callers ------------------------------------------------------------------------------------
+
+
+class Caller:
+    """One concurrent caller: a stub (maybe shared) and its prebuilt requests."""
+
+    def __init__(self, stub: pb_grpc.KVCacheStub, acquire_req: pb.AcquireRequest) -> None:
+        self.stub = stub
+        self.acquire_req = acquire_req
+        self.leases: list[str] = []
+        self.misses = 0
+
+
+PING = pb.PingRequest()
+
+
+async def op_ping(c: Caller) -> None:
+    await c.stub.Ping(PING, timeout=TIMEOUT)
+
+
+async def op_ping2(c: Caller) -> None:
+    await c.stub.Ping(PING, timeout=TIMEOUT)
+    await c.stub.Ping(PING, timeout=TIMEOUT)
+
+
+async def op_acquire(c: Caller) -> None:
+    r = await c.stub.Acquire(c.acquire_req, timeout=TIMEOUT)
+    c.leases.append(r.lease_id)
+    if r.matched_tokens != PROMPT_TOKENS:
+        c.misses += 1
+
+
+async def op_acquire_release(c: Caller) -> None:
+    r = await c.stub.Acquire(c.acquire_req, timeout=TIMEOUT)
+    if r.matched_tokens != PROMPT_TOKENS:
+        c.misses += 1
+    await c.stub.Release(pb.ReleaseRequest(lease_ids=[r.lease_id]), timeout=TIMEOUT)
+
+
+class ApiCaller:
+    def __init__(self, client: AsyncClient, tokens: np.ndarray) -> None:
+        self.client = client
+        self.tokens = tokens
+        self.leases: list[str] = []
+        self.misses = 0
+
+
+async def api_ping(c: ApiCaller) -> None:
+    await c.client.ping()
+
+
+async def api_acquire(c: ApiCaller) -> None:
+    lease = await c.client.acquire(LAYOUT, c.tokens)
+    c.leases.append(lease.lease_id)
+    if lease.matched_tokens != PROMPT_TOKENS:
+        c.misses += 1
+
+
+async def api_acquire_release(c: ApiCaller) -> None:
+    lease = await c.client.acquire(LAYOUT, c.tokens)
+    if lease.matched_tokens != PROMPT_TOKENS:
+        c.misses += 1
+    await lease.release()
+
+
+OPS = {
+    "ping": op_ping, "ping x2": op_ping2, "acquire": op_acquire, "acquire+release": op_acquire_release,
+    "api ping": api_ping, "api acquire": api_acquire, "api acquire+release": api_acquire_release,
+}
+
+
+async def run_callers(callers: list, op, k: int, out: list[int]) -> float:
+    """Each caller runs ``op`` ``k`` times back to back; per-op ns appended to ``out``. Returns wall s."""
+    pc = time.perf_counter_ns
+
+    async def one(c) -> None:
+        for _ in range(k):
+            t0 = pc()
+            await op(c)
+            out.append(pc() - t0)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(c) for c in callers))
+    return time.perf_counter() - t0
+
+
+async def release_batched(stub: pb_grpc.KVCacheStub, ids: list[str]) -> tuple[int, int]:
+    """Release ``ids`` in calls of at most MAX_IDS; returns (released, ns spent)."""
+    t0 = time.perf_counter_ns()
+    released = 0
+    for i in range(0, len(ids), MAX_IDS):
+        released += (await stub.Release(pb.ReleaseRequest(lease_ids=ids[i:i + MAX_IDS]), timeout=60)).released
+    return released, time.perf_counter_ns() - t0
+
+
+# -- measurement --------------------------------------------------------------------------------
+
+
+class Tally:
+    def __init__(self) -> None:
+        self.lat: list[int] = []
+        self.throughput: list[float] = []
+        self.ops = 0
+        self.wall = 0.0
+        self.client_cpu_ns = 0
+        self.daemon_cpu_ns = 0
+        self.release_ns = 0
+        self.released = 0
+        self.misses = 0
+
+    def summary(self) -> dict:
+        s = summarize_ns(self.lat)
+        tp = sorted(self.throughput)
+        s.update(
+            ops=self.ops,
+            throughput_ops_s_median=float(np.median(tp)) if tp else float("nan"),
+            throughput_ops_s_min=tp[0] if tp else float("nan"),
+            throughput_ops_s_max=tp[-1] if tp else float("nan"),
+            throughput_ops_s_overall=self.ops / self.wall if self.wall else float("nan"),
+            client_cpu_us_per_op=self.client_cpu_ns / self.ops / 1e3 if self.ops else float("nan"),
+            daemon_cpu_us_per_op=self.daemon_cpu_ns / self.ops / 1e3 if self.ops else float("nan"),
+            misses=self.misses,
+        )
+        if self.released:
+            s["batched_release_us_per_lease"] = self.release_ns / self.released / 1e3
+            s["leases_released"] = self.released
+        return s
+
+
+async def open_session(stub: pb_grpc.KVCacheStub, name: str):
+    call = stub.Session()
+    await call.write(pb.SessionRequest(client_name=name))
+    first = await call.read()
+    return first.session_id, call
+
+
+async def measure_async(sock: str, pid: int, tokens: bytes, tokens_np: np.ndarray, args, channel_modes: list[str],
+                        api: bool) -> dict:
+    target = _core.target(sock)
+    results: dict = {}
+    for mode in channel_modes:
+        max_n = max(args.concurrency)
+        channels: list[grpc.aio.Channel] = []
+        sessions = []
+        api_client = None
+        try:
+            if mode == "shared":
+                ch = grpc.aio.insecure_channel(target, options=_core.CHANNEL_OPTIONS)
+                channels.append(ch)
+                stub = pb_grpc.KVCacheStub(ch)
+                lid = (await stub.RegisterLayout(_core.layout_request(LAYOUT))).layout_id
+                sid, call = await open_session(stub, "bench rpc_latency shared")
+                sessions.append(call)
+                req = pb.AcquireRequest(layout_id=lid, tokens=tokens, session_id=sid)
+                pool = [Caller(stub, req) for _ in range(max_n)]
+                if api:
+                    api_client = AsyncClient(sock)
+                    await api_client.register(LAYOUT)
+                    api_pool = [ApiCaller(api_client, tokens_np) for _ in range(max_n)]
+                    names = RAW + API
+                else:
+                    api_pool, names = [], RAW
+            else:
+                opts = _core.CHANNEL_OPTIONS + [("grpc.use_local_subchannel_pool", 1)]
+                pool = []
+                lid = None
+                for i in range(max_n):
+                    ch = grpc.aio.insecure_channel(target, options=opts)
+                    channels.append(ch)
+                    stub = pb_grpc.KVCacheStub(ch)
+                    if lid is None:
+                        lid = (await stub.RegisterLayout(_core.layout_request(LAYOUT))).layout_id
+                    sid, call = await open_session(stub, f"bench rpc_latency caller {i}")
+                    sessions.append(call)
+                    pool.append(Caller(stub, pb.AcquireRequest(layout_id=lid, tokens=tokens, session_id=sid)))
+                api_pool = []
+                names = RAW
+            # Warm every connection and code path once.
+            for c in pool:
+                await op_ping(c)
+                await op_acquire_release(c)
+            for c in api_pool[:1]:
+                await api_acquire_release(c)
+
+            for n in args.concurrency:
+                k = max(args.min_ops_per_caller, args.ops_per_round // n)
+                tallies = {name: Tally() for name in names}
+                for rnd in range(args.rounds + 1):  # round 0 is warm-up, not recorded
+                    order = names[rnd % len(names):] + names[:rnd % len(names)]
+                    for name in order:
+                        callers = (api_pool if name.startswith("api") else pool)[:n]
+                        t = tallies[name]
+                        lat: list[int] = []
+                        gc.collect()
+                        gc.disable()
+                        try:
+                            c0, d0 = time.process_time_ns(), daemon_cpu_ns(pid)
+                            wall = await run_callers(callers, OPS[name], k, lat)
+                            c1, d1 = time.process_time_ns(), daemon_cpu_ns(pid)
+                        finally:
+                            gc.enable()
+                        ids = [x for c in callers for x in c.leases]
+                        for c in callers:
+                            t.misses += c.misses if rnd else 0
+                            c.leases.clear()
+                            c.misses = 0
+                        if ids:
+                            rel_stub = pool[0].stub if not name.startswith("api") else api_client._stub
+                            released, rel_ns = await release_batched(rel_stub, ids)
+                            if released != len(ids):
+                                raise RuntimeError(f"{name}: released {released} of {len(ids)} leases")
+                        if not rnd:
+                            continue
+                        t.lat.extend(lat)
+                        t.ops += len(lat)
+                        t.wall += wall
+                        t.throughput.append(len(lat) / wall)
+                        t.client_cpu_ns += c1 - c0
+                        t.daemon_cpu_ns += d1 - d0
+                        if ids:
+                            t.released += len(ids)
+                            t.release_ns += rel_ns
+                results[f"{mode}/c{n}"] = {name: t.summary() for name, t in tallies.items()}
+                print(f"  {mode} concurrency {n}: done ({k} ops per caller per round)", flush=True)
+        finally:
+            for call in sessions:
+                call.cancel()
+            if api_client is not None:
+                await api_client.close()
+            for ch in channels:
+                await ch.close()
+    return results
+
+
+def measure_sync(sock: str, pid: int, tokens_np: np.ndarray, args) -> dict:
+    """The sync Client at concurrency 1 (public API)."""
+    tallies = {name: Tally() for name in SYNC}
+    k = max(2, args.ops_per_round)
+    with Client(sock) as c:
+        held: list = []
+
+        def acq() -> None:
+            held.append(c.acquire(LAYOUT, tokens_np))
+
+        fns = {
+            "sync api ping": c.ping,
+            "sync api acquire": acq,
+            "sync api acquire+release": lambda: c.acquire(LAYOUT, tokens_np).release(),
+        }
+        fns["sync api acquire+release"]()
+        pc = time.perf_counter_ns
+        for rnd in range(args.rounds + 1):
+            order = SYNC[rnd % len(SYNC):] + SYNC[:rnd % len(SYNC)]
+            for name in order:
+                fn, lat = fns[name], []
+                gc.collect()
+                gc.disable()
+                try:
+                    c0, d0 = time.process_time_ns(), daemon_cpu_ns(pid)
+                    w0 = time.perf_counter()
+                    for _ in range(k):
+                        t0 = pc()
+                        fn()
+                        lat.append(pc() - t0)
+                    wall = time.perf_counter() - w0
+                    c1, d1 = time.process_time_ns(), daemon_cpu_ns(pid)
+                finally:
+                    gc.enable()
+                t = tallies[name]
+                if held:
+                    for lease in held:
+                        t.misses += (lease.matched_tokens != PROMPT_TOKENS) if rnd else 0
+                        lease.released = True  # released below, in batches
+                    ids = [lease.lease_id for lease in held]
+                    held.clear()
+                    r0 = pc()
+                    released = sum(c.release(ids[i:i + MAX_IDS]) for i in range(0, len(ids), MAX_IDS))
+                    rel_ns = pc() - r0
+                    if released != len(ids):
+                        raise RuntimeError(f"{name}: released {released} of {len(ids)} leases")
+                    if rnd:
+                        t.released += len(ids)
+                        t.release_ns += rel_ns
+                if not rnd:
+                    continue
+                t.lat.extend(lat)
+                t.ops += len(lat)
+                t.wall += wall
+                t.throughput.append(len(lat) / wall)
+                t.client_cpu_ns += c1 - c0
+                t.daemon_cpu_ns += d1 - d0
+    return {"sync/c1": {name: t.summary() for name, t in tallies.items()}}
+
+
+def _build_with_add(r) -> pb.AcquireResponse:
+    """What-if for the servicer: the same AcquireResponse, chunks appended with ``add()``."""
+    resp = pb.AcquireResponse(lease_id=r.lease_id, matched_tokens=r.matched_tokens, ttl_seconds=30.0,
+                              pool_generation=r.pool_generation)
+    add = resp.chunks.add
+    for c in r.chunks:
+        add(position=c.position, block=c.block, offset=c.offset, nbytes=c.nbytes)
+    return resp
+
+
+def breakdown(tokens: bytes, args: argparse.Namespace) -> dict:
+    """In process, no RPC: the pieces an Acquire adds on top of an empty RPC, to size fixes.
+
+    Store work (acquire+release of the 64-chunk prompt), the servicer's response building
+    (``convert.lease_to_proto``), protobuf serialize/parse, the client's per-chunk ``Location``
+    objects, and the hop to a worker thread that every store call takes in the servicer
+    (``loop.run_in_executor`` of a no-op on a 4-thread pool, on uvloop like the daemon), with
+    its CPU cost per call.
+    """
+    import shutil
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvcached.config import StoreConfig
+    from kvcached.service import convert
+    from kvcached.store import Store
+
+    n = args.breakdown_iterations
+    state_dir = tempfile.mkdtemp(prefix="kvc-bench-rpc-inproc-")
+    out: dict = {}
+    try:
+        cfg = StoreConfig(state_dir=state_dir, pool_bytes=LAYOUT.chunk_bytes * 256, pool_block_bytes=LAYOUT.chunk_bytes,
+                          pool_prefault=False, nvme_bytes=0, lease_ttl=1e9)
+        with Store(cfg) as store:
+            lid = store.register_layout(LAYOUT)
+            store.put(lid, tokens, [bytes(LAYOUT.chunk_bytes)] * PROMPT_CHUNKS)
+            r = store.acquire(lid, tokens)
+            resp = convert.lease_to_proto(r, 30.0)
+            wire = resp.SerializeToString()
+            parsed = pb.AcquireResponse.FromString(wire)
+            fns = {
+                "store.acquire + store.release (in process)": lambda: store.release(store.acquire(lid, tokens).lease_id),
+                "servicer: convert.lease_to_proto (64 chunks)": lambda: convert.lease_to_proto(r, 30.0),
+                "AcquireResponse.SerializeToString": resp.SerializeToString,
+                "AcquireResponse.FromString (client parse)": lambda: pb.AcquireResponse.FromString(wire),
+                "client: _core.locations (64 Location objects)": lambda: _core.locations(parsed.chunks),
+                "what-if client: offsets only, as a list of ints": lambda: [c.offset for c in parsed.chunks],
+                "what-if servicer: resp.chunks.add() per chunk": lambda: _build_with_add(r),
+                "what-if servicer: packed repeated uint64 offsets (LookupResponse stand-in)":
+                    lambda: pb.LookupResponse(cached_tokens=[c.offset for c in r.chunks]),
+            }
+            samples = {k: [] for k in fns}
+            for rnd in range(3):
+                for k, fn in fns.items():
+                    time_calls(fn, n // 3, samples[k] if rnd or n < 30 else [])
+            out = {k: summarize_ns(v) for k, v in samples.items()}
+            store.release(r.lease_id)
+            out["_sizes"] = {"acquire_response_wire_bytes": len(wire), "acquire_request_tokens_bytes": len(tokens)}
+    finally:
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+    async def hops() -> dict:
+        loop = asyncio.get_running_loop()
+        ex = ThreadPoolExecutor(max_workers=4)
+        try:
+            def noop() -> None:
+                return None
+
+            for _ in range(200):
+                await loop.run_in_executor(ex, noop)
+            lat: list[int] = []
+            pc = time.perf_counter_ns
+            c0 = time.process_time_ns()
+            for _ in range(n):
+                t0 = pc()
+                await loop.run_in_executor(ex, noop)
+                lat.append(pc() - t0)
+            cpu = (time.process_time_ns() - c0) / n / 1e3
+            s = summarize_ns(lat)
+            s["cpu_us_per_call"] = cpu
+            return s
+        finally:
+            ex.shutdown()
+
+    try:
+        import uvloop
+
+        out["servicer hop: await loop.run_in_executor(no-op), uvloop"] = uvloop.run(hops())
+    except ImportError:  # pragma: no cover
+        out["servicer hop: await loop.run_in_executor(no-op), asyncio"] = asyncio.run(hops())
+    return out
+
+
+#: What-if daemon: the servicer runs every store call inline on the event loop instead of handing
+#: it to a worker thread (safe here: every chunk is in the pool, so no call does LMDB I/O). Sizes
+#: the fix suggested in bench/README.md; kvcached itself is not changed.
+PRELUDE_INLINE = """
+import kvcached.service.servicer as _s
+from kvcached.errors import KvcacheError as _E
+
+async def _run_inline(self, context, fn, *args, **kw):
+    try:
+        return fn(*args, **kw)
+    except _E as e:
+        await context.abort(_s.STATUS_OF[e.kind], str(e))
+
+_s.KVCacheServicer._run = _run_inline
+"""
+
+WHAT_IFS = {"inline store calls (no worker-thread hop)": PRELUDE_INLINE}
+
+
+def measure_daemon(settings: dict, prelude: str | None, tokens: bytes, tokens_np: np.ndarray, args,
+                   channel_modes: list[str], api: bool, sync: bool) -> dict:
+    with Daemon(settings, prefix="kvc-bench-rpc-", prelude=prelude) as d:
+        import torch
+
+        with Client(d.socket) as c:
+            kv = torch.zeros(2, 1, 1, PROMPT_TOKENS, 8, dtype=torch.float16)
+            stored = c.put(LAYOUT, tokens_np, kv)
+            assert stored == PROMPT_CHUNKS, stored
+            assert c.lookup(LAYOUT, tokens_np) == PROMPT_TOKENS
+            st0 = c.stats()
+        t0 = time.perf_counter()
+        res = asyncio.run(measure_async(d.socket, d.proc.pid, tokens, tokens_np, args, channel_modes, api))
+        if sync:
+            res.update(measure_sync(d.socket, d.proc.pid, tokens_np, args))
+        wall = time.perf_counter() - t0
+        with Client(d.socket) as c:
+            st1 = c.stats()
+        d.stop()
+        exit_code = d.exit_code
+    for level in res.values():
+        for name, s in level.items():
+            if s["misses"]:
+                raise RuntimeError(f"{name}: {s['misses']} acquires were not full hits")
+    if exit_code != 0:
+        raise RuntimeError(f"the daemon exited with {exit_code} on SIGTERM")
+    return {
+        "daemon_stats_before": {k: st0.get(k) for k in ("pool", "leases_active", "layouts", "indexed_chunks")},
+        "daemon_counters_after": st1.get("counters"),
+        "daemon_exit_code": exit_code,
+        "timed_wall_seconds": wall,
+        "results": res,
+        "ratios": verdicts(res),
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    settings = {
+        "pool_bytes": "16M",
+        "pool_block_bytes": "16K",  # >= the 4 KiB chunk; 1024 blocks
+        "nvme_bytes": "256M",
+        "lease_ttl": 3600.0,
+        "worker_threads": args.workers,
+        "log_level": "warning",
+    }
+    rng = np.random.default_rng(args.seed)
+    tokens_np = rng.integers(0, 128_000, PROMPT_TOKENS, dtype=np.uint32)
+    tokens = tokens_np.astype("<u4").tobytes()
+    pieces = breakdown(tokens, args)
+    out = {
+        "question": " ".join(__doc__.strip().split("\n\n")[0].split()),
+        "setup": {
+            "daemon_settings": settings,
+            "layout": LAYOUT.to_dict(),
+            "chunk_bytes": LAYOUT.chunk_bytes,
+            "prompt_tokens": PROMPT_TOKENS,
+            "prompt_chunks": PROMPT_CHUNKS,
+            "concurrency": args.concurrency,
+            "channels": args.channels,
+            "rounds": args.rounds,
+            "ops_per_round_per_contender": args.ops_per_round,
+            "min_ops_per_caller_per_round": args.min_ops_per_caller,
+            "grpc": grpc.__version__,
+            "client_event_loop": "asyncio (default loop); the daemon runs uvloop",
+            "timeout_per_call_s": TIMEOUT,
+        },
+    }
+    out.update(measure_daemon(settings, None, tokens, tokens_np, args, args.channels, api=True, sync=True))
+    out["breakdown_in_process"] = pieces
+    out["what_if"] = {}
+    for name in args.what_if:
+        print(f"what-if daemon: {name}", flush=True)
+        w = measure_daemon(settings, WHAT_IFS[name], tokens, tokens_np, args, ["shared"], api=False, sync=False)
+        w["prelude"] = WHAT_IFS[name]
+        out["what_if"][name] = w
+    out["targets"] = {"acquire_p50_over_ping_p50_max": TARGET_P50_RATIO,
+                      "acquire_throughput_over_ping_min": TARGET_THROUGHPUT_RATIO}
+    return out
+
+
+def verdicts(results: dict) -> dict:
+    """Ratios to the empty RPC and the two targets, per (channels, concurrency)."""
+    out = {}
+    for key, level in results.items():
+        base_ping = "sync api ping" if key.startswith("sync") else "ping"
+        rows = {}
+        pairs = [("acquire", base_ping), ("acquire+release", base_ping), ("acquire+release", "ping x2"),
+                 ("api acquire", "api ping"), ("api acquire+release", "api ping"),
+                 ("api acquire", "ping"), ("api acquire+release", "ping"),
+                 ("sync api acquire", "sync api ping"), ("sync api acquire+release", "sync api ping")]
+        for a, b in pairs:
+            if a not in level or b not in level:
+                continue
+            sa, sb = level[a], level[b]
+            p50 = ratio(sa["p50_us"], sb["p50_us"])
+            tp = ratio(sa["throughput_ops_s_median"], sb["throughput_ops_s_median"])
+            rows[f"{a} vs {b}"] = {
+                "p50_ratio": p50,
+                "p99_ratio": ratio(sa["p99_us"], sb["p99_us"]),
+                "throughput_ratio": tp,
+                "p50_target_met": p50 <= TARGET_P50_RATIO,
+                "throughput_target_met": tp >= TARGET_THROUGHPUT_RATIO,
+            }
+        out[key] = rows
+    return out
+
+
+def _print_results(results: dict) -> None:
+    headers = ["channels/conc  op", "p50 us", "p99 us", "ops/s (median)", "p50/ping", "ops/s / ping",
+               "client cpu us/op", "daemon cpu us/op", "release us/lease"]
+    rows = []
+    for key, level in results.items():
+        base = level["sync api ping"] if key.startswith("sync") else level["ping"]
+        for name, s in level.items():
+            rows.append([f"{key:13s} {name}", s["p50_us"], s["p99_us"], s["throughput_ops_s_median"],
+                         ratio(s["p50_us"], base["p50_us"]),
+                         ratio(s["throughput_ops_s_median"], base["throughput_ops_s_median"]),
+                         s["client_cpu_us_per_op"], s["daemon_cpu_us_per_op"],
+                         s.get("batched_release_us_per_lease", float("nan"))])
+    print(format_table(headers, rows))
+
+
+def _print_verdicts(ratios: dict) -> None:
+    for key, rows_ in ratios.items():
+        for pair, v in rows_.items():
+            if pair.startswith("api acquire") and pair.endswith("vs ping"):
+                continue  # shown in the table; the verdicts compare like with like
+            print(f"  {key:14s} {pair:42s} p50 {v['p50_ratio']:.2f}x -> {'MET' if v['p50_target_met'] else 'NOT MET'};"
+                  f"  throughput {v['throughput_ratio']:.2f}x -> {'MET' if v['throughput_target_met'] else 'NOT MET'}")
+
+
+def print_report(res: dict) -> None:
+    print(f"\nacquire of an {PROMPT_TOKENS}-token prompt ({PROMPT_CHUNKS} chunks, all in the pool) vs Ping, "
+          f"over a Unix socket; {res['setup']['rounds']} interleaved rounds\n")
+    _print_results(res["results"])
+    print("\nin process (no RPC), what an Acquire adds on top of an empty RPC:")
+    print(format_table(["piece", "p50 us", "p99 us", "cpu us/call"],
+                       [[k, v["p50_us"], v["p99_us"], v.get("cpu_us_per_call", float("nan"))]
+                        for k, v in res["breakdown_in_process"].items() if not k.startswith("_")]))
+    for name, w in res["what_if"].items():
+        print(f"\nwhat-if daemon ({name}; kvcached unchanged, patched at daemon start):")
+        _print_results(w["results"])
+    print(f"\ntargets: p50 <= {TARGET_P50_RATIO}x the empty RPC's p50; throughput >= {TARGET_THROUGHPUT_RATIO}x "
+          "the empty RPC's")
+    _print_verdicts(res["ratios"])
+    for name, w in res["what_if"].items():
+        print(f"what-if ({name}):")
+        _print_verdicts(w["ratios"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="few rounds and ops (a few seconds)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 6; quick 1)")
+    p.add_argument("--ops-per-round", type=int, default=None,
+                   help="ops per contender per round, split over the callers (default 960; quick 64)")
+    p.add_argument("--min-ops-per-caller", type=int, default=None,
+                   help="at least this many back-to-back ops per caller per round (default 15; quick 2)")
+    p.add_argument("--concurrency", default="1,16,64", help="comma-separated caller counts (default 1,16,64)")
+    p.add_argument("--channels", default=None, help="shared,per-caller (default both; quick: shared)")
+    p.add_argument("--what-if", default=None,
+                   help="what-if daemons to measure too: 'inline' or 'none' (default inline; quick none)")
+    p.add_argument("--workers", type=int, default=4, help="daemon worker_threads (default 4, the daemon's default)")
+    p.add_argument("--breakdown-iterations", type=int, default=None,
+                   help="samples per in-process breakdown piece (default 3000; quick 300)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", default=None, help=f"results directory (default {RESULTS_DIR})")
+    args = p.parse_args(argv)
+    args.rounds = args.rounds or (1 if args.quick else 6)
+    args.ops_per_round = args.ops_per_round or (64 if args.quick else 960)
+    args.min_ops_per_caller = args.min_ops_per_caller or (2 if args.quick else 15)
+    args.breakdown_iterations = args.breakdown_iterations or (300 if args.quick else 3000)
+    args.concurrency = [int(x) for x in args.concurrency.split(",")]
+    args.channels = (args.channels or ("shared" if args.quick else "shared,per-caller")).split(",")
+    wi = args.what_if or ("none" if args.quick else "inline")
+    args.what_if = [] if wi == "none" else [k for k in WHAT_IFS if k.startswith(wi)]
+    bad = set(args.channels) - {"shared", "per-caller"}
+    if bad:
+        p.error(f"unknown --channels {sorted(bad)}")
+    install_sigterm_exit()
+    res = run(args)
+    res["quick"] = args.quick
+    print_report(res)
+    path = write_json("rpc_latency.quick" if args.quick else "rpc_latency", res, args.out)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
