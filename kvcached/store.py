@@ -195,8 +195,16 @@ class Store:
             now = self._clock()
             nodes = self.index.match(hashes if max_chunks is None else hashes[:max_chunks])
             self.index.pin(nodes, now)
-            if promote or self.nvme is None:
-                nodes = self._ensure_in_pool(nodes, now)
+            self.index.note_path(nodes)
+            try:
+                if promote or self.nvme is None:
+                    matched = len(nodes)
+                    nodes = self._ensure_in_pool(nodes, now)
+                    if nodes and len(nodes) == matched and self.nvme is not None and self.config.prefetch_distance:
+                        self._prefetch(nodes[-1], now)
+            except BaseException:
+                self._unpin(nodes, now)  # an I/O error must not leave pins behind
+                raise
             entry = self._leases.add(session, tuple(nodes), ttl or self.config.lease_ttl, now)
             c = self.counters
             c.acquires += 1
@@ -221,6 +229,36 @@ class Store:
                     log.warning("acquire truncated at chunk %d: %s", i, e)
                 return nodes[:i]
         return nodes
+
+    def _prefetch(self, last: Node, now: float) -> None:
+        """Promote NVMe-only chunks of the branch below ``last`` ahead of need.
+
+        Follows the most recently used children for up to
+        ``prefetch_distance`` chunks. The targets are pinned while this runs
+        (making room must not drop one of them) and released as "just used",
+        so the next prefetch does not evict what this one brought in. Stops
+        at the first chunk that cannot be promoted.
+        """
+        targets = self.index.branch(last, self.config.prefetch_distance)
+        if not any(not n.tiers & POOL for n in targets):
+            return
+        self.index.pin(targets, now)
+        try:
+            for node in targets:
+                if node.tiers & POOL:
+                    continue
+                try:
+                    self._mover.promote(node)
+                except (TierFull, CorruptChunk) as e:
+                    if isinstance(e, CorruptChunk):
+                        self._unpin(targets, now)
+                        targets = []
+                        self._mover.drop_corrupt(node)
+                    break
+                self.counters.prefetched += 1
+        finally:
+            if targets:
+                self._unpin(targets, now)
 
     def _lease_receipt(self, entry: Entry[tuple[Node, ...]], layout_id: LayoutId, layout: KVLayout) -> LeaseReceipt:
         nodes = entry.payload

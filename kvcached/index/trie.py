@@ -59,6 +59,7 @@ class Node:
         "last_use",
         "tiers",
         "qflags",
+        "hot_child",
     )
 
     def __init__(
@@ -74,6 +75,7 @@ class Node:
         self.last_use = now
         self.tiers = int(tiers)
         self.qflags = 0
+        self.hot_child: Node | None = None  # the child most recently inserted or used: the branch to prefetch
 
     def __repr__(self) -> str:
         return (
@@ -129,6 +131,7 @@ class PrefixIndex:
         node = Node(h, parent, layout_id, tiers, now)
         self._nodes[h] = node
         if parent is not None:
+            parent.hot_child = node
             parent.children += 1
             if tiers & POOL:
                 parent.pool_children += 1
@@ -161,6 +164,7 @@ class PrefixIndex:
             node = Node(h, prev, layout_id, tiers, now)
             self._nodes[h] = node
             if prev is not None:
+                prev.hot_child = node
                 prev.children += 1
                 prev.pool_children += pool
             out.append(node)
@@ -182,6 +186,8 @@ class PrefixIndex:
         self._dequeue(node)
         parent = node.parent
         if parent is not None:
+            if parent.hot_child is node:
+                parent.hot_child = None
             parent.children -= 1
             if node.tiers & POOL:
                 parent.pool_children -= 1
@@ -247,6 +253,20 @@ class PrefixIndex:
                     self._refresh(node)
         return freed
 
+    def note_path(self, nodes: Sequence[Node]) -> None:
+        """Record that ``nodes`` (a matched prefix) were just used in this order."""
+        for parent, child in zip(nodes, nodes[1:]):
+            parent.hot_child = child
+
+    def branch(self, node: Node | None, limit: int) -> list[Node]:
+        """Up to ``limit`` nodes below ``node`` along the most recently used children."""
+        out: list[Node] = []
+        nxt = node.hot_child if node is not None else None
+        while nxt is not None and len(out) < limit:
+            out.append(nxt)
+            nxt = nxt.hot_child
+        return out
+
     def touch(self, nodes: Iterable[Node], now: float) -> None:
         for node in nodes:
             if node.last_use < now:
@@ -279,6 +299,8 @@ class PrefixIndex:
             node.qflags |= _DETACHED
         parent = top.parent
         if parent is not None:
+            if parent.hot_child is top:
+                parent.hot_child = None
             parent.children -= 1
             if top.tiers & POOL:
                 parent.pool_children -= 1
