@@ -64,7 +64,8 @@ from kvcached.rebuild import rebuild_index
 from kvcached.writes import WritePath
 from kvcached.stats import Counters, NvmeStats, PoolStats, StoreStats
 from kvcached.tiers.nvme import NvmeTier
-from kvcached.tiers.pool_shm import HostPool, PoolHandle, remove_stale_segments
+from kvcached.tiers.blocks import PoolHandle
+from kvcached.tiers.registry import make_pool
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +84,7 @@ class Store:
         self.index = PrefixIndex()
         self.counters = Counters()
         self._leases: TimedTable[tuple[Node, ...]] = TimedTable("lease")
-        remove_stale_segments(f"kvcached.{config.domain}")
-        self.pool = HostPool(
-            f"kvcached.{config.domain}", config.pool_block_bytes, config.pool_blocks, prefault=config.pool_prefault
-        )
+        self.pool = make_pool(config)
         self.nvme: NvmeTier | None = None
         try:
             if config.nvme_bytes:

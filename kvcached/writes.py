@@ -34,7 +34,7 @@ from kvcached.movement import Mover
 from kvcached.receipts import ChunkLocation, CommitReceipt, ReservationReceipt
 from kvcached.stats import Counters
 from kvcached.tiers.base import ChunkMeta, Slot
-from kvcached.tiers.pool_shm import HostPool
+from kvcached.tiers.blocks import BlockPool
 
 
 @dataclass
@@ -51,7 +51,7 @@ class WritePath:
         self,
         config: StoreConfig,
         index: PrefixIndex,
-        pool: HostPool,
+        pool: BlockPool,
         mover: Mover,
         counters: Counters,
         layout_of: Callable[[LayoutId], tuple[KVLayout, ChunkHash]],

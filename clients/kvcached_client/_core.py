@@ -13,9 +13,9 @@ import numpy as np
 
 from kvcached.errors import KvcacheError
 from kvcached.keys import KVLayout, TokenInput, normalize_tokens
-from kvcached.service.convert import layout_to_proto
+from kvcached.service.convert import layout_to_proto, pool_handle_from_proto
 from kvcached.settings import default_socket
-from kvcached.tiers.pool_shm import PoolHandle
+from kvcached.tiers.blocks import PoolHandle
 from kvcached.v1 import kvcached_pb2 as pb
 from kvcached_client.errors import InvalidArgumentError
 from kvcached_client.pool import PoolMap
@@ -53,7 +53,7 @@ def layout_request(layout: KVLayout) -> pb.RegisterLayoutRequest:
 
 
 def handle_from_proto(msg: pb.PoolHandle) -> PoolHandle:
-    return PoolHandle(msg.kind, msg.name, msg.block_bytes, msg.num_blocks, msg.generation)
+    return pool_handle_from_proto(msg)
 
 
 @dataclass(frozen=True)
@@ -85,9 +85,14 @@ def validate_kv(layout: KVLayout, kv: "torch.Tensor", n_tokens: int) -> None:
 def write_slots(pool: PoolMap, layout: KVLayout, slots: Sequence[Location], kv: "torch.Tensor") -> None:
     """Copy each reserved chunk of ``kv`` straight into its pool block."""
     c = layout.chunk_tokens
-    src = kv if kv.device.type == "cpu" else kv.cpu()
+    last = None
     for s in slots:
-        pool.view(layout, s.offset, s.nbytes).copy_(src[:, :, :, s.position * c : (s.position + 1) * c, :])
+        last = pool.view(layout, s.offset, s.nbytes)
+        last.copy_(kv[:, :, :, s.position * c : (s.position + 1) * c, :], non_blocking=True)
+    if last is not None and last.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(last.device)  # the commit must not overtake the copies
 
 
 def tokens_array(tokens: bytes) -> np.ndarray:

@@ -6,7 +6,7 @@ from kvcached.errors import InvalidLayout, InvalidTokens
 from kvcached.keys import KVLayout
 from kvcached.locations import POOL
 from kvcached.receipts import ChunkLocation, LeaseReceipt, ReservationReceipt
-from kvcached.tiers.pool_shm import PoolHandle
+from kvcached.tiers.blocks import CudaIpc, PoolHandle
 from kvcached.v1 import kvcached_pb2 as pb
 
 
@@ -81,5 +81,20 @@ def reservation_to_proto(r: ReservationReceipt, ttl: float) -> pb.ReserveRespons
 
 
 def pool_handle_to_proto(h: PoolHandle, nvme_path: str = "") -> pb.PoolHandle:
-    return pb.PoolHandle(kind=h.kind, name=h.name, block_bytes=h.block_bytes, num_blocks=h.num_blocks,
-                         generation=h.generation, nvme_path=nvme_path)
+    msg = pb.PoolHandle(kind=h.kind, name=h.name, block_bytes=h.block_bytes, num_blocks=h.num_blocks,
+                        generation=h.generation, nvme_path=nvme_path)
+    if h.cuda is not None:
+        c = h.cuda
+        msg.ipc_handle, msg.device_uuid, msg.device_index = c.handle, c.device_uuid, c.device_index
+        msg.ipc_size_bytes, msg.ipc_offset_bytes = c.size_bytes, c.offset_bytes
+        msg.ref_counter_handle, msg.ref_counter_offset = c.ref_counter_handle, c.ref_counter_offset
+        msg.event_handle, msg.event_sync_required = c.event_handle, c.event_sync_required
+    return msg
+
+
+def pool_handle_from_proto(msg: pb.PoolHandle) -> PoolHandle:
+    cuda = None
+    if msg.kind == "cuda":
+        cuda = CudaIpc(msg.device_index, msg.device_uuid, msg.ipc_handle, msg.ipc_size_bytes, msg.ipc_offset_bytes,
+                       msg.ref_counter_handle, msg.ref_counter_offset, msg.event_handle, msg.event_sync_required)
+    return PoolHandle(msg.kind, msg.name, msg.block_bytes, msg.num_blocks, msg.generation, cuda)

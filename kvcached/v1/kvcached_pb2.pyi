@@ -222,7 +222,7 @@ class PoolHandleRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PoolHandle(_message.Message):
-    __slots__ = ("kind", "name", "ipc_handle", "block_bytes", "num_blocks", "generation", "device_uuid", "nvme_path")
+    __slots__ = ("kind", "name", "ipc_handle", "block_bytes", "num_blocks", "generation", "device_uuid", "nvme_path", "ipc_size_bytes", "ipc_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "device_index")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +231,13 @@ class PoolHandle(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     NVME_PATH_FIELD_NUMBER: _ClassVar[int]
+    IPC_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IPC_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
     kind: str
     name: str
     ipc_handle: bytes
@@ -239,7 +246,14 @@ class PoolHandle(_message.Message):
     generation: str
     device_uuid: str
     nvme_path: str
-    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., generation: _Optional[str] = ..., device_uuid: _Optional[str] = ..., nvme_path: _Optional[str] = ...) -> None: ...
+    ipc_size_bytes: int
+    ipc_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    device_index: int
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., generation: _Optional[str] = ..., device_uuid: _Optional[str] = ..., nvme_path: _Optional[str] = ..., ipc_size_bytes: _Optional[int] = ..., ipc_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., device_index: _Optional[int] = ...) -> None: ...
 
 class PutBytesRequest(_message.Message):
     __slots__ = ("layout_id", "tokens", "chunks", "session_id")
