@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from kvcached.config import StoreConfig
 from kvcached.errors import (
@@ -41,6 +41,7 @@ from kvcached.errors import (
     StoreClosed,
     StoreDraining,
     StoreLocked,
+    WouldBlock,
     TierFull,
     UnknownLayout,
     UnknownLease,
@@ -70,6 +71,7 @@ from kvcached.tiers.registry import make_pool
 log = logging.getLogger(__name__)
 
 DEFAULT_SESSION = SessionId("local")
+T = TypeVar("T")
 
 
 class Store:
@@ -94,7 +96,8 @@ class Store:
                     map_size=config.nvme_map_bytes,
                 )
             self._mover = Mover(config, self.index, self.pool, self.nvme, self.counters, self._layout)
-            self.writes = WritePath(config, self.index, self.pool, self._mover, self.counters, self._layout, self._unpin)
+            self.writes = WritePath(config, self.index, self.pool, self._mover, self.counters, self._layout, self._unpin,
+                                    self._io_check)
             self.rebuild_report: RebuildReport | None = None
             if self.nvme is not None:
                 for layout in self.nvme.load_layouts().values():
@@ -108,6 +111,7 @@ class Store:
             raise
         self._closed = False
         self._draining = False
+        self._inline = False  # True while run_inline() holds the lock: disk I/O must not start
 
     # -- layouts ------------------------------------------------------------------
 
@@ -192,6 +196,8 @@ class Store:
             layout = self._layouts[layout_id][0]
             now = self._clock()
             nodes = self.index.match(hashes if max_chunks is None else hashes[:max_chunks])
+            if self._inline and self.nvme is not None and promote and self._needs_promotion(nodes):
+                raise WouldBlock
             self.index.pin(nodes, now)
             self.index.note_path(nodes)
             try:
@@ -211,6 +217,35 @@ class Store:
             c.hit_tokens += len(nodes) * layout.chunk_tokens
             c.acquired_tokens += len(nodes) * layout.chunk_tokens
             return self._lease_receipt(entry, layout_id, layout)
+
+    def _needs_promotion(self, nodes: list[Node]) -> bool:
+        """Would an acquire of ``nodes`` copy anything from NVMe (itself or by prefetch)?"""
+        if any(not n.tiers & POOL for n in nodes):
+            return True
+        if nodes and self.config.prefetch_distance:
+            return any(not n.tiers & POOL for n in self.index.branch(nodes[-1], self.config.prefetch_distance))
+        return False
+
+    def run_inline(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        """Run a store call on the caller's thread only if it needs neither to wait for the
+        lock nor to touch the disk; otherwise raise :class:`WouldBlock` with nothing changed.
+
+        This is the event loop's fast path: most acquires, releases and lookups are pure
+        in-memory work and finish in tens of microseconds, far less than a hop to a worker
+        thread. Every I/O point checks ``_inline`` before it mutates anything.
+        """
+        if not self._lock.acquire(blocking=False):
+            raise WouldBlock
+        try:
+            self._inline = True
+            return fn(*args, **kw)
+        finally:
+            self._inline = False
+            self._lock.release()
+
+    def _io_check(self) -> None:
+        if self._inline:
+            raise WouldBlock
 
     def _ensure_in_pool(self, nodes: list[Node], now: float) -> list[Node]:
         """Promote NVMe-only pinned nodes; on failure unpin the rest and truncate."""

@@ -166,3 +166,37 @@ def test_leak_free_after_any_mix(make_store, clock):
     store.evict()
     assert store.pool.free_blocks == store.pool.num_blocks  # everything reclaimable
     store.index.check_invariants()
+
+
+def test_run_inline_takes_the_fast_path_only_without_io(demoted):
+    import threading
+
+    from kvcached.errors import WouldBlock
+
+    store, lid, a = demoted
+    b = prompt(10, start=5000)  # in the pool
+    lease = store.run_inline(store.acquire, lid, b)  # pure memory work: runs inline
+    assert lease.matched_tokens == 10 * CT
+    store.run_inline(store.release, lease.lease_id)
+    before = [(n.hash, n.refcount, n.tiers, n.last_use) for n in store.index.nodes()]
+    with pytest.raises(WouldBlock):
+        store.run_inline(store.acquire, lid, a)  # a is on NVMe: promotion is disk I/O
+    with pytest.raises(WouldBlock):
+        store.run_inline(store.reserve, lid, prompt(3, start=9000))  # the pool is full: room means demotion
+    assert [(n.hash, n.refcount, n.tiers, n.last_use) for n in store.index.nodes()] == before  # nothing changed
+    assert store.stats().leases_active == 0 and store.stats().reservations_active == 0
+    held, release = threading.Event(), threading.Event()
+
+    def holder():
+        with store._lock:
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    held.wait(10)
+    with pytest.raises(WouldBlock):  # never waits for the lock on the event loop's thread
+        store.run_inline(store.lookup, lid, b)
+    release.set()
+    t.join()
+    assert store.run_inline(store.lookup, lid, b) == 10 * CT

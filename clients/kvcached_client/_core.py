@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -56,6 +56,9 @@ def handle_from_proto(msg: pb.PoolHandle) -> PoolHandle:
     return pool_handle_from_proto(msg)
 
 
+NVME_CHUNK = 2**64 - 1
+
+
 @dataclass(frozen=True)
 class Location:
     position: int
@@ -64,8 +67,13 @@ class Location:
     nvme_key: bytes = b""  # set when the chunk is to be read from the NVMe tier directly
 
 
-def locations(chunks: Sequence[Any]) -> tuple[Location, ...]:
-    return tuple(Location(c.position, c.offset, c.nbytes, c.nvme_key) for c in chunks)
+def locations(msg: pb.ChunkLocations) -> tuple[Location, ...]:
+    """Unpack a ChunkLocations message (packed offsets) into one Location per chunk."""
+    keys = iter(msg.nvme_keys)
+    first, n = msg.first_position, msg.chunk_bytes
+    return tuple(
+        Location(first + i, off, n, next(keys) if off == NVME_CHUNK else b"") for i, off in enumerate(msg.offsets)
+    )
 
 
 def validate_kv(layout: KVLayout, kv: "torch.Tensor", n_tokens: int) -> None:

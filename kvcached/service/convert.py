@@ -49,32 +49,36 @@ def tokens_from_proto(raw: bytes) -> bytes:
     return raw
 
 
-def locations_to_proto(chunks: tuple[ChunkLocation, ...]) -> list[pb.ChunkLocation]:
-    out = []
-    for c in chunks:
-        if c.tier == POOL:
-            out.append(pb.ChunkLocation(position=c.position, block=c.block, offset=c.offset, nbytes=c.nbytes))
-        else:
-            out.append(pb.ChunkLocation(position=c.position, nbytes=c.nbytes, tier=pb.TIER_NVME, nvme_key=c.chunk_hash))
-    return out
+NVME_CHUNK = 2**64 - 1  # offsets entry for a chunk the client reads from NVMe itself
 
 
-def lease_to_proto(r: LeaseReceipt, ttl: float) -> pb.AcquireResponse:
+def locations_to_proto(chunks: tuple[ChunkLocation, ...], chunk_bytes: int, first_position: int = 0) -> pb.ChunkLocations:
+    msg = pb.ChunkLocations(first_position=first_position, chunk_bytes=chunk_bytes)
+    if all(c.tier == POOL for c in chunks):
+        msg.offsets.extend([c.offset for c in chunks])
+    else:
+        msg.offsets.extend([c.offset if c.tier == POOL else NVME_CHUNK for c in chunks])
+        msg.nvme_keys.extend([c.chunk_hash for c in chunks if c.tier != POOL])
+    return msg
+
+
+def lease_to_proto(r: LeaseReceipt, ttl: float, chunk_bytes: int) -> pb.AcquireResponse:
     return pb.AcquireResponse(
         lease_id=r.lease_id,
         matched_tokens=r.matched_tokens,
-        chunks=locations_to_proto(r.chunks),
+        chunks=locations_to_proto(r.chunks, chunk_bytes),
         ttl_seconds=ttl,
         pool_generation=r.pool_generation,
     )
 
 
-def reservation_to_proto(r: ReservationReceipt, ttl: float) -> pb.ReserveResponse:
+def reservation_to_proto(r: ReservationReceipt, ttl: float, chunk_bytes: int) -> pb.ReserveResponse:
+    first = r.slots[0].position if r.slots else 0
     return pb.ReserveResponse(
         reservation_id=r.reservation_id,
         cached_tokens=r.cached_tokens,
         in_flight_tokens=r.in_flight_tokens,
-        slots=locations_to_proto(r.slots),
+        slots=locations_to_proto(r.slots, chunk_bytes, first),
         ttl_seconds=ttl,
         pool_generation=r.pool_generation,
     )
