@@ -525,7 +525,7 @@ class Store:
 
     def stats(self) -> StoreStats:
         with self._lock:
-            leased = sum(1 for n in self.index.nodes() if n.refcount and n.tiers & POOL)
+            leased = self.index.pinned_in_pool
             pool = self.pool
             pstats = PoolStats(
                 pool.capacity_bytes, pool.used_bytes, pool.committed_blocks, pool.block_bytes, pool.num_blocks,

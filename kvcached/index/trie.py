@@ -90,6 +90,7 @@ class PrefixIndex:
         self.leaves = EvictionQueue(_IN_LEAVES)
         self.pool_lru = EvictionQueue(_IN_POOL_LRU)
         self.nvme_leaves = EvictionQueue(_IN_NVME_LEAVES)
+        self.pinned_in_pool = 0  # nodes with refcount > 0 and a pool copy: the pool's leased blocks
 
     # -- queries ------------------------------------------------------------
 
@@ -198,6 +199,8 @@ class PrefixIndex:
         if node.tiers & tier:
             return
         node.tiers |= int(tier)
+        if tier & POOL and node.refcount:
+            self.pinned_in_pool += 1
         if tier & POOL and node.parent is not None:
             node.parent.pool_children += 1
             self._refresh(node.parent)
@@ -225,6 +228,8 @@ class PrefixIndex:
         for node in nodes:
             node.refcount += 1
             node.last_use = now
+            if node.refcount == 1 and node.tiers & POOL:
+                self.pinned_in_pool += 1
             if node.qflags & _QUEUED:
                 self._dequeue(node)
 
@@ -247,6 +252,8 @@ class PrefixIndex:
             if node.last_use < now:
                 node.last_use = now
             if node.refcount == 0:
+                if node.tiers & POOL:
+                    self.pinned_in_pool -= 1
                 if node.qflags & _DETACHED:
                     freed.append(node)
                 elif not node.pool_children:  # with a child in the pool it joins no queue
@@ -351,6 +358,9 @@ class PrefixIndex:
                 children[p.hash] = children.get(p.hash, 0) + 1
                 if node.tiers & POOL:
                     pool_children[p.hash] = pool_children.get(p.hash, 0) + 1
+        pinned = sum(1 for n in self._nodes.values() if n.refcount and n.tiers & POOL)
+        if pinned > self.pinned_in_pool:  # (detached nodes still pinned count too, outside _nodes)
+            raise InternalInvariantError(f"pinned_in_pool is {self.pinned_in_pool}, the index has {pinned}")
         for h, node in self._nodes.items():
             if node.children != children.get(h, 0) or node.pool_children != pool_children.get(h, 0):
                 raise InternalInvariantError(f"{node!r} has stale child counts")
