@@ -19,6 +19,7 @@ class StoreConfig:
 
     state_dir: str
     domain: str = "default"
+    device: str = "cpu"  # "cpu" (host shared memory) or "cuda[:N]"
     pool_bytes: int = 1 * GiB
     pool_block_bytes: int = 16 * MiB  # one Llama-3-8B bf16 chunk of 128 tokens
     pool_prefault: bool = True
@@ -41,6 +42,8 @@ class StoreConfig:
                 raise ValueError(f"{name} must be positive")
         if not 0 <= self.prefetch_distance <= 1024:
             raise ValueError("prefetch_distance must be in 0..1024")
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be cpu or cuda[:N], not {self.device!r}")
         if not self.domain or "/" in self.domain or len(self.domain) > 64:
             raise ValueError("domain must be a short name without '/'")
 

@@ -37,9 +37,6 @@ def configure_logging(level: str) -> None:
 def run(settings: DaemonSettings, *, config_file: str | None = None, overrides: dict[str, Any] | None = None) -> int:
     """Run until SIGTERM/SIGINT. Returns the process exit status."""
     configure_logging(settings.log_level)
-    if settings.device.startswith("cuda"):
-        log.error("--device %s: the CUDA pool is not built yet; use --device cpu (host shared memory)", settings.device)
-        return 2
     try:
         import uvloop
 
@@ -83,8 +80,9 @@ def _announce(settings: DaemonSettings, store: Store, tcp_port: int | None) -> N
         f"  listening: unix:{settings.socket} (mode {settings.socket_mode:04o})"
         + (f", tcp {settings.tcp_listen}" if tcp_port else ""),
         f"  state: {settings.state_dir} (domain {settings.domain})",
-        f"  pool: host shared memory /dev/shm/{store.pool.name}, "
-        f"{s.pool.blocks_total} blocks x {s.pool.block_bytes} bytes",
+        (f"  pool: host shared memory /dev/shm/{store.pool.name}, " if store.config.device == "cpu"
+         else f"  pool: GPU {store.pool.name}, ")
+        + f"{s.pool.blocks_total} blocks x {s.pool.block_bytes} bytes",
         "  nvme: " + (f"{s.nvme.chunks} chunks, {s.nvme.used_bytes} of {s.nvme.capacity_bytes} bytes"
                       + (f", index rebuilt in {r.seconds:.2f} s" if r else "") if s.nvme else "disabled"),
         f"  layouts: {s.layouts}",

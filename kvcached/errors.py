@@ -138,3 +138,9 @@ class CorruptChunk(KvcacheError):
     chunk; the store treats it as a miss and never serves it."""
 
     kind = ErrorKind.NOT_FOUND
+
+
+class WouldBlock(Exception):
+    """Not a domain error: raised by :meth:`Store.run_inline` *before any state changes*
+    when a call would wait for the store lock or for disk I/O. The caller then runs the
+    call on a worker thread instead. Never reaches a client."""

@@ -30,7 +30,7 @@ from kvcached.locations import NVME, POOL
 from kvcached.stats import Counters
 from kvcached.tiers.base import ChunkMeta
 from kvcached.tiers.nvme import NvmeTier
-from kvcached.tiers.pool_shm import HostPool
+from kvcached.tiers.blocks import BlockPool
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class Mover:
         self,
         config: StoreConfig,
         index: PrefixIndex,
-        pool: HostPool,
+        pool: BlockPool,
         nvme: NvmeTier | None,
         counters: Counters,
         layout_of: Callable[[LayoutId], tuple[KVLayout, ChunkHash]],
@@ -105,7 +105,8 @@ class Mover:
         layout, _ = self._layout_of(node.layout_id)
         slot = self.pool.reserve(layout.chunk_bytes)
         try:
-            self.nvme.read_into(node.hash, self.pool.reserved_view(slot))
+            nvme = self.nvme
+            self.pool.write_with(slot, lambda dest: nvme.read_into(node.hash, dest))
         except BaseException:
             self.pool.abort(slot)
             raise

@@ -132,12 +132,32 @@ class DaemonSettings:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise SettingsError("tls_cert and tls_key go together")
 
+    def resolved_device(self) -> str:
+        """``auto`` becomes ``cuda`` when torch sees a GPU, else ``cpu``."""
+        if self.device != "auto":
+            return self.device
+        try:
+            import torch
+
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        except ImportError:  # pragma: no cover - torch is a dependency
+            return "cpu"
+
     def store_config(self) -> StoreConfig:
-        pool = self.pool_bytes or default_pool_bytes()
+        device = self.resolved_device()
+        if self.pool_bytes:
+            pool = self.pool_bytes
+        elif device == "cpu":
+            pool = default_pool_bytes()
+        else:
+            from kvcached.tiers.pool_cuda import default_pool_bytes as cuda_default
+
+            pool = cuda_default(device)
         block = min(self.pool_block_bytes, max(1, pool // 16))  # a small pool still gets 16 blocks
         return StoreConfig(
             state_dir=self.state_dir,
             domain=self.domain,
+            device=device,
             pool_bytes=pool,
             pool_block_bytes=block,
             nvme_bytes=self.nvme_bytes,

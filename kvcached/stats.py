@@ -31,6 +31,7 @@ class Counters:
     nvme_evictions: int = 0
     ttl_expirations: int = 0
     promotions: int = 0
+    prefetched: int = 0  # promotions ahead of need (counted in promotions too)
     demotions: int = 0
     write_through_writes: int = 0
     write_through_failures: int = 0

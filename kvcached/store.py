@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from kvcached.config import StoreConfig
 from kvcached.errors import (
@@ -41,6 +41,7 @@ from kvcached.errors import (
     StoreClosed,
     StoreDraining,
     StoreLocked,
+    WouldBlock,
     TierFull,
     UnknownLayout,
     UnknownLease,
@@ -64,11 +65,13 @@ from kvcached.rebuild import rebuild_index
 from kvcached.writes import WritePath
 from kvcached.stats import Counters, NvmeStats, PoolStats, StoreStats
 from kvcached.tiers.nvme import NvmeTier
-from kvcached.tiers.pool_shm import HostPool, PoolHandle, remove_stale_segments
+from kvcached.tiers.blocks import PoolHandle
+from kvcached.tiers.registry import make_pool
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SESSION = SessionId("local")
+T = TypeVar("T")
 
 
 class Store:
@@ -83,10 +86,7 @@ class Store:
         self.index = PrefixIndex()
         self.counters = Counters()
         self._leases: TimedTable[tuple[Node, ...]] = TimedTable("lease")
-        remove_stale_segments(f"kvcached.{config.domain}")
-        self.pool = HostPool(
-            f"kvcached.{config.domain}", config.pool_block_bytes, config.pool_blocks, prefault=config.pool_prefault
-        )
+        self.pool = make_pool(config)
         self.nvme: NvmeTier | None = None
         try:
             if config.nvme_bytes:
@@ -96,7 +96,8 @@ class Store:
                     map_size=config.nvme_map_bytes,
                 )
             self._mover = Mover(config, self.index, self.pool, self.nvme, self.counters, self._layout)
-            self.writes = WritePath(config, self.index, self.pool, self._mover, self.counters, self._layout, self._unpin)
+            self.writes = WritePath(config, self.index, self.pool, self._mover, self.counters, self._layout, self._unpin,
+                                    self._io_check)
             self.rebuild_report: RebuildReport | None = None
             if self.nvme is not None:
                 for layout in self.nvme.load_layouts().values():
@@ -110,6 +111,7 @@ class Store:
             raise
         self._closed = False
         self._draining = False
+        self._inline = False  # True while run_inline() holds the lock: disk I/O must not start
 
     # -- layouts ------------------------------------------------------------------
 
@@ -194,9 +196,19 @@ class Store:
             layout = self._layouts[layout_id][0]
             now = self._clock()
             nodes = self.index.match(hashes if max_chunks is None else hashes[:max_chunks])
+            if self._inline and self.nvme is not None and promote and self._needs_promotion(nodes):
+                raise WouldBlock
             self.index.pin(nodes, now)
-            if promote or self.nvme is None:
-                nodes = self._ensure_in_pool(nodes, now)
+            self.index.note_path(nodes)
+            try:
+                if promote or self.nvme is None:
+                    matched = len(nodes)
+                    nodes = self._ensure_in_pool(nodes, now)
+                    if nodes and len(nodes) == matched and self.nvme is not None and self.config.prefetch_distance:
+                        self._prefetch(nodes[-1], now)
+            except BaseException:
+                self._unpin(nodes, now)  # an I/O error must not leave pins behind
+                raise
             entry = self._leases.add(session, tuple(nodes), ttl or self.config.lease_ttl, now)
             c = self.counters
             c.acquires += 1
@@ -205,6 +217,35 @@ class Store:
             c.hit_tokens += len(nodes) * layout.chunk_tokens
             c.acquired_tokens += len(nodes) * layout.chunk_tokens
             return self._lease_receipt(entry, layout_id, layout)
+
+    def _needs_promotion(self, nodes: list[Node]) -> bool:
+        """Would an acquire of ``nodes`` copy anything from NVMe (itself or by prefetch)?"""
+        if any(not n.tiers & POOL for n in nodes):
+            return True
+        if nodes and self.config.prefetch_distance:
+            return any(not n.tiers & POOL for n in self.index.branch(nodes[-1], self.config.prefetch_distance))
+        return False
+
+    def run_inline(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        """Run a store call on the caller's thread only if it needs neither to wait for the
+        lock nor to touch the disk; otherwise raise :class:`WouldBlock` with nothing changed.
+
+        This is the event loop's fast path: most acquires, releases and lookups are pure
+        in-memory work and finish in tens of microseconds, far less than a hop to a worker
+        thread. Every I/O point checks ``_inline`` before it mutates anything.
+        """
+        if not self._lock.acquire(blocking=False):
+            raise WouldBlock
+        try:
+            self._inline = True
+            return fn(*args, **kw)
+        finally:
+            self._inline = False
+            self._lock.release()
+
+    def _io_check(self) -> None:
+        if self._inline:
+            raise WouldBlock
 
     def _ensure_in_pool(self, nodes: list[Node], now: float) -> list[Node]:
         """Promote NVMe-only pinned nodes; on failure unpin the rest and truncate."""
@@ -221,6 +262,36 @@ class Store:
                     log.warning("acquire truncated at chunk %d: %s", i, e)
                 return nodes[:i]
         return nodes
+
+    def _prefetch(self, last: Node, now: float) -> None:
+        """Promote NVMe-only chunks of the branch below ``last`` ahead of need.
+
+        Follows the most recently used children for up to
+        ``prefetch_distance`` chunks. The targets are pinned while this runs
+        (making room must not drop one of them) and released as "just used",
+        so the next prefetch does not evict what this one brought in. Stops
+        at the first chunk that cannot be promoted.
+        """
+        targets = self.index.branch(last, self.config.prefetch_distance)
+        if not any(not n.tiers & POOL for n in targets):
+            return
+        self.index.pin(targets, now)
+        try:
+            for node in targets:
+                if node.tiers & POOL:
+                    continue
+                try:
+                    self._mover.promote(node)
+                except (TierFull, CorruptChunk) as e:
+                    if isinstance(e, CorruptChunk):
+                        self._unpin(targets, now)
+                        targets = []
+                        self._mover.drop_corrupt(node)
+                    break
+                self.counters.prefetched += 1
+        finally:
+            if targets:
+                self._unpin(targets, now)
 
     def _lease_receipt(self, entry: Entry[tuple[Node, ...]], layout_id: LayoutId, layout: KVLayout) -> LeaseReceipt:
         nodes = entry.payload
@@ -454,7 +525,7 @@ class Store:
 
     def stats(self) -> StoreStats:
         with self._lock:
-            leased = sum(1 for n in self.index.nodes() if n.refcount and n.tiers & POOL)
+            leased = self.index.pinned_in_pool
             pool = self.pool
             pstats = PoolStats(
                 pool.capacity_bytes, pool.used_bytes, pool.committed_blocks, pool.block_bytes, pool.num_blocks,

@@ -34,7 +34,7 @@ from kvcached.movement import Mover
 from kvcached.receipts import ChunkLocation, CommitReceipt, ReservationReceipt
 from kvcached.stats import Counters
 from kvcached.tiers.base import ChunkMeta, Slot
-from kvcached.tiers.pool_shm import HostPool
+from kvcached.tiers.blocks import BlockPool
 
 
 @dataclass
@@ -51,11 +51,12 @@ class WritePath:
         self,
         config: StoreConfig,
         index: PrefixIndex,
-        pool: HostPool,
+        pool: BlockPool,
         mover: Mover,
         counters: Counters,
         layout_of: Callable[[LayoutId], tuple[KVLayout, ChunkHash]],
         unpin: Callable[[Sequence[Node], float], None],
+        io_check: Callable[[], None] = lambda: None,
     ) -> None:
         self.config = config
         self.index = index
@@ -64,6 +65,7 @@ class WritePath:
         self.counters = counters
         self._layout_of = layout_of
         self._unpin = unpin
+        self._io_check = io_check  # raises WouldBlock on the store's inline path
         self.reservations: TimedTable[PendingPut] = TimedTable("put")
         self.in_flight: dict[ChunkHash, ReservationId] = {}
 
@@ -81,20 +83,23 @@ class WritePath:
         """
         layout = self._layout_of(layout_id)[0]
         cached = self.index.match(hashes)
-        self.index.touch(cached, now)
-        parent = cached[-1] if cached else None
-        if parent is not None:
-            # Pin first: making room below must not evict the prefix we extend.
-            self.index.pin([parent], now)
         k = len(cached)
         todo: list[ChunkHash] = []
         in_flight = 0
         for h in hashes[k:]:
             if h in self.in_flight:
                 in_flight = len(hashes) - k - len(todo)
-                self.counters.in_flight_conflicts += 1
                 break
             todo.append(h)
+        if len(todo) > self.pool.free_blocks:
+            self._io_check()  # making room may demote to NVMe: not on the inline path
+        if in_flight:
+            self.counters.in_flight_conflicts += 1
+        self.index.touch(cached, now)
+        parent = cached[-1] if cached else None
+        if parent is not None:
+            # Pin first: making room below must not evict the prefix we extend.
+            self.index.pin([parent], now)
         slots: list[Slot] = []
         for _ in todo:
             if not self.mover.pool_room(1):
@@ -126,6 +131,8 @@ class WritePath:
 
     def commit(self, reservation_id: ReservationId, chunks: int | None, now: float) -> CommitReceipt:
         pending = self.pending(reservation_id).payload
+        if self.config.write_through and self.mover.nvme is not None:
+            self._io_check()
         n = len(pending.slots) if chunks is None else chunks
         if not 0 <= n <= len(pending.slots):
             raise InvalidKV(f"cannot commit {n} chunks of a reservation of {len(pending.slots)}")

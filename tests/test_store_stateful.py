@@ -201,6 +201,8 @@ class StoreMachine(RuleBasedStateMachine):
         assert pool.free_blocks + pool.reserved_blocks + pool.committed_blocks == pool.num_blocks
         reserved = sum(len(self.store.writes.reservations.get(r).payload.slots) for r in self.puts)
         assert pool.reserved_blocks == reserved
+        leased = sum(1 for n in self.store.index.nodes() if n.refcount and n.tiers & TierId.POOL)
+        assert self.store.stats().pool.blocks_leased == leased
         nvme = self.store.nvme
         on_nvme = {n.hash for n in self.store.index.nodes() if n.tiers & TierId.NVME}
         assert nvme.chunk_count == len(on_nvme)

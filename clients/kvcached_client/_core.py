@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from kvcached.errors import KvcacheError
 from kvcached.keys import KVLayout, TokenInput, normalize_tokens
-from kvcached.service.convert import layout_to_proto
+from kvcached.service.convert import layout_to_proto, pool_handle_from_proto
 from kvcached.settings import default_socket
-from kvcached.tiers.pool_shm import PoolHandle
+from kvcached.tiers.blocks import PoolHandle
 from kvcached.v1 import kvcached_pb2 as pb
 from kvcached_client.errors import InvalidArgumentError
 from kvcached_client.pool import PoolMap
@@ -53,7 +53,10 @@ def layout_request(layout: KVLayout) -> pb.RegisterLayoutRequest:
 
 
 def handle_from_proto(msg: pb.PoolHandle) -> PoolHandle:
-    return PoolHandle(msg.kind, msg.name, msg.block_bytes, msg.num_blocks, msg.generation)
+    return pool_handle_from_proto(msg)
+
+
+NVME_CHUNK = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -64,8 +67,13 @@ class Location:
     nvme_key: bytes = b""  # set when the chunk is to be read from the NVMe tier directly
 
 
-def locations(chunks: Sequence[Any]) -> tuple[Location, ...]:
-    return tuple(Location(c.position, c.offset, c.nbytes, c.nvme_key) for c in chunks)
+def locations(msg: pb.ChunkLocations) -> tuple[Location, ...]:
+    """Unpack a ChunkLocations message (packed offsets) into one Location per chunk."""
+    keys = iter(msg.nvme_keys)
+    first, n = msg.first_position, msg.chunk_bytes
+    return tuple(
+        Location(first + i, off, n, next(keys) if off == NVME_CHUNK else b"") for i, off in enumerate(msg.offsets)
+    )
 
 
 def validate_kv(layout: KVLayout, kv: "torch.Tensor", n_tokens: int) -> None:
@@ -85,9 +93,14 @@ def validate_kv(layout: KVLayout, kv: "torch.Tensor", n_tokens: int) -> None:
 def write_slots(pool: PoolMap, layout: KVLayout, slots: Sequence[Location], kv: "torch.Tensor") -> None:
     """Copy each reserved chunk of ``kv`` straight into its pool block."""
     c = layout.chunk_tokens
-    src = kv if kv.device.type == "cpu" else kv.cpu()
+    last = None
     for s in slots:
-        pool.view(layout, s.offset, s.nbytes).copy_(src[:, :, :, s.position * c : (s.position + 1) * c, :])
+        last = pool.view(layout, s.offset, s.nbytes)
+        last.copy_(kv[:, :, :, s.position * c : (s.position + 1) * c, :], non_blocking=True)
+    if last is not None and last.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(last.device)  # the commit must not overtake the copies
 
 
 def tokens_array(tokens: bytes) -> np.ndarray:

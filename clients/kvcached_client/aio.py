@@ -38,17 +38,21 @@ class AsyncLease:
         self.layout = layout
         self.lease_id: str = resp.lease_id
         self.matched_tokens: int = resp.matched_tokens
-        self.locations = _core.locations(resp.chunks)
+        self._chunks = resp.chunks
+        self._offsets = list(resp.chunks.offsets)
         self.released = False
 
     def __len__(self) -> int:
-        return len(self.locations)
+        return len(self._offsets)
+
+    @property
+    def locations(self) -> tuple[_core.Location, ...]:
+        return _core.locations(self._chunks)
 
     def chunk(self, i: int) -> "torch.Tensor":
         if self.released:
             raise FailedPreconditionError("the lease was released; its chunks may already hold other data")
-        loc = self.locations[i]
-        return self._client._pool.view(self.layout, loc.offset, loc.nbytes)
+        return self._client._pool.view(self.layout, self._offsets[i], self._chunks.chunk_bytes)
 
     async def keep_alive(self, ttl: float | None = None) -> float:
         return await self._client.keep_alive([self.lease_id], ttl)
@@ -146,7 +150,7 @@ class AsyncClient:
 
         resp = await self._with_layout(layout, go)
         lease = AsyncLease(self, layout, resp)
-        if lease.locations:
+        if lease._offsets:
             try:
                 await self._ensure_pool(resp.pool_generation)
             except BaseException:
@@ -170,7 +174,7 @@ class AsyncClient:
                 self._stub.Reserve, pb.ReserveRequest(layout_id=lid, tokens=packed, session_id=sid)))
 
         r = await self._with_layout(layout, reserve)
-        if r.slots:
+        if r.slots.offsets:
             try:
                 await self._ensure_pool(r.pool_generation)
                 _core.write_slots(self._pool, layout, _core.locations(r.slots), kv)

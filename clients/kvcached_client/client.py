@@ -61,32 +61,37 @@ class Lease:
         self.layout = layout
         self.lease_id: str = resp.lease_id
         self.matched_tokens: int = resp.matched_tokens
-        self.locations = _core.locations(resp.chunks)
+        self._chunks = resp.chunks
+        self._offsets = list(resp.chunks.offsets)
         self.ttl_seconds: float = resp.ttl_seconds
         self.released = False
         self._nvme_cache: dict[int, "torch.Tensor"] = {}
 
     def __len__(self) -> int:
-        return len(self.locations)
+        return len(self._offsets)
+
+    @property
+    def locations(self) -> tuple[_core.Location, ...]:
+        return _core.locations(self._chunks)
 
     def chunk(self, i: int) -> "torch.Tensor":
         """Chunk ``i`` as a [2, layers, kv_heads, chunk_tokens, head_dim] tensor: a view of the
         pool (no copy), or, for a chunk read straight from NVMe, a new tensor (one copy)."""
         if self.released:
             raise FailedPreconditionError("the lease was released; its chunks may already hold other data")
-        loc = self.locations[i]
-        if loc.nvme_key:
+        off = self._offsets[i]
+        if off == _core.NVME_CHUNK:
             t = self._nvme_cache.get(i)
             if t is None:
-                t = self._nvme_cache[i] = self._client._nvme.read(self.layout, loc.nvme_key)
+                t = self._nvme_cache[i] = self._client._nvme.read(self.layout, self.locations[i].nvme_key)
             return t
-        return self._client._pool.view(self.layout, loc.offset, loc.nbytes)
+        return self._client._pool.view(self.layout, off, self._chunks.chunk_bytes)
 
     def kv(self) -> "torch.Tensor":
         """The whole matched prefix as one new tensor [2, layers, kv_heads, matched_tokens, head_dim] (a copy)."""
         import torch
 
-        if not self.locations:
+        if not self._offsets:
             shape = (2, self.layout.num_layers, self.layout.num_kv_heads, 0, self.layout.head_dim)
             from kvcached.kv import torch_dtype
 
@@ -244,10 +249,10 @@ class Client:
         direct = self.nvme_read == "direct"
         resp = self._with_layout(layout, go)
         lease = Lease(self, layout, resp)
-        if lease.locations:
+        if lease._offsets:
             try:
                 self._ensure_pool(resp.pool_generation)
-                if direct and any(loc.nvme_key for loc in lease.locations) and self._nvme.path is None:
+                if direct and resp.chunks.nvme_keys and self._nvme.path is None:
                     assert self._handle is not None
                     if not self._handle.nvme_path:
                         raise PoolMappingError("the daemon has no NVMe tier to read from")
@@ -278,7 +283,7 @@ class Client:
                 self._stub.Reserve, pb.ReserveRequest(layout_id=lid, tokens=packed, session_id=sid)))
 
         r = self._with_layout(layout, reserve)
-        if not r.slots:
+        if not r.slots.offsets:
             self._call(self._stub.Commit, pb.CommitRequest(reservation_id=r.reservation_id))
             return 0
         try:

@@ -59,6 +59,7 @@ class Node:
         "last_use",
         "tiers",
         "qflags",
+        "hot_child",
     )
 
     def __init__(
@@ -74,6 +75,7 @@ class Node:
         self.last_use = now
         self.tiers = int(tiers)
         self.qflags = 0
+        self.hot_child: Node | None = None  # the child most recently inserted or used: the branch to prefetch
 
     def __repr__(self) -> str:
         return (
@@ -88,6 +90,7 @@ class PrefixIndex:
         self.leaves = EvictionQueue(_IN_LEAVES)
         self.pool_lru = EvictionQueue(_IN_POOL_LRU)
         self.nvme_leaves = EvictionQueue(_IN_NVME_LEAVES)
+        self.pinned_in_pool = 0  # nodes with refcount > 0 and a pool copy: the pool's leased blocks
 
     # -- queries ------------------------------------------------------------
 
@@ -129,6 +132,7 @@ class PrefixIndex:
         node = Node(h, parent, layout_id, tiers, now)
         self._nodes[h] = node
         if parent is not None:
+            parent.hot_child = node
             parent.children += 1
             if tiers & POOL:
                 parent.pool_children += 1
@@ -161,6 +165,7 @@ class PrefixIndex:
             node = Node(h, prev, layout_id, tiers, now)
             self._nodes[h] = node
             if prev is not None:
+                prev.hot_child = node
                 prev.children += 1
                 prev.pool_children += pool
             out.append(node)
@@ -182,6 +187,8 @@ class PrefixIndex:
         self._dequeue(node)
         parent = node.parent
         if parent is not None:
+            if parent.hot_child is node:
+                parent.hot_child = None
             parent.children -= 1
             if node.tiers & POOL:
                 parent.pool_children -= 1
@@ -192,6 +199,8 @@ class PrefixIndex:
         if node.tiers & tier:
             return
         node.tiers |= int(tier)
+        if tier & POOL and node.refcount:
+            self.pinned_in_pool += 1
         if tier & POOL and node.parent is not None:
             node.parent.pool_children += 1
             self._refresh(node.parent)
@@ -219,6 +228,8 @@ class PrefixIndex:
         for node in nodes:
             node.refcount += 1
             node.last_use = now
+            if node.refcount == 1 and node.tiers & POOL:
+                self.pinned_in_pool += 1
             if node.qflags & _QUEUED:
                 self._dequeue(node)
 
@@ -241,11 +252,27 @@ class PrefixIndex:
             if node.last_use < now:
                 node.last_use = now
             if node.refcount == 0:
+                if node.tiers & POOL:
+                    self.pinned_in_pool -= 1
                 if node.qflags & _DETACHED:
                     freed.append(node)
                 elif not node.pool_children:  # with a child in the pool it joins no queue
                     self._refresh(node)
         return freed
+
+    def note_path(self, nodes: Sequence[Node]) -> None:
+        """Record that ``nodes`` (a matched prefix) were just used in this order."""
+        for parent, child in zip(nodes, nodes[1:]):
+            parent.hot_child = child
+
+    def branch(self, node: Node | None, limit: int) -> list[Node]:
+        """Up to ``limit`` nodes below ``node`` along the most recently used children."""
+        out: list[Node] = []
+        nxt = node.hot_child if node is not None else None
+        while nxt is not None and len(out) < limit:
+            out.append(nxt)
+            nxt = nxt.hot_child
+        return out
 
     def touch(self, nodes: Iterable[Node], now: float) -> None:
         for node in nodes:
@@ -279,6 +306,8 @@ class PrefixIndex:
             node.qflags |= _DETACHED
         parent = top.parent
         if parent is not None:
+            if parent.hot_child is top:
+                parent.hot_child = None
             parent.children -= 1
             if top.tiers & POOL:
                 parent.pool_children -= 1
@@ -329,6 +358,9 @@ class PrefixIndex:
                 children[p.hash] = children.get(p.hash, 0) + 1
                 if node.tiers & POOL:
                     pool_children[p.hash] = pool_children.get(p.hash, 0) + 1
+        pinned = sum(1 for n in self._nodes.values() if n.refcount and n.tiers & POOL)
+        if pinned > self.pinned_in_pool:  # (detached nodes still pinned count too, outside _nodes)
+            raise InternalInvariantError(f"pinned_in_pool is {self.pinned_in_pool}, the index has {pinned}")
         for h, node in self._nodes.items():
             if node.children != children.get(h, 0) or node.pool_children != pool_children.get(h, 0):
                 raise InternalInvariantError(f"{node!r} has stale child counts")

@@ -6,7 +6,7 @@ from kvcached.errors import InvalidLayout, InvalidTokens
 from kvcached.keys import KVLayout
 from kvcached.locations import POOL
 from kvcached.receipts import ChunkLocation, LeaseReceipt, ReservationReceipt
-from kvcached.tiers.pool_shm import PoolHandle
+from kvcached.tiers.blocks import CudaIpc, PoolHandle
 from kvcached.v1 import kvcached_pb2 as pb
 
 
@@ -49,37 +49,56 @@ def tokens_from_proto(raw: bytes) -> bytes:
     return raw
 
 
-def locations_to_proto(chunks: tuple[ChunkLocation, ...]) -> list[pb.ChunkLocation]:
-    out = []
-    for c in chunks:
-        if c.tier == POOL:
-            out.append(pb.ChunkLocation(position=c.position, block=c.block, offset=c.offset, nbytes=c.nbytes))
-        else:
-            out.append(pb.ChunkLocation(position=c.position, nbytes=c.nbytes, tier=pb.TIER_NVME, nvme_key=c.chunk_hash))
-    return out
+NVME_CHUNK = 2**64 - 1  # offsets entry for a chunk the client reads from NVMe itself
 
 
-def lease_to_proto(r: LeaseReceipt, ttl: float) -> pb.AcquireResponse:
+def locations_to_proto(chunks: tuple[ChunkLocation, ...], chunk_bytes: int, first_position: int = 0) -> pb.ChunkLocations:
+    msg = pb.ChunkLocations(first_position=first_position, chunk_bytes=chunk_bytes)
+    if all(c.tier == POOL for c in chunks):
+        msg.offsets.extend([c.offset for c in chunks])
+    else:
+        msg.offsets.extend([c.offset if c.tier == POOL else NVME_CHUNK for c in chunks])
+        msg.nvme_keys.extend([c.chunk_hash for c in chunks if c.tier != POOL])
+    return msg
+
+
+def lease_to_proto(r: LeaseReceipt, ttl: float, chunk_bytes: int) -> pb.AcquireResponse:
     return pb.AcquireResponse(
         lease_id=r.lease_id,
         matched_tokens=r.matched_tokens,
-        chunks=locations_to_proto(r.chunks),
+        chunks=locations_to_proto(r.chunks, chunk_bytes),
         ttl_seconds=ttl,
         pool_generation=r.pool_generation,
     )
 
 
-def reservation_to_proto(r: ReservationReceipt, ttl: float) -> pb.ReserveResponse:
+def reservation_to_proto(r: ReservationReceipt, ttl: float, chunk_bytes: int) -> pb.ReserveResponse:
+    first = r.slots[0].position if r.slots else 0
     return pb.ReserveResponse(
         reservation_id=r.reservation_id,
         cached_tokens=r.cached_tokens,
         in_flight_tokens=r.in_flight_tokens,
-        slots=locations_to_proto(r.slots),
+        slots=locations_to_proto(r.slots, chunk_bytes, first),
         ttl_seconds=ttl,
         pool_generation=r.pool_generation,
     )
 
 
 def pool_handle_to_proto(h: PoolHandle, nvme_path: str = "") -> pb.PoolHandle:
-    return pb.PoolHandle(kind=h.kind, name=h.name, block_bytes=h.block_bytes, num_blocks=h.num_blocks,
-                         generation=h.generation, nvme_path=nvme_path)
+    msg = pb.PoolHandle(kind=h.kind, name=h.name, block_bytes=h.block_bytes, num_blocks=h.num_blocks,
+                        generation=h.generation, nvme_path=nvme_path)
+    if h.cuda is not None:
+        c = h.cuda
+        msg.ipc_handle, msg.device_uuid, msg.device_index = c.handle, c.device_uuid, c.device_index
+        msg.ipc_size_bytes, msg.ipc_offset_bytes = c.size_bytes, c.offset_bytes
+        msg.ref_counter_handle, msg.ref_counter_offset = c.ref_counter_handle, c.ref_counter_offset
+        msg.event_handle, msg.event_sync_required = c.event_handle, c.event_sync_required
+    return msg
+
+
+def pool_handle_from_proto(msg: pb.PoolHandle) -> PoolHandle:
+    cuda = None
+    if msg.kind == "cuda":
+        cuda = CudaIpc(msg.device_index, msg.device_uuid, msg.ipc_handle, msg.ipc_size_bytes, msg.ipc_offset_bytes,
+                       msg.ref_counter_handle, msg.ref_counter_offset, msg.event_handle, msg.event_sync_required)
+    return PoolHandle(msg.kind, msg.name, msg.block_bytes, msg.num_blocks, msg.generation, cuda)

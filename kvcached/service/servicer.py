@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 import grpc
 
 from kvcached import __version__
-from kvcached.errors import ErrorKind, KvcacheError
+from kvcached.errors import ErrorKind, KvcacheError, WouldBlock
 from kvcached.leases import ReservationId, SessionId
 from kvcached.service import convert
 from kvcached.store import DEFAULT_SESSION, Store
@@ -60,6 +60,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvcached-store")
         self._sessions: dict[str, str] = {}  # session id -> client name
         self._started = time.monotonic()
+        self.fallbacks = 0  # inline attempts that went to a worker thread (for stats)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -70,10 +71,20 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
 
     # -- plumbing --------------------------------------------------------------------
 
-    async def _run(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self._pool, lambda: fn(*args, **kw))
+    async def _run(
+        self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any, inline: bool = False, **kw: Any
+    ) -> T:
+        """Call the store. ``inline`` tries the event loop's thread first (Store.run_inline):
+        it succeeds when the call needs neither the lock held elsewhere nor disk I/O, and
+        otherwise falls back, with nothing changed, to a worker thread."""
         try:
+            if inline:
+                try:
+                    return self.store.run_inline(fn, *args, **kw)
+                except WouldBlock:
+                    self.fallbacks += 1
+            loop = asyncio.get_running_loop()
+            fut = loop.run_in_executor(self._pool, lambda: fn(*args, **kw))
             return await asyncio.wait_for(fut, self.call_timeout)
         except KvcacheError as e:
             if e.kind is ErrorKind.INTERNAL:
@@ -131,7 +142,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         def lookup_all() -> list[int]:
             return [self.store.lookup(request.layout_id, t) for t in prompts]
 
-        return pb.LookupResponse(cached_tokens=await self._run(context, lookup_all))
+        return pb.LookupResponse(cached_tokens=await self._run(context, lookup_all, inline=True))
 
     @staticmethod
     def _framed(tokens: Any) -> bool:
@@ -143,21 +154,21 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         session = await self._session(context, request.session_id)
         ttl = await self._ttl(context, request.ttl_seconds)
         r = await self._run(context, self.store.acquire, request.layout_id, request.tokens, session, ttl=ttl,
-                            promote=not request.read_nvme_directly)
-        return convert.lease_to_proto(r, self._remaining(r.expires_at))
+                            promote=not request.read_nvme_directly, inline=True)
+        return convert.lease_to_proto(r, self._remaining(r.expires_at), self.store.layout(r.layout_id).chunk_bytes)
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         ids = await self._ids(context, request.lease_ids, "lease ids")
         session = await self._session(context, request.session_id) if request.session_id else None
 
-        return pb.ReleaseResponse(released=await self._run(context, self.store.release_many, ids, session))
+        return pb.ReleaseResponse(released=await self._run(context, self.store.release_many, ids, session, inline=True))
 
     async def KeepAlive(self, request: pb.KeepAliveRequest, context) -> pb.KeepAliveResponse:
         ids = await self._ids(context, request.lease_ids, "lease ids")
         session = await self._session(context, request.session_id) if request.session_id else None
         ttl = await self._ttl(context, request.ttl_seconds)
 
-        deadline = await self._run(context, self.store.renew_many, ids, session, ttl=ttl)
+        deadline = await self._run(context, self.store.renew_many, ids, session, ttl=ttl, inline=True)
         return pb.KeepAliveResponse(ttl_seconds=self._remaining(deadline) if deadline is not None else 0.0)
 
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
@@ -165,18 +176,18 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             await self._invalid(context, "tokens must be packed little-endian uint32 (a multiple of 4 bytes)")
         session = await self._session(context, request.session_id)
         ttl = await self._ttl(context, request.ttl_seconds)
-        r = await self._run(context, self.store.reserve, request.layout_id, request.tokens, session, ttl=ttl)
-        return convert.reservation_to_proto(r, self._remaining(r.expires_at))
+        r = await self._run(context, self.store.reserve, request.layout_id, request.tokens, session, ttl=ttl, inline=True)
+        return convert.reservation_to_proto(r, self._remaining(r.expires_at), self.store.layout(r.layout_id).chunk_bytes)
 
     async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
         chunks = request.chunks if request.HasField("chunks") else None
-        c = await self._run(context, self.store.commit, ReservationId(request.reservation_id), chunks=chunks)
+        c = await self._run(context, self.store.commit, ReservationId(request.reservation_id), chunks=chunks, inline=True)
         return pb.CommitResponse(committed_chunks=c.committed_chunks, cached_tokens=c.cached_tokens)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         ids = await self._ids(context, request.reservation_ids, "reservation ids")
 
-        return pb.AbortResponse(aborted=await self._run(context, self.store.abort_many, ids))
+        return pb.AbortResponse(aborted=await self._run(context, self.store.abort_many, ids, inline=True))
 
     async def Session(self, request_iterator: AsyncIterator[pb.SessionRequest], context) -> AsyncIterator[pb.SessionEvent]:
         sid = f"session-{secrets.token_hex(8)}"
@@ -226,6 +237,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             d["layouts_detail"] = {lid: lay.to_dict() for lid, lay in self.store.layouts().items()}
             d["sessions_open"] = len(self._sessions)
             d["draining"] = self.store.draining
+            d["inline_fallbacks"] = self.fallbacks
             return d
 
         d = await self._run(context, snapshot)

@@ -1,18 +1,10 @@
 from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    TIER_POOL: _ClassVar[Tier]
-    TIER_NVME: _ClassVar[Tier]
-TIER_POOL: Tier
-TIER_NVME: Tier
 
 class Layout(_message.Message):
     __slots__ = ("model", "num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_tokens", "lora_name", "lora_version", "extra", "vocab_size")
@@ -73,21 +65,17 @@ class LookupResponse(_message.Message):
     cached_tokens: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class ChunkLocation(_message.Message):
-    __slots__ = ("position", "block", "offset", "nbytes", "tier", "nvme_key")
-    POSITION_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_FIELD_NUMBER: _ClassVar[int]
-    NBYTES_FIELD_NUMBER: _ClassVar[int]
-    TIER_FIELD_NUMBER: _ClassVar[int]
-    NVME_KEY_FIELD_NUMBER: _ClassVar[int]
-    position: int
-    block: int
-    offset: int
-    nbytes: int
-    tier: Tier
-    nvme_key: bytes
-    def __init__(self, position: _Optional[int] = ..., block: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., nvme_key: _Optional[bytes] = ...) -> None: ...
+class ChunkLocations(_message.Message):
+    __slots__ = ("first_position", "chunk_bytes", "offsets", "nvme_keys")
+    FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    NVME_KEYS_FIELD_NUMBER: _ClassVar[int]
+    first_position: int
+    chunk_bytes: int
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    nvme_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, first_position: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., nvme_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
     __slots__ = ("layout_id", "tokens", "session_id", "ttl_seconds", "read_nvme_directly")
@@ -112,10 +100,10 @@ class AcquireResponse(_message.Message):
     POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     matched_tokens: int
-    chunks: _containers.RepeatedCompositeFieldContainer[ChunkLocation]
+    chunks: ChunkLocations
     ttl_seconds: float
     pool_generation: str
-    def __init__(self, lease_id: _Optional[str] = ..., matched_tokens: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkLocation, _Mapping]]] = ..., ttl_seconds: _Optional[float] = ..., pool_generation: _Optional[str] = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[str] = ..., matched_tokens: _Optional[int] = ..., chunks: _Optional[_Union[ChunkLocations, _Mapping]] = ..., ttl_seconds: _Optional[float] = ..., pool_generation: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_ids", "session_id")
@@ -170,10 +158,10 @@ class ReserveResponse(_message.Message):
     reservation_id: str
     cached_tokens: int
     in_flight_tokens: int
-    slots: _containers.RepeatedCompositeFieldContainer[ChunkLocation]
+    slots: ChunkLocations
     ttl_seconds: float
     pool_generation: str
-    def __init__(self, reservation_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[ChunkLocation, _Mapping]]] = ..., ttl_seconds: _Optional[float] = ..., pool_generation: _Optional[str] = ...) -> None: ...
+    def __init__(self, reservation_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., slots: _Optional[_Union[ChunkLocations, _Mapping]] = ..., ttl_seconds: _Optional[float] = ..., pool_generation: _Optional[str] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("reservation_id", "chunks")
@@ -222,7 +210,7 @@ class PoolHandleRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PoolHandle(_message.Message):
-    __slots__ = ("kind", "name", "ipc_handle", "block_bytes", "num_blocks", "generation", "device_uuid", "nvme_path")
+    __slots__ = ("kind", "name", "ipc_handle", "block_bytes", "num_blocks", "generation", "device_uuid", "nvme_path", "ipc_size_bytes", "ipc_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "device_index")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +219,13 @@ class PoolHandle(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     NVME_PATH_FIELD_NUMBER: _ClassVar[int]
+    IPC_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IPC_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
     kind: str
     name: str
     ipc_handle: bytes
@@ -239,7 +234,14 @@ class PoolHandle(_message.Message):
     generation: str
     device_uuid: str
     nvme_path: str
-    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., generation: _Optional[str] = ..., device_uuid: _Optional[str] = ..., nvme_path: _Optional[str] = ...) -> None: ...
+    ipc_size_bytes: int
+    ipc_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    device_index: int
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., generation: _Optional[str] = ..., device_uuid: _Optional[str] = ..., nvme_path: _Optional[str] = ..., ipc_size_bytes: _Optional[int] = ..., ipc_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., device_index: _Optional[int] = ...) -> None: ...
 
 class PutBytesRequest(_message.Message):
     __slots__ = ("layout_id", "tokens", "chunks", "session_id")

@@ -154,7 +154,7 @@ def test_in_flight_writer_is_told(ready):
     t = tokens(2 * CT, 7000)
     r1 = stub.Reserve(pb.ReserveRequest(layout_id=lid, tokens=t, session_id=sid))
     r2 = stub.Reserve(pb.ReserveRequest(layout_id=lid, tokens=t, session_id=sid))
-    assert len(r1.slots) == 2 and len(r2.slots) == 0 and r2.in_flight_tokens == 2 * CT
+    assert len(r1.slots.offsets) == 2 and len(r2.slots.offsets) == 0 and r2.in_flight_tokens == 2 * CT
     stub.Commit(pb.CommitRequest(reservation_id=r1.reservation_id))
     stub.Commit(pb.CommitRequest(reservation_id=r2.reservation_id))
     with pytest.raises(grpc.RpcError) as ei:

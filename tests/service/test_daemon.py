@@ -98,7 +98,7 @@ c.put(LAYOUT, toks, torch.zeros(2, 2, 2, 64, 8))
 leases = [c.acquire(LAYOUT, toks, ttl=3600) for _ in range(3)]
 lid = c.register(LAYOUT)
 r = c._stub.Reserve(pb.ReserveRequest(layout_id=lid, tokens=bytes(range(256)) * 4, session_id=c.session_id(), ttl_seconds=3600))
-print(len(r.slots), flush=True)
+print(len(r.slots.offsets), flush=True)
 time.sleep(600)
 """
 
