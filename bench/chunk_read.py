@@ -90,7 +90,7 @@ import numpy as np
 import torch
 from kvcached_client import Client, KvcachedError, KVLayout
 
-from kvcached.tiers.record import HEADER_SIZE, check_payload, decode_header
+from kvcached.tiers.record import copy_verified, HEADER_SIZE, decode_header
 
 try:  # optional: a what-if row (drop-in CRC-32, same values as zlib.crc32)
     from isal import isal_zlib  # type: ignore
@@ -103,7 +103,7 @@ CYCLE = 17  # chunks cycling through the pool's free blocks (16): every acquire 
 DIRECT = 4  # NVMe-only chunks the client API reads itself (never promoted, so they stay NVMe-only)
 FREE_BLOCKS = CYCLE - 1
 REDIS_PREFIX = "kvcached-bench:"
-API_DIRECT = "c' api Client(nvme_read=direct): acquire + chunk(0) + copy"
+API_DIRECT = "c' api Client(nvme_read=direct): acquire + copy_chunk(0, dst)"
 API_DIRECT_ONLY = "c' api Client(nvme_read=direct): acquire + chunk(0), no copy"
 SETTLE_S = 0.005  # untimed pause between contenders (lets spinning OpenMP workers go to sleep)
 FUSE_PIECE = 1 * MiB  # the fused what-if copies and CRCs 1 MiB at a time (fits in L2 here)
@@ -279,7 +279,7 @@ class Setup:
         env, db = self.env, self.db
         keys = self.cycle_keys
         nbytes = self.nbytes
-        state = {"cold": 0, "np_cold": 0, "pool": 0, "b": 0, "c": 0, "c2": 0, "c3": 0, "c4": 0, "c5": 0, "d": 0}
+        state = {"cold": 0, "np_cold": 0, "pool": 0, "b": 0, "c": 0, "c2": 0, "c3": 0, "c4": 0, "c5": 0, "c6": 0, "d": 0}
         pending: list = []
         default_threads = self.default_threads
 
@@ -343,8 +343,6 @@ class Setup:
                     raise RuntimeError(f"payload is {plen} bytes, expected {nbytes}")
                 if crc is None:
                     payload = value[HEADER_SIZE:]
-                elif crc is zlib.crc32:
-                    payload = check_payload(value, pcrc)
                 else:
                     payload = value[HEADER_SIZE:]
                     if crc(payload) != pcrc:
@@ -364,7 +362,7 @@ class Setup:
             return lease
 
         def api_direct_copy() -> None:
-            dst.copy_(api_direct_acquire().chunk(0))
+            api_direct_acquire().copy_chunk(0, dst)  # the library's one-copy path
 
         def api_direct_only() -> None:
             holder["t"] = api_direct_acquire().chunk(0)
@@ -373,8 +371,16 @@ class Setup:
             while pending_d:
                 pending_d.pop().release()
 
+        dst_mv = memoryview(dst_u8.numpy())
+
         def nvme_direct() -> None:
-            lmdb_read(keys[nxt("c", len(keys))], zlib.crc32)
+            # What the client library does: kvcached.tiers.record.copy_verified (CRC fused with the copy).
+            key = keys[nxt("c", len(keys))]
+            with env.begin(db=db, buffers=True) as txn:
+                copy_verified(txn.get(key), key, dst_mv)
+
+        def nvme_direct_zlib() -> None:
+            lmdb_read(keys[nxt("c6", len(keys))], zlib.crc32)
 
         def nvme_direct_nocrc() -> None:
             lmdb_read(keys[nxt("c2", len(keys))], None)
@@ -430,6 +436,7 @@ class Setup:
             "b nvme via promotion": (nvme_promote, release_pending),
             "c nvme direct (LMDB)": (nvme_direct, None),
             "c what-if: no payload CRC": (nvme_direct_nocrc, None),
+            "c before: zlib CRC-32, then a separate copy": (nvme_direct_zlib, None),
             "c what-if: + 1 empty RPC": (nvme_direct_rpc, None),
             "crc32 zlib alone": (crc_zlib, None),
             "d get_bytes (gRPC)": (get_bytes, None),
@@ -490,7 +497,8 @@ class Setup:
             elif name.startswith("c "):
                 k = {"c nvme direct (LMDB)": "c", "c what-if: no payload CRC": "c2",
                      "c what-if: isal CRC-32": "c3", "c what-if: + 1 empty RPC": "c4",
-                     "c what-if: isal CRC-32 fused with the copy": "c5"}[name]
+                     "c what-if: isal CRC-32 fused with the copy": "c5",
+                     "c before: zlib CRC-32, then a separate copy": "c6"}[name]
                 want = self.crc_of[self.cycle[before[k]]]
             else:
                 continue  # memcpy rows: checked through "memcpy hot"

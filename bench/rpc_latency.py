@@ -410,16 +410,6 @@ def measure_sync(sock: str, pid: int, tokens_np: np.ndarray, args) -> dict:
     return {"sync/c1": {name: t.summary() for name, t in tallies.items()}}
 
 
-def _build_with_add(r) -> pb.AcquireResponse:
-    """What-if for the servicer: the same AcquireResponse, chunks appended with ``add()``."""
-    resp = pb.AcquireResponse(lease_id=r.lease_id, matched_tokens=r.matched_tokens, ttl_seconds=30.0,
-                              pool_generation=r.pool_generation)
-    add = resp.chunks.add
-    for c in r.chunks:
-        add(position=c.position, block=c.block, offset=c.offset, nbytes=c.nbytes)
-    return resp
-
-
 def breakdown(tokens: bytes, args: argparse.Namespace) -> dict:
     """In process, no RPC: the pieces an Acquire adds on top of an empty RPC, to size fixes.
 
@@ -447,19 +437,18 @@ def breakdown(tokens: bytes, args: argparse.Namespace) -> dict:
             lid = store.register_layout(LAYOUT)
             store.put(lid, tokens, [bytes(LAYOUT.chunk_bytes)] * PROMPT_CHUNKS)
             r = store.acquire(lid, tokens)
-            resp = convert.lease_to_proto(r, 30.0)
+            resp = convert.lease_to_proto(r, 30.0, LAYOUT.chunk_bytes)
             wire = resp.SerializeToString()
             parsed = pb.AcquireResponse.FromString(wire)
             fns = {
                 "store.acquire + store.release (in process)": lambda: store.release(store.acquire(lid, tokens).lease_id),
-                "servicer: convert.lease_to_proto (64 chunks)": lambda: convert.lease_to_proto(r, 30.0),
+                "servicer: convert.lease_to_proto (64 chunks, packed offsets)":
+                    lambda: convert.lease_to_proto(r, 30.0, LAYOUT.chunk_bytes),
                 "AcquireResponse.SerializeToString": resp.SerializeToString,
                 "AcquireResponse.FromString (client parse)": lambda: pb.AcquireResponse.FromString(wire),
-                "client: _core.locations (64 Location objects)": lambda: _core.locations(parsed.chunks),
-                "what-if client: offsets only, as a list of ints": lambda: [c.offset for c in parsed.chunks],
-                "what-if servicer: resp.chunks.add() per chunk": lambda: _build_with_add(r),
-                "what-if servicer: packed repeated uint64 offsets (LookupResponse stand-in)":
-                    lambda: pb.LookupResponse(cached_tokens=[c.offset for c in r.chunks]),
+                "client: list(offsets) (what a Lease keeps)": lambda: list(parsed.chunks.offsets),
+                "client: _core.locations (64 Location objects, only built on demand)":
+                    lambda: _core.locations(parsed.chunks),
             }
             samples = {k: [] for k in fns}
             for rnd in range(3):
@@ -696,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
     args.breakdown_iterations = args.breakdown_iterations or (300 if args.quick else 3000)
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
     args.channels = (args.channels or ("shared" if args.quick else "shared,per-caller")).split(",")
-    wi = args.what_if or ("none" if args.quick else "inline")
+    wi = args.what_if or "none"  # the daemon now runs store calls inline itself; the what-if is kept for comparison
     args.what_if = [] if wi == "none" else [k for k in WHAT_IFS if k.startswith(wi)]
     bad = set(args.channels) - {"shared", "per-caller"}
     if bad:

@@ -3,10 +3,13 @@
 When a lease is taken with ``read_nvme_directly``, chunks that live only on
 NVMe are pinned there (the daemon will not evict them while the lease
 lives) and this process reads them through its own read-only LMDB
-environment: one short read transaction per chunk, the header and payload
-CRCs checked, one copy into a new tensor. A chunk that fails its check is
-never returned (:class:`CorruptChunkError`); the daemon drops it the next
-time it reads it.
+environment: one short read transaction per chunk, header and payload CRCs
+checked while copying (one pass). A chunk that fails its check is never
+returned (:class:`CorruptChunkError`); the daemon drops it the next time it
+reads it.
+
+py-lmdb allows one environment per file per process, so every client in a
+process shares one, reference-counted (:func:`_acquire_env`).
 
 LMDB readers share the lock file with the daemon, so this needs read access
 to the environment and write access to its ``lock.mdb`` (same user or group).
@@ -14,12 +17,13 @@ to the environment and write access to its ``lock.mdb`` (same user or group).
 
 from __future__ import annotations
 
+import os
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvcached.errors import CorruptChunk
 from kvcached.keys import KVLayout
-from kvcached.tiers.record import verified_payload
+from kvcached.tiers.record import copy_verified
 from kvcached_client.errors import KvcachedError, PoolMappingError
 
 if TYPE_CHECKING:
@@ -30,54 +34,94 @@ class CorruptChunkError(KvcachedError):
     """An NVMe chunk failed its checksum; it was not used."""
 
 
+_ENVS: dict[str, list[Any]] = {}  # real path -> [env, db, refcount]
+_ENVS_LOCK = threading.Lock()
+
+
+def _acquire_env(path: str) -> tuple[Any, Any]:
+    import lmdb
+
+    if not path:
+        raise PoolMappingError("the daemon has no NVMe tier to read from")
+    real = os.path.realpath(path)
+    with _ENVS_LOCK:
+        entry = _ENVS.get(real)
+        if entry is None:
+            try:
+                env = lmdb.open(real, readonly=True, lock=True, max_dbs=4, subdir=True, readahead=False)
+                db = env.open_db(b"chunks", create=False)
+            except lmdb.Error as e:
+                raise PoolMappingError(f"cannot open the NVMe tier at {path}: {e}") from e
+            entry = _ENVS[real] = [env, db, 0]
+        entry[2] += 1
+        return entry[0], entry[1]
+
+
+def _release_env(path: str) -> None:
+    real = os.path.realpath(path)
+    with _ENVS_LOCK:
+        entry = _ENVS.get(real)
+        if entry is not None:
+            entry[2] -= 1
+            if entry[2] == 0:
+                entry[0].close()
+                del _ENVS[real]
+
+
 class NvmeReader:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._env = None
-        self._db = None
+        self._env: Any = None
+        self._db: Any = None
         self.path: str | None = None
 
     def open(self, path: str) -> None:
-        import lmdb
-
         with self._lock:
             if self.path == path and self._env is not None:
                 return
-            self.close_locked()
-            try:
-                env = lmdb.open(path, readonly=True, lock=True, max_dbs=4, subdir=True, readahead=False)
-                self._db = env.open_db(b"chunks", create=False)
-            except lmdb.Error as e:
-                raise PoolMappingError(f"cannot open the NVMe tier at {path}: {e}") from e
-            self._env, self.path = env, path
+            self._close_locked()
+            self._env, self._db = _acquire_env(path)
+            self.path = path
 
-    def read(self, layout: KVLayout, key: bytes) -> "torch.Tensor":
-        """Chunk ``key`` as a new [2, layers, kv_heads, chunk_tokens, head_dim] tensor."""
-        import numpy as np
-        import torch
-
-        from kvcached.kv import torch_dtype
-
+    def read_into(self, layout: KVLayout, key: bytes, out: "torch.Tensor") -> None:
+        """Copy chunk ``key`` into ``out`` (a contiguous CPU tensor of the chunk's shape and dtype)."""
         env = self._env
         if env is None:
             raise PoolMappingError("the NVMe tier is not open")
-        out = torch.empty(layout.chunk_bytes, dtype=torch.uint8)
+        if not out.is_contiguous() or out.device.type != "cpu" or out.numel() * out.element_size() != layout.chunk_bytes:
+            raise ValueError(f"out must be a contiguous CPU tensor of {layout.chunk_bytes} bytes")
+        dest = memoryview(out.view(-1).view(dtype=_u8()).numpy())
         with env.begin(db=self._db, buffers=True) as txn:
             value = txn.get(key)
             if value is None:
                 raise CorruptChunkError(f"chunk {key.hex()} is not in the NVMe tier")
             try:
-                out.numpy()[:] = np.frombuffer(verified_payload(value, key, layout.chunk_bytes), dtype=np.uint8)
+                copy_verified(value, key, dest)
             except CorruptChunk as e:
                 raise CorruptChunkError(f"NVMe chunk {key.hex()}: {e}") from None
-        return out.view(torch_dtype(layout.dtype)).view(layout.chunk_shape)
 
-    def close_locked(self) -> None:
-        if self._env is not None:
-            self._env.close()
+    def read(self, layout: KVLayout, key: bytes) -> "torch.Tensor":
+        """Chunk ``key`` as a new [2, layers, kv_heads, chunk_tokens, head_dim] tensor."""
+        import torch
+
+        from kvcached.kv import torch_dtype
+
+        out = torch.empty(layout.chunk_shape, dtype=torch_dtype(layout.dtype))
+        self.read_into(layout, key, out)
+        return out
+
+    def _close_locked(self) -> None:
+        if self.path is not None:
+            _release_env(self.path)
         self._env = self._db = None
         self.path = None
 
     def close(self) -> None:
         with self._lock:
-            self.close_locked()
+            self._close_locked()
+
+
+def _u8() -> "torch.dtype":
+    import torch
+
+    return torch.uint8

@@ -39,7 +39,7 @@ from kvcached.errors import ChunkNotCached, CorruptChunk, InternalInvariantError
 from kvcached.keys import ChunkHash, KVLayout, LayoutId
 from kvcached.locations import TierId
 from kvcached.tiers.base import ChunkMeta, Slot, Tier
-from kvcached.tiers.record import HEADER_SIZE, decode_header, encode_header, verified_payload
+from kvcached.tiers.record import HEADER_SIZE, copy_verified, decode_header, encode_header, verified_payload
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class NvmeTier(Tier):
             if value is None:
                 raise ChunkNotCached(f"chunk {h.hex()} is not on NVMe")
             try:
-                dest[:] = verified_payload(value, h, dest.nbytes)
+                copy_verified(value, h, dest)
             except CorruptChunk as e:
                 err = e
         if err is not None:

@@ -24,7 +24,11 @@ fails either is dropped, never served.
 from __future__ import annotations
 
 import struct
-import zlib
+
+try:  # ISA-L computes the same CRC-32 ~8x faster (bench/chunk_read.py); zlib is the fallback
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - isal is a dependency, but the format must not need it
+    from zlib import crc32 as _crc32
 
 from kvcached.errors import CorruptChunk
 from kvcached.keys import ChunkHash, LayoutId
@@ -48,9 +52,9 @@ def encode_header(meta: ChunkMeta, payload: memoryview | bytes) -> bytes:
         meta.position,
         meta.token_count,
         len(payload),
-        zlib.crc32(payload),
+        _crc32(payload),
     )
-    return body + _CRC.pack(zlib.crc32(body))
+    return body + _CRC.pack(_crc32(body))
 
 
 def decode_header(value: memoryview | bytes, key: bytes) -> tuple[ChunkMeta, int, int]:
@@ -64,7 +68,7 @@ def decode_header(value: memoryview | bytes, key: bytes) -> tuple[ChunkMeta, int
         raise CorruptChunk(f"value of {len(value)} bytes is shorter than the {HEADER_SIZE} byte header")
     body = value[: _BODY.size]
     (crc,) = _CRC.unpack_from(value, _BODY.size)
-    if zlib.crc32(body) != crc:
+    if _crc32(body) != crc:
         raise CorruptChunk("header CRC mismatch")
     magic, version, _flags, layout, chunk, parent, position, tokens, plen, pcrc = _BODY.unpack(body)
     if magic != MAGIC:
@@ -81,7 +85,7 @@ def decode_header(value: memoryview | bytes, key: bytes) -> tuple[ChunkMeta, int
 
 def check_payload(value: memoryview, pcrc: int) -> memoryview:
     payload = value[HEADER_SIZE:]
-    if zlib.crc32(payload) != pcrc:
+    if _crc32(payload) != pcrc:
         raise CorruptChunk("payload CRC mismatch")
     return payload
 
@@ -96,3 +100,27 @@ def verified_payload(value: memoryview | bytes, key: bytes, expected_len: int | 
     if expected_len is not None and plen != expected_len:
         raise CorruptChunk(f"payload is {plen} bytes, expected {expected_len}")
     return check_payload(memoryview(value), pcrc)
+
+
+_PIECE = 1 << 20
+
+
+def copy_verified(value: memoryview | bytes, key: bytes, dest: memoryview) -> None:
+    """Copy the payload into ``dest`` and check it, in one pass.
+
+    The CRC is computed over each 1 MiB piece right after it was copied, while
+    it is still in cache, instead of reading the payload twice. On a mismatch
+    :class:`CorruptChunk` is raised and ``dest`` holds garbage: the caller must
+    discard it (the pool aborts the slot; the client drops the tensor).
+    """
+    _meta, plen, pcrc = decode_header(value, key)
+    if plen != dest.nbytes:
+        raise CorruptChunk(f"payload is {plen} bytes, expected {dest.nbytes}")
+    src = memoryview(value)[HEADER_SIZE:]
+    crc = 0
+    for off in range(0, plen, _PIECE):
+        end = min(off + _PIECE, plen)
+        dest[off:end] = src[off:end]
+        crc = _crc32(dest[off:end], crc)
+    if crc != pcrc:
+        raise CorruptChunk("payload CRC mismatch")

@@ -218,9 +218,39 @@ def test_nvme_only_chunks_reach_the_client_both_ways(make_daemon, mode):
         with c.acquire(fat, list(range(48))) as lease:
             assert lease.matched_tokens == 48
             assert torch.equal(lease.kv(), a)
+            out = torch.empty(fat.chunk_shape)
+            assert torch.equal(lease.copy_chunk(2, out), a[:, :, :, 32:48])  # one copy, into the caller's tensor
+        with Client(d.socket, nvme_read=mode) as c2:  # a second client in the same process shares the LMDB env
+            with c2.acquire(fat, list(range(48))) as lease:
+                assert torch.equal(lease.kv(), a)
         s = c.stats()
         if mode == "direct":
             assert s["counters"]["promotions"] == 0  # read from the LMDB file by the client
         else:
             assert s["counters"]["promotions"] >= 1
         assert s["leases_active"] == 0
+
+
+def test_direct_nvme_read_falls_back_to_promotion_when_the_file_cannot_be_opened(make_daemon, monkeypatch):
+    # As root every file is readable, so the permission failure is simulated.
+    import kvcached_client.nvme as nv
+    from kvcached.keys import KVLayout
+    from kvcached_client import PoolMappingError
+
+    fat = KVLayout("test/fat@1", num_layers=4, num_kv_heads=4, head_dim=64, dtype="float32", chunk_tokens=16)
+    d = make_daemon(pool_bytes="2M", pool_block_bytes="128K")
+    a = torch.randn(2, 4, 4, 48, 64)
+
+    def refuse(path):
+        raise PoolMappingError(f"cannot open the NVMe tier at {path}: Permission denied")
+
+    monkeypatch.setattr(nv, "_acquire_env", refuse)
+    with Client(d.socket) as c:
+        assert c.nvme_read == "direct"  # the measured default
+        c.put(fat, list(range(48)), a)
+        for k in range(5):
+            c.put(fat, [1000 * (k + 1) + i for i in range(48)], torch.zeros(2, 4, 4, 48, 64))
+        with c.acquire(fat, list(range(48))) as lease:
+            assert torch.equal(lease.kv(), a)
+        assert c.nvme_read == "promote" and c.stats()["counters"]["promotions"] >= 2
+        assert c.stats()["leases_active"] == 0
