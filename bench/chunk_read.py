@@ -139,7 +139,7 @@ class Setup:
         self.nbytes = self.layout.chunk_bytes
         self.n_pinned = max(1, math.ceil(COLD_BYTES / self.nbytes))
         self.rng = np.random.default_rng(args.seed)
-        self.c = Client(daemon.socket)
+        self.c = Client(daemon.socket, nvme_read="promote")  # the promotion contender (b) and the builder
         self.cd = None  # Client(nvme_read="direct"), if this client version has it
         self.crc_of: list[int] = []  # payload CRC per chunk index
         self.tokens: list[np.ndarray] = []

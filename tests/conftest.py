@@ -2,10 +2,12 @@ from __future__ import annotations
 
 import os
 from typing import Callable, Iterator
+import signal
 
 import pytest
 
 from kvcached.config import StoreConfig
+from tests.daemon import Daemon
 from kvcached.keys import KVLayout
 from kvcached.store import Store
 
@@ -77,3 +79,23 @@ def lid(store):
 
 def pytest_report_header(config):
     return f"kvcached tests; /dev/shm free: {os.statvfs('/dev/shm').f_bavail * os.statvfs('/dev/shm').f_frsize >> 20} MiB"
+
+
+@pytest.fixture
+def make_daemon(tmp_path) -> Iterator[Callable[..., Daemon]]:
+    daemons: list[Daemon] = []
+
+    def factory(**settings: object) -> Daemon:
+        d = Daemon(str(tmp_path), **settings)
+        daemons.append(d)
+        return d.start()
+
+    yield factory
+    for d in daemons:
+        if d.proc is not None:
+            d.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def daemon(make_daemon) -> Daemon:
+    return make_daemon()
