@@ -27,6 +27,7 @@ under its whole prefix).
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -75,6 +76,7 @@ class PrefillResult:
     stored_chunks: int  # new chunks handed to kvcached
     ttft_seconds: float  # acquire + suffix prefill (+ nothing else): time to the first token's logits
     store_seconds: float = 0.0
+    cache_seconds: float = 0.0  # of ttft: acquire + copying the cached KV into the model's cache
 
 
 @dataclass
@@ -84,6 +86,18 @@ class GenerateResult:
     ttft_seconds: float
     total_seconds: float
     step_logits: list["torch.Tensor"] = field(default_factory=list)
+
+
+def _forward(model: Any, ids: "torch.Tensor", cache: Any) -> tuple["torch.Tensor", Any]:
+    """One forward pass with a KV cache; returns (last-position logits, the updated cache).
+
+    transformers renamed ``past_key_values`` to ``cache`` (argument and output) in 5.x;
+    this speaks whichever the installed version uses.
+    """
+    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(input_ids=ids, use_cache=True, **{arg: cache})
+    new_cache = out["cache"] if "cache" in out else out["past_key_values"]
+    return out.logits[0, -1], new_cache
 
 
 def _kv_from_cache(cache: Any, n_tokens: int) -> "torch.Tensor":
@@ -127,20 +141,16 @@ def prefill(
             if used > 0:
                 kv = lease.kv()[:, :, :, :used].to(device)  # a copy: the lease ends right here
                 cache = _cache_from_kv(model, kv)
+    cache_s = time.perf_counter() - t0
     with torch.no_grad():
-        out = model(
-            input_ids=ids[used:].unsqueeze(0).to(device),
-            past_key_values=cache,
-            use_cache=True,
-        )
-    logits = out.logits[0, -1]
+        logits, cache = _forward(model, ids[used:].unsqueeze(0).to(device), cache)
     ttft = time.perf_counter() - t0
     stored = 0
     t1 = time.perf_counter()
     full = n // layout.chunk_tokens * layout.chunk_tokens
     if policy.should_store(n) and full:
-        stored = client.put(layout, tokens[:full], _kv_from_cache(out.past_key_values, full))
-    return PrefillResult(logits, out.past_key_values, used, stored, ttft, time.perf_counter() - t1)
+        stored = client.put(layout, tokens[:full], _kv_from_cache(cache, full))
+    return PrefillResult(logits, cache, used, stored, ttft, time.perf_counter() - t1, cache_s)
 
 
 def generate(
@@ -177,8 +187,7 @@ def generate(
             out_tokens.append(nxt)
             if step + 1 == max_new_tokens:
                 break
-            out = model(input_ids=torch.tensor([[nxt]], device=device), past_key_values=cache, use_cache=True)
-            logits, cache = out.logits[0, -1], out.past_key_values
+            logits, cache = _forward(model, torch.tensor([[nxt]], device=device), cache)
     return GenerateResult(out_tokens, pre, pre.ttft_seconds, time.perf_counter() - t0, kept)
 
 
@@ -188,8 +197,7 @@ def reference_generate(model: Any, input_ids: "torch.Tensor", max_new_tokens: in
 
     device = next(model.parameters()).device
     with torch.no_grad():
-        out = model(input_ids=input_ids.reshape(1, -1).to(device), use_cache=True)
-        logits, cache = out.logits[0, -1], out.past_key_values
+        logits, cache = _forward(model, input_ids.reshape(1, -1).to(device), None)
         first = logits.clone()
         toks: list[int] = []
         for step in range(max_new_tokens):
@@ -197,6 +205,5 @@ def reference_generate(model: Any, input_ids: "torch.Tensor", max_new_tokens: in
             toks.append(nxt)
             if step + 1 == max_new_tokens:
                 break
-            out = model(input_ids=torch.tensor([[nxt]], device=device), past_key_values=cache, use_cache=True)
-            logits, cache = out.logits[0, -1], out.past_key_values
+            logits, cache = _forward(model, torch.tensor([[nxt]], device=device), cache)
     return toks, first

@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TRACES = os.path.join(ROOT, "..", "shared", "traces", "mooncake-fast25")
 
 
-@pytest.mark.parametrize("name", ["acquire_latency", "index_memory", "trace_replay"])
+@pytest.mark.parametrize("name", ["acquire_latency", "index_memory", "trace_replay", "ttft", "rpc_latency", "chunk_read"])
 def test_benchmark_runs_quick(name, tmp_path):
     if name == "trace_replay" and not os.path.isdir(TRACES):
         pytest.skip(f"the Mooncake traces are not beside the repository ({TRACES})")
