@@ -34,7 +34,6 @@ def machine_info() -> dict:
         "machine": platform.machine(),
         "command": " ".join([_exe()] + sys.argv),
         "argv": list(sys.argv),
-        "cwd": os.getcwd(),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     info.update(_git_state())
