@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -17,7 +17,7 @@ from kvcached.service.convert import layout_to_proto, pool_handle_from_proto
 from kvcached.settings import default_socket
 from kvcached.tiers.blocks import PoolHandle
 from kvcached.v1 import kvcached_pb2 as pb
-from kvcached_client.errors import InvalidArgumentError
+from kvcached_client.errors import FailedPreconditionError, InvalidArgumentError
 from kvcached_client.pool import PoolMap
 
 if TYPE_CHECKING:
@@ -105,3 +105,30 @@ def write_slots(pool: PoolMap, layout: KVLayout, slots: Sequence[Location], kv: 
 
 def tokens_array(tokens: bytes) -> np.ndarray:
     return np.frombuffer(tokens, dtype="<u4")
+
+
+class LeaseBase:
+    """What both lease flavours hold: the pinned prefix's packed locations, read lazily."""
+
+    def __init__(self, client: Any, layout: KVLayout, resp: pb.AcquireResponse) -> None:
+        self._client = client
+        self.layout = layout
+        self.lease_id: str = resp.lease_id
+        self.matched_tokens: int = resp.matched_tokens
+        self._chunks = resp.chunks
+        self._offsets = list(resp.chunks.offsets)
+        self.released = False
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    @property
+    def locations(self) -> tuple[Location, ...]:
+        return locations(self._chunks)
+
+    def _check_live(self) -> None:
+        if self.released:
+            raise FailedPreconditionError("the lease was released; its chunks may already hold other data")
+
+    def _pool_chunk(self, i: int) -> "torch.Tensor":
+        return self._client._pool.view(self.layout, self._offsets[i], self._chunks.chunk_bytes)

@@ -32,27 +32,11 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-class AsyncLease:
-    def __init__(self, client: "AsyncClient", layout: KVLayout, resp: pb.AcquireResponse) -> None:
-        self._client = client
-        self.layout = layout
-        self.lease_id: str = resp.lease_id
-        self.matched_tokens: int = resp.matched_tokens
-        self._chunks = resp.chunks
-        self._offsets = list(resp.chunks.offsets)
-        self.released = False
-
-    def __len__(self) -> int:
-        return len(self._offsets)
-
-    @property
-    def locations(self) -> tuple[_core.Location, ...]:
-        return _core.locations(self._chunks)
-
+class AsyncLease(_core.LeaseBase):
     def chunk(self, i: int) -> "torch.Tensor":
-        if self.released:
-            raise FailedPreconditionError("the lease was released; its chunks may already hold other data")
-        return self._client._pool.view(self.layout, self._offsets[i], self._chunks.chunk_bytes)
+        """Chunk ``i`` as a view of the pool (no copy); the asyncio client always has the daemon promote."""
+        self._check_live()
+        return self._pool_chunk(i)
 
     async def keep_alive(self, ttl: float | None = None) -> float:
         return await self._client.keep_alive([self.lease_id], ttl)

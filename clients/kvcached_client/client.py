@@ -58,39 +58,24 @@ T = TypeVar("T")
 log = logging.getLogger("kvcached_client")
 
 
-class Lease:
+class Lease(_core.LeaseBase):
     """A pinned cached prefix. Use as a context manager, or call :meth:`release`."""
 
     def __init__(self, client: "Client", layout: KVLayout, resp: pb.AcquireResponse) -> None:
-        self._client = client
-        self.layout = layout
-        self.lease_id: str = resp.lease_id
-        self.matched_tokens: int = resp.matched_tokens
-        self._chunks = resp.chunks
-        self._offsets = list(resp.chunks.offsets)
+        super().__init__(client, layout, resp)
         self.ttl_seconds: float = resp.ttl_seconds
-        self.released = False
         self._nvme_cache: dict[int, "torch.Tensor"] = {}
-
-    def __len__(self) -> int:
-        return len(self._offsets)
-
-    @property
-    def locations(self) -> tuple[_core.Location, ...]:
-        return _core.locations(self._chunks)
 
     def chunk(self, i: int) -> "torch.Tensor":
         """Chunk ``i`` as a [2, layers, kv_heads, chunk_tokens, head_dim] tensor: a view of the
         pool (no copy), or, for a chunk read straight from NVMe, a new tensor (one copy)."""
-        if self.released:
-            raise FailedPreconditionError("the lease was released; its chunks may already hold other data")
-        off = self._offsets[i]
-        if off == _core.NVME_CHUNK:
+        self._check_live()
+        if self._offsets[i] == _core.NVME_CHUNK:
             t = self._nvme_cache.get(i)
             if t is None:
                 t = self._nvme_cache[i] = self._client._nvme.read(self.layout, self.locations[i].nvme_key)
             return t
-        return self._client._pool.view(self.layout, off, self._chunks.chunk_bytes)
+        return self._pool_chunk(i)
 
     def copy_chunk(self, i: int, out: "torch.Tensor") -> "torch.Tensor":
         """Copy chunk ``i`` into ``out`` (same shape and dtype); one copy on every path.
@@ -98,10 +83,8 @@ class Lease:
         Prefer this to ``out.copy_(lease.chunk(i))`` for chunks read from NVMe directly:
         it copies from the LMDB page cache straight into ``out``.
         """
-        if self.released:
-            raise FailedPreconditionError("the lease was released; its chunks may already hold other data")
-        off = self._offsets[i]
-        if off == _core.NVME_CHUNK and i not in self._nvme_cache and out.device.type == "cpu" and out.is_contiguous():
+        self._check_live()
+        if self._offsets[i] == _core.NVME_CHUNK and i not in self._nvme_cache and out.device.type == "cpu" and out.is_contiguous():
             self._client._nvme.read_into(self.layout, self.locations[i].nvme_key, out)
             return out
         return out.copy_(self.chunk(i))
