@@ -10,7 +10,7 @@ Why not pygtrie (the design card's first choice): ``bench/index_memory.py``
 builds the same 1M-chunk index both ways in one run, with the same node
 records and eviction queues. pygtrie wraps every node in its own ``_Node``
 with a children mapping and is walked by the tuple of hashes on the path:
-measured here it costs 1.34x the memory per chunk (219 vs 163 bytes), a
+measured here it costs 1.33x the memory per chunk (227 vs 171 bytes), a
 1.2x slower 64-chunk match and a 1.9x slower insert, for identical
 behaviour. The flat map also gives O(1) access to any node by hash, which
 the NVMe rebuild, eviction and corruption handling need.
