@@ -13,11 +13,9 @@ import sys
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="transformers is a test dependency (pip install -e .[test])")
-
-from kvcached_client import Client  # noqa: E402
-from kvcached_client.hf import generate, layout_for, prefill, reference_generate  # noqa: E402
-from kvcached_client.policy import CachePolicy  # noqa: E402
+from kvcached_client import Client
+from kvcached_client.hf import generate, layout_for, prefill, reference_generate
+from kvcached_client.policy import CachePolicy
 
 CT = 16  # chunk tokens: small so that prompts of a few chunks exercise every case
 
