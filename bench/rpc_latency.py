@@ -437,13 +437,13 @@ def breakdown(tokens: bytes, args: argparse.Namespace) -> dict:
             lid = store.register_layout(LAYOUT)
             store.put(lid, tokens, [bytes(LAYOUT.chunk_bytes)] * PROMPT_CHUNKS)
             r = store.acquire(lid, tokens)
-            resp = convert.lease_to_proto(r, 30.0, LAYOUT.chunk_bytes)
+            resp = convert.lease_to_proto(r, 30.0)
             wire = resp.SerializeToString()
             parsed = pb.AcquireResponse.FromString(wire)
             fns = {
                 "store.acquire + store.release (in process)": lambda: store.release(store.acquire(lid, tokens).lease_id),
                 "servicer: convert.lease_to_proto (64 chunks, packed offsets)":
-                    lambda: convert.lease_to_proto(r, 30.0, LAYOUT.chunk_bytes),
+                    lambda: convert.lease_to_proto(r, 30.0),
                 "AcquireResponse.SerializeToString": resp.SerializeToString,
                 "AcquireResponse.FromString (client parse)": lambda: pb.AcquireResponse.FromString(wire),
                 "client: list(offsets) (what a Lease keeps)": lambda: list(parsed.chunks.offsets),

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvcached.keys import ChunkHash, LayoutId
+from kvcached.locations import NVME, POOL
 from kvcached.leases import LeaseId, ReservationId, SessionId
 
 
@@ -22,22 +23,42 @@ class ChunkLocation(NamedTuple):
     block: int  # -1 when the chunk is read from NVMe (tier NVME)
     offset: int  # -1 likewise
     nbytes: int
-    tier: int = 1  # kvcached.locations.POOL or NVME
+    tier: int = POOL  # kvcached.locations.POOL or NVME
 
 
 @dataclass(frozen=True)
 class LeaseReceipt:
-    """Proof of a lease. Every chunk in ``chunks`` stays in the pool, unchanged, until the
-    lease is released, expires, or its session ends. Losing the receipt does not free the
-    pins; the TTL or the session end does."""
+    """Proof of a lease. Every chunk it names stays in place, unchanged, until the lease is
+    released, expires, or its session ends. Losing the receipt does not free the pins; the
+    TTL or the session end does.
+
+    Stored column-wise (hashes, offsets) because that is what the wire carries; ``chunks``
+    builds per-chunk records on demand. An offset of -1 marks a chunk left on NVMe (a lease
+    taken without promotion).
+    """
 
     lease_id: LeaseId
     session_id: SessionId
     layout_id: LayoutId
     matched_tokens: int
-    chunks: tuple[ChunkLocation, ...]
+    chunk_hashes: tuple[ChunkHash, ...]
+    offsets: tuple[int, ...]  # byte offset of each chunk in the pool, -1 for NVMe-only chunks
+    chunk_bytes: int
+    block_bytes: int
     expires_at: float
     pool_generation: str
+
+    @property
+    def chunks(self) -> tuple[ChunkLocation, ...]:
+        bb, n = self.block_bytes, self.chunk_bytes
+        return tuple(
+            ChunkLocation(i, h, off // bb, off, n, POOL) if off >= 0 else ChunkLocation(i, h, -1, -1, n, NVME)
+            for i, (h, off) in enumerate(zip(self.chunk_hashes, self.offsets))
+        )
+
+    @property
+    def all_in_pool(self) -> bool:
+        return not self.offsets or min(self.offsets) >= 0
 
 
 @dataclass(frozen=True)

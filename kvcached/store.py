@@ -53,7 +53,6 @@ from kvcached.leases import Entry, LeaseId, ReservationId, SessionId, TimedTable
 from kvcached.locations import NVME, POOL
 from kvcached.movement import Mover
 from kvcached.receipts import (
-    ChunkLocation,
     CommitReceipt,
     EvictReceipt,
     LeaseReceipt,
@@ -295,27 +294,21 @@ class Store:
 
     def _lease_receipt(self, entry: Entry[tuple[Node, ...]], layout_id: LayoutId, layout: KVLayout) -> LeaseReceipt:
         nodes = entry.payload
-        new = tuple.__new__  # NamedTuple construction without the Python-level __new__
+        hashes = [n.hash for n in nodes]
         if all(n.tiers & POOL for n in nodes):
-            hashes = [n.hash for n in nodes]
-            chunks = [
-                new(ChunkLocation, (pos, h, b, off, n, POOL))
-                for pos, (h, (b, off, n)) in enumerate(zip(hashes, self.pool.locate_many(hashes)))
-            ]
+            offsets = self.pool.offsets_of(hashes)
         else:
-            chunks = []
-            for pos, node in enumerate(nodes):
-                if node.tiers & POOL:
-                    b, n = self.pool.locate(node.hash)
-                    chunks.append(new(ChunkLocation, (pos, node.hash, b, b * self.pool.block_bytes, n, POOL)))
-                else:
-                    chunks.append(new(ChunkLocation, (pos, node.hash, -1, -1, layout.chunk_bytes, NVME)))
+            bb, committed = self.pool.block_bytes, self.pool.locate
+            offsets = [committed(n.hash)[0] * bb if n.tiers & POOL else -1 for n in nodes]
         return LeaseReceipt(
             LeaseId(entry.id),
             entry.session,
             layout_id,
-            len(chunks) * layout.chunk_tokens,
-            tuple(chunks),
+            len(nodes) * layout.chunk_tokens,
+            tuple(hashes),
+            tuple(offsets),
+            layout.chunk_bytes,
+            self.pool.block_bytes,
             entry.expires_at,
             self.pool.generation,
         )
@@ -375,12 +368,12 @@ class Store:
         with self._lock:
             if self._leases.get(receipt.lease_id) is None:
                 raise UnknownLease(f"lease {receipt.lease_id} is not live")
-            if not 0 <= position < len(receipt.chunks):
-                raise InvalidKV(f"chunk {position} is outside the lease's {len(receipt.chunks)} chunks")
-            loc = receipt.chunks[position]
-            if loc.tier == NVME and self.nvme is not None:
-                return self.nvme.read(loc.chunk_hash)
-            return self.pool.read(loc.chunk_hash)
+            if not 0 <= position < len(receipt.offsets):
+                raise InvalidKV(f"chunk {position} is outside the lease's {len(receipt.offsets)} chunks")
+            h = receipt.chunk_hashes[position]
+            if receipt.offsets[position] < 0 and self.nvme is not None:
+                return self.nvme.read(h)
+            return self.pool.read(h)
 
     # -- write path (two-phase; see kvcached.writes) -------------------------------------
 

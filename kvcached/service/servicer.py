@@ -155,7 +155,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         ttl = await self._ttl(context, request.ttl_seconds)
         r = await self._run(context, self.store.acquire, request.layout_id, request.tokens, session, ttl=ttl,
                             promote=not request.read_nvme_directly, inline=True)
-        return convert.lease_to_proto(r, self._remaining(r.expires_at), self.store.layout(r.layout_id).chunk_bytes)
+        return convert.lease_to_proto(r, self._remaining(r.expires_at))
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         ids = await self._ids(context, request.lease_ids, "lease ids")
@@ -224,7 +224,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         def read() -> tuple[int, list[bytes]]:
             r = self.store.acquire(request.layout_id, request.tokens, session)
             try:
-                return r.matched_tokens, [bytes(self.store.read_chunk(r, i)) for i in range(len(r.chunks))]
+                return r.matched_tokens, [bytes(self.store.read_chunk(r, i)) for i in range(len(r.offsets))]
             finally:
                 self.store.release(r.lease_id)
 
