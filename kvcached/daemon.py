@@ -6,7 +6,9 @@ line. Order at stop (SIGTERM/SIGINT): health NOT_SERVING, stop accepting,
 grace period for in-flight calls, write pool-only chunks to NVMe, close.
 SIGHUP re-reads the config file and applies the reloadable settings
 (:data:`kvcached.settings.RELOADABLE`); the others are logged as needing a
-restart.
+restart. Under systemd each step is also reported by sd_notify
+(:mod:`kvcached.systemd`): READY only once serving, WATCHDOG from the loop,
+RELOADING/READY around a reload, STOPPING on SIGTERM.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 from kvcached import __version__
 from kvcached.settings import RELOADABLE, DaemonSettings, SettingsError, load_settings
 from kvcached.store import Store
+from kvcached.systemd import Notifier
 
 log = logging.getLogger("kvcached.daemon")
 
@@ -50,21 +53,38 @@ async def _serve(settings: DaemonSettings, config_file: str | None, overrides: d
     from kvcached.service.server import start_server
 
     loop = asyncio.get_running_loop()
-    store = await loop.run_in_executor(None, Store, settings.store_config())
+    notify = Notifier()
+    # Pool allocation and the NVMe rebuild can take long: keep extending the start timeout.
+    opening = loop.run_in_executor(None, Store, settings.store_config())
+    while not opening.done():
+        notify.extend_timeout(30)
+        await asyncio.wait([opening], timeout=10)
+    store = opening.result()
     try:
         running = await start_server(settings, store)
     except BaseException:
         store.close()
         raise
     stop = asyncio.Event()
+
+    def on_stop() -> None:
+        notify.stopping()
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(_reload(settings, store, running, config_file, overrides)))
+        loop.add_signal_handler(sig, on_stop)
+    loop.add_signal_handler(
+        signal.SIGHUP, lambda: asyncio.ensure_future(_reload(settings, store, running, config_file, overrides, notify))
+    )
     _announce(settings, store, running.tcp_port)
-    expirer = asyncio.create_task(_expire_loop(store, settings.expire_interval))
+    notify.ready(_status_line(store))  # only now: the socket is bound and the index rebuilt
+    tasks = [asyncio.create_task(_expire_loop(store, settings.expire_interval, notify))]
+    if notify.watchdog_interval:
+        tasks.append(asyncio.create_task(_watchdog_loop(notify, notify.watchdog_interval)))
     await stop.wait()
     log.info("stopping: health NOT_SERVING, draining in-flight calls")
-    expirer.cancel()
+    for t in tasks:
+        t.cancel()
     await running.stop(grace=5.0)
     flushed = await loop.run_in_executor(None, store.flush)
     store.close()
@@ -92,10 +112,27 @@ def _announce(settings: DaemonSettings, store: Store, tcp_port: int | None) -> N
     print("\n".join(lines), flush=True)
 
 
-async def _expire_loop(store: Store, interval: float) -> None:
+def _status_line(store: Store) -> str:
+    s = store.stats()
+    return (f"{s.indexed_chunks} chunks, pool {s.pool.blocks_total - s.pool.blocks_free}/{s.pool.blocks_total} blocks, "
+            f"{s.leases_active} leases, hit rate {s.hit_rate:.1%}")
+
+
+async def _watchdog_loop(notify: Notifier, interval: float) -> None:
+    """WATCHDOG=1 from the event loop itself: if the loop stalls, the pings stop."""
+    while True:
+        notify.watchdog()
+        await asyncio.sleep(interval)
+
+
+async def _expire_loop(store: Store, interval: float, notify: Notifier | None = None) -> None:
     loop = asyncio.get_running_loop()
+    last_status = 0.0
     while True:
         await asyncio.sleep(interval)
+        if notify is not None and notify.enabled and loop.time() - last_status >= 10:
+            notify.status(_status_line(store))
+            last_status = loop.time()
         try:
             out = await loop.run_in_executor(None, store.expire)
         except Exception:  # keep the loop alive; the error is a bug worth a traceback
@@ -106,11 +143,14 @@ async def _expire_loop(store: Store, interval: float) -> None:
 
 
 async def _reload(settings: DaemonSettings, store: Store, running: Any, config_file: str | None,
-                  overrides: dict[str, Any]) -> None:
+                  overrides: dict[str, Any], notify: Notifier | None = None) -> None:
+    notify = notify or Notifier({})
+    notify.reloading()
     try:
         new = load_settings(config_file, overrides)
     except SettingsError as e:
         log.error("reload failed, keeping the running settings: %s", e)
+        notify.ready(_status_line(store))
         return
     changed = {f.name for f in dataclasses.fields(DaemonSettings) if getattr(new, f.name) != getattr(settings, f.name)}
     ignored = sorted(changed - RELOADABLE)
@@ -121,3 +161,4 @@ async def _reload(settings: DaemonSettings, store: Store, running: Any, config_f
     running.servicer.call_timeout = new.call_timeout
     logging.getLogger().setLevel(getattr(logging, new.log_level.upper()))
     log.info("reloaded: %s", ", ".join(applied) or "nothing changed")
+    notify.ready(_status_line(store))
