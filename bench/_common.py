@@ -224,6 +224,7 @@ class Daemon:
         import tempfile
 
         self.settings = dict(settings)
+        self.settings.setdefault("metrics_addr", "127.0.0.1:0")  # several daemons may run at once
         self.dir = tempfile.mkdtemp(prefix=prefix)
         self.socket = os.path.join(self.dir, "kv.sock")
         self.state_dir = os.path.join(self.dir, "state")

@@ -102,7 +102,7 @@ def main() -> int:
     cfg = os.path.join(tmp, "kvcached.toml")
     with open(cfg, "w") as f:
         f.write(f'device = "cuda"\npool_bytes = {pool_chunks * layout.chunk_bytes}\n'
-                f'pool_block_bytes = {layout.chunk_bytes}\nnvme_bytes = "16G"\n')
+                f'pool_block_bytes = {layout.chunk_bytes}\nnvme_bytes = "16G"\nmetrics_addr = "127.0.0.1:0"\n')
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "clients")]))
     kvcached = [sys.executable, "-c", "from kvcached.cli import kvcached_main; raise SystemExit(kvcached_main())"]
     daemon = subprocess.Popen(kvcached + ["serve", "--config", cfg, "--socket", sock, "--state-dir",

@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 from kvcached import __version__
+from kvcached.metrics import Metrics
 from kvcached.settings import RELOADABLE, DaemonSettings, SettingsError, load_settings
 from kvcached.store import Store
 from kvcached.systemd import Notifier
@@ -60,9 +61,17 @@ async def _serve(settings: DaemonSettings, config_file: str | None, overrides: d
         notify.extend_timeout(30)
         await asyncio.wait([opening], timeout=10)
     store = opening.result()
+    metrics = Metrics(store)
+    metrics_port = None
+    if settings.metrics_addr and settings.metrics_addr != "off":
+        try:
+            metrics_port = metrics.serve(settings.metrics_addr)
+        except OSError as e:  # a busy port must not keep the cache down
+            log.error("cannot serve metrics on %s: %s; running without /metrics", settings.metrics_addr, e)
     try:
-        running = await start_server(settings, store)
+        running = await start_server(settings, store, [metrics.interceptor])
     except BaseException:
+        metrics.close()
         store.close()
         raise
     stop = asyncio.Event()
@@ -76,7 +85,7 @@ async def _serve(settings: DaemonSettings, config_file: str | None, overrides: d
     loop.add_signal_handler(
         signal.SIGHUP, lambda: asyncio.ensure_future(_reload(settings, store, running, config_file, overrides, notify))
     )
-    _announce(settings, store, running.tcp_port)
+    _announce(settings, store, running.tcp_port, metrics_port)
     notify.ready(_status_line(store))  # only now: the socket is bound and the index rebuilt
     tasks = [asyncio.create_task(_expire_loop(store, settings.expire_interval, notify))]
     if notify.watchdog_interval:
@@ -86,13 +95,14 @@ async def _serve(settings: DaemonSettings, config_file: str | None, overrides: d
     for t in tasks:
         t.cancel()
     await running.stop(grace=5.0)
+    metrics.close()
     flushed = await loop.run_in_executor(None, store.flush)
     store.close()
     log.info("stopped; wrote %d pool-only chunks to NVMe", flushed)
     return 0
 
 
-def _announce(settings: DaemonSettings, store: Store, tcp_port: int | None) -> None:
+def _announce(settings: DaemonSettings, store: Store, tcp_port: int | None, metrics_port: int | None = None) -> None:
     s = store.stats()
     r = store.rebuild_report
     lines = [
@@ -100,6 +110,8 @@ def _announce(settings: DaemonSettings, store: Store, tcp_port: int | None) -> N
         f"  listening: unix:{settings.socket} (mode {settings.socket_mode:04o})"
         + (f", tcp {settings.tcp_listen}" if tcp_port else ""),
         f"  state: {settings.state_dir} (domain {settings.domain})",
+        "  metrics: " + (f"http://{settings.metrics_addr.rpartition(':')[0]}:{metrics_port}/metrics" if metrics_port
+                         else "off"),
         (f"  pool: host shared memory /dev/shm/{store.pool.name}, " if store.config.device == "cpu"
          else f"  pool: GPU {store.pool.name}, ")
         + f"{s.pool.blocks_total} blocks x {s.pool.block_bytes} bytes",

@@ -84,6 +84,7 @@ class Store:
         self._layouts: dict[LayoutId, tuple[KVLayout, ChunkHash]] = {}
         self.index = PrefixIndex()
         self.counters = Counters()
+        self._by_layout: dict[LayoutId, list[int]] = {}
         self._leases: TimedTable[tuple[Node, ...]] = TimedTable("lease")
         self.pool = make_pool(config)
         self.nvme: NvmeTier | None = None
@@ -133,6 +134,18 @@ class Store:
     def layout(self, layout_id: LayoutId) -> KVLayout:
         return self._layout(layout_id)[0]
 
+    def _count_layout(self, layout_id: LayoutId, looked_up: int, hit: int) -> None:
+        c = self._by_layout.get(layout_id)
+        if c is None:
+            c = self._by_layout[layout_id] = [0, 0]
+        c[0] += looked_up
+        c[1] += hit
+
+    def tokens_by_layout(self) -> dict[LayoutId, tuple[int, int]]:
+        """(tokens looked up, tokens hit) per layout since start: the per-model hit rate."""
+        with self._lock:
+            return {lid: (c[0], c[1]) for lid, c in self._by_layout.items()}
+
     def layouts(self) -> dict[LayoutId, KVLayout]:
         with self._lock:
             return {lid: lay for lid, (lay, _) in self._layouts.items()}
@@ -167,6 +180,7 @@ class Store:
             self.counters.lookups += 1
             self.counters.lookup_tokens += len(hashes) * layout.chunk_tokens
             self.counters.hit_tokens += n * layout.chunk_tokens
+            self._count_layout(layout_id, len(hashes) * layout.chunk_tokens, n * layout.chunk_tokens)
             return n * layout.chunk_tokens
 
     def acquire(
@@ -214,6 +228,7 @@ class Store:
             c.lookups += 1
             c.lookup_tokens += len(hashes) * layout.chunk_tokens
             c.hit_tokens += len(nodes) * layout.chunk_tokens
+            self._count_layout(layout_id, len(hashes) * layout.chunk_tokens, len(nodes) * layout.chunk_tokens)
             c.acquired_tokens += len(nodes) * layout.chunk_tokens
             return self._lease_receipt(entry, layout_id, layout)
 

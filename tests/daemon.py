@@ -18,7 +18,8 @@ class Daemon:
         self.socket = os.path.join(root, "kv.sock")
         self.state_dir = os.path.join(root, "state")
         self.config = os.path.join(root, "kvcached.toml")
-        self.settings = {"pool_bytes": "4M", "pool_block_bytes": "64K", "nvme_bytes": "64M", "expire_interval": 0.1}
+        self.settings = {"pool_bytes": "4M", "pool_block_bytes": "64K", "nvme_bytes": "64M", "expire_interval": 0.1,
+                         "metrics_addr": "127.0.0.1:0"}
         self.settings.update(settings)
         self.proc: subprocess.Popen | None = None
         self.output: list[str] = []
@@ -59,6 +60,11 @@ class Daemon:
         rc = self.proc.wait(timeout)
         self.proc = None
         return rc
+
+    @property
+    def metrics_url(self) -> str:
+        line = next(x for x in self.output if x.startswith("  metrics: "))
+        return line.split(": ", 1)[1].strip()
 
     def log(self) -> str:
         return "".join(self.output)

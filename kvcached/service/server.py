@@ -20,6 +20,7 @@ import os
 import pwd
 import socket
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -55,7 +56,7 @@ class RunningServer:
             pass
 
 
-async def start_server(settings: DaemonSettings, store: Store) -> RunningServer:
+async def start_server(settings: DaemonSettings, store: Store, interceptors: Sequence[Any] = ()) -> RunningServer:
     opts = [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
@@ -66,7 +67,7 @@ async def start_server(settings: DaemonSettings, store: Store) -> RunningServer:
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
     ]
-    server = grpc.aio.server(options=opts)
+    server = grpc.aio.server(options=opts, interceptors=list(interceptors) or None)
     listen = f"unix:{settings.socket}" + (f" + tcp:{settings.tcp_listen}" if settings.tcp_listen else "")
     servicer = KVCacheServicer(store, workers=settings.worker_threads, call_timeout=settings.call_timeout,
                                listen=listen)

@@ -1,0 +1,58 @@
+"""Prometheus: the collector on a fresh registry, and a real scrape of a running daemon."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import torch
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvcached.metrics import Metrics, StoreCollector
+from kvcached_client import Client
+from tests.conftest import TINY, payload, prompt
+from tests.service.conftest import LAYOUT
+
+CT = TINY.chunk_tokens
+
+
+def test_collector_reports_store_snapshot(store, lid):
+    reg = CollectorRegistry()
+    reg.register(StoreCollector(store))
+    store.put(lid, prompt(3), [payload(i) for i in range(3)])
+    store.lookup(lid, prompt(4))  # 3 of 4 chunks cached
+    lease = store.acquire(lid, prompt(2))
+    v = reg.get_sample_value
+    assert v("cache_hit_rate_by_model", {"model": TINY.model, "layout_id": lid}) == (3 * CT + 2 * CT) / (4 * CT + 2 * CT)
+    assert v("kvcached_pool_blocks", {"state": "leased"}) == 2
+    assert v("kvcached_pool_blocks", {"state": "cached"}) == 1
+    assert v("kvcached_tier_chunks", {"tier": "pool"}) == 3
+    assert v("cache_memory_utilization", {"tier": "pool"}) == 3 / store.pool.num_blocks
+    assert v("kvcached_leases_active") == 1
+    assert v("kvcached_lookup_tokens_total") == 6 * CT and v("kvcached_hit_tokens_total") == 5 * CT
+    store.release(lease.lease_id)
+    assert v("kvcached_leases_active") == 0 and v("kvcached_leases_released_total") == 1
+    assert v("kvcached_lmdb_file_bytes") > 0
+
+
+def test_semantic_histogram_is_exported_empty(store):
+    m = Metrics(store)
+    assert m.registry.get_sample_value("semantic_similarity_distribution_count") == 0
+    m.similarity.observe(0.95)
+    assert m.registry.get_sample_value("semantic_similarity_distribution_bucket", {"le": "0.95"}) == 1
+
+
+def test_scrape_of_a_running_daemon(daemon):
+    with Client(daemon.socket) as c:
+        c.put(LAYOUT, list(range(64)), torch.zeros(2, 2, 2, 64, 8))
+        with c.acquire(LAYOUT, list(range(64))):
+            text = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    hit = [s for s in fams["cache_hit_rate_by_model"].samples if s.labels["model"] == LAYOUT.model]
+    assert len(hit) == 1 and hit[0].value == 1.0
+    leased = [s.value for s in fams["kvcached_pool_blocks"].samples if s.labels["state"] == "leased"]
+    assert leased == [4.0]
+    counts = {s.labels["method"]: s.value for s in fams["kvcached_rpc_latency_seconds"].samples
+              if s.name.endswith("_count")}
+    assert counts["Acquire"] >= 1 and counts["Reserve"] == 1 and counts["Commit"] == 1
+    assert "semantic_similarity_distribution" in fams
