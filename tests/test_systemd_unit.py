@@ -1,0 +1,55 @@
+"""The shipped unit: systemd-analyze verify is clean and the hardening scores OK or better."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+UNIT = os.path.join(ROOT, "systemd", "kvcached.service")
+ANALYZE = shutil.which("systemd-analyze")
+needs_analyze = pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze missing: scripts/test installs Debian's systemd")
+
+
+@pytest.fixture
+def unit(tmp_path):
+    # verify checks that ExecStart exists: point it at this checkout's console script.
+    text = open(UNIT).read().replace("/usr/bin/kvcached", os.path.join(os.path.dirname(sys.executable), "kvcached"))
+    path = tmp_path / "kvcached.service"
+    path.write_text(text)
+    return str(path)
+
+
+@needs_analyze
+def test_verify_has_no_warnings(unit):
+    r = subprocess.run([ANALYZE, "verify", unit], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "" and r.stderr.strip() == "", r.stdout + r.stderr
+
+
+@needs_analyze
+def test_security_exposure_is_ok_or_better(unit):
+    r = subprocess.run([ANALYZE, "security", "--offline=yes", unit], capture_output=True, text=True, timeout=120)
+    m = re.search(r"Overall exposure level for \S+: ([\d.]+) (\w+)", r.stdout + r.stderr)
+    assert m, r.stdout + r.stderr
+    assert m.group(2) in ("PERFECT", "SAFE", "OK"), m.group(0)
+    assert float(m.group(1)) < 4.0
+
+
+def test_unit_contract():
+    text = open(UNIT).read()
+    for line in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "ExecReload=/bin/kill -HUP $MAINPID",
+                 "StateDirectory=kvcached", "RuntimeDirectory=kvcached", "User=kvcached", "DeviceAllow=char-nvidia-uvm rw"):
+        assert line in text, line
+    assert "u kvcached" in open(os.path.join(ROOT, "systemd", "kvcached.sysusers")).read()
+
+
+def test_default_config_loads():
+    from kvcached.settings import load_settings
+
+    s = load_settings(os.path.join(ROOT, "systemd", "kvcached.toml"))
+    assert s.socket == "/run/kvcached/kvcached.sock" and s.socket_mode == 0o660 and s.state_dir == "/var/lib/kvcached"
