@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 from kvcached import __version__
+from kvcached.journal import JournalHandler, stderr_is_journal
 from kvcached.metrics import Metrics
 from kvcached.settings import RELOADABLE, DaemonSettings, SettingsError, load_settings
 from kvcached.store import Store
@@ -30,12 +31,16 @@ log = logging.getLogger("kvcached.daemon")
 
 
 def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-        force=True,
-    )
+    """Native journald records with structured fields when stderr is the journal, plain lines otherwise."""
+    if stderr_is_journal():
+        logging.basicConfig(level=getattr(logging, level.upper()), handlers=[JournalHandler()], force=True)
+    else:
+        logging.basicConfig(
+            level=getattr(logging, level.upper()),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+            stream=sys.stderr,
+            force=True,
+        )
 
 
 def run(settings: DaemonSettings, *, config_file: str | None = None, overrides: dict[str, Any] | None = None) -> int:
@@ -91,14 +96,14 @@ async def _serve(settings: DaemonSettings, config_file: str | None, overrides: d
     if notify.watchdog_interval:
         tasks.append(asyncio.create_task(_watchdog_loop(notify, notify.watchdog_interval)))
     await stop.wait()
-    log.info("stopping: health NOT_SERVING, draining in-flight calls")
+    log.info("stopping: health NOT_SERVING, draining in-flight calls", extra={"event": "stop"})
     for t in tasks:
         t.cancel()
     await running.stop(grace=5.0)
     metrics.close()
     flushed = await loop.run_in_executor(None, store.flush)
     store.close()
-    log.info("stopped; wrote %d pool-only chunks to NVMe", flushed)
+    log.info("stopped; wrote %d pool-only chunks to NVMe", flushed, extra={"event": "stopped"})
     return 0
 
 
@@ -120,7 +125,7 @@ def _announce(settings: DaemonSettings, store: Store, tcp_port: int | None, metr
         f"  layouts: {s.layouts}",
     ]
     for line in lines:
-        log.info("%s", line.strip())
+        log.info("%s", line.strip(), extra={"event": "ready" if "ready" in line else "start"})
     print("\n".join(lines), flush=True)
 
 
@@ -140,6 +145,7 @@ async def _watchdog_loop(notify: Notifier, interval: float) -> None:
 async def _expire_loop(store: Store, interval: float, notify: Notifier | None = None) -> None:
     loop = asyncio.get_running_loop()
     last_status = 0.0
+    last_summary, last_ev = loop.time(), (0, 0, 0, 0)
     while True:
         await asyncio.sleep(interval)
         if notify is not None and notify.enabled and loop.time() - last_status >= 10:
@@ -151,7 +157,16 @@ async def _expire_loop(store: Store, interval: float, notify: Notifier | None = 
             log.exception("expiry pass failed")
             continue
         if any(out.values()):
-            log.info("expired %d leases, %d reservations, %d chunks", out["leases"], out["reservations"], out["chunks"])
+            log.info("expired %d leases, %d reservations, %d chunks", out["leases"], out["reservations"], out["chunks"],
+                     extra={"event": "expired"})
+        now = loop.time()
+        if now - last_summary >= 60:
+            c = store.counters
+            ev = (c.pool_evictions, c.nvme_evictions, c.promotions, c.demotions)
+            if ev != last_ev:
+                log.info("last %.0f s: %d pool evictions, %d NVMe evictions, %d promotions, %d demotions",
+                         now - last_summary, *(a - b for a, b in zip(ev, last_ev)), extra={"event": "evictions"})
+            last_summary, last_ev = now, ev
 
 
 async def _reload(settings: DaemonSettings, store: Store, running: Any, config_file: str | None,
@@ -172,5 +187,5 @@ async def _reload(settings: DaemonSettings, store: Store, running: Any, config_f
     store.reconfigure(cache_ttl=new.cache_ttl, lease_ttl=new.lease_ttl, reservation_ttl=new.reservation_ttl)
     running.servicer.call_timeout = new.call_timeout
     logging.getLogger().setLevel(getattr(logging, new.log_level.upper()))
-    log.info("reloaded: %s", ", ".join(applied) or "nothing changed")
+    log.info("reloaded: %s", ", ".join(applied) or "nothing changed", extra={"event": "reload"})
     notify.ready(_status_line(store))

@@ -147,7 +147,8 @@ class Mover:
                 self.nvme.commit(slot, self.meta_of(node))
             except TierFull as e:
                 self.nvme.abort(slot)
-                log.warning("NVMe tier full while writing %s (attempt %d): %s", node.hash.hex(), attempt + 1, e)
+                log.warning("NVMe tier full while writing %s (attempt %d): %s", node.hash.hex(), attempt + 1, e,
+                            extra={"event": "tier_full", "tier": "nvme", "error_kind": "resource_exhausted"})
                 continue
             except BaseException:
                 self.nvme.abort(slot)
@@ -196,7 +197,8 @@ class Mover:
             n.tiers &= ~int(NVME)
             self.free_detached(n)
         self.counters.corrupt_dropped += 1
-        log.error("dropped corrupt chunk %s and %d descendants", node.hash.hex(), len(removed) - 1)
+        log.error("dropped corrupt chunk %s and %d descendants", node.hash.hex(), len(removed) - 1,
+                  extra={"event": "corrupt_chunk", "tier": "nvme", "layout_id": node.layout_id})
         return len(removed)
 
     def free_detached(self, node: Node) -> None:

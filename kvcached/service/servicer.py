@@ -88,7 +88,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             return await asyncio.wait_for(fut, self.call_timeout)
         except KvcacheError as e:
             if e.kind is ErrorKind.INTERNAL:
-                log.error("internal error in %s: %s", getattr(fn, "__name__", fn), e, exc_info=e)
+                log.error("internal error in %s: %s", getattr(fn, "__name__", fn), e, exc_info=e,
+                          extra={"event": "internal_error", "error_kind": e.kind.value})
             await context.abort(STATUS_OF[e.kind], str(e))
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the store did not answer within {self.call_timeout} s")
@@ -267,4 +268,6 @@ def _log_session_end(sid: str, name: str, fut: "asyncio.Future[Any]") -> None:
         log.error("releasing session %s failed: %s", sid, exc)
         return
     r = fut.result()
-    log.info("session %s (%s) ended: released %d leases, aborted %d reservations", sid, name, r.leases, r.reservations)
+    event = "session_lost" if r.leases or r.reservations else "session_end"
+    log.info("session %s (%s) ended: released %d leases, aborted %d reservations", sid, name, r.leases, r.reservations,
+             extra={"event": event, "session_id": sid})
