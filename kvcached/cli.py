@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -109,15 +110,13 @@ def kvcachectl_main(argv: Sequence[str] | None = None) -> int:
     ev.add_argument("--json", action="store_true")
     sub.add_parser("flush", help="write pool-only chunks to NVMe").add_argument("--json", action="store_true")
     sub.add_parser("drain", help="refuse new leases and puts, flush to NVMe").add_argument("--json", action="store_true")
-    sub.add_parser("doctor", help="troubleshooting checks (not yet)")
+    sub.add_parser("doctor", help="troubleshooting checks, each with a verdict and where to dig").add_argument(
+        "--json", action="store_true")
     args = ap.parse_args(argv)
 
     from kvcached_client import Client, KvcachedError, UnavailableError
 
     sock = args.socket or default_socket()
-    if args.cmd == "doctor":
-        print("kvcachectl doctor: not yet (arrives with the operations issue)", file=sys.stderr)
-        return 2
     try:
         with Client(sock, timeout=args.timeout, session=False) as c:
             return _COMMANDS[args.cmd](c, args)
@@ -240,7 +239,81 @@ def _drain(c: Any, args: argparse.Namespace) -> int:
                 [("drained", f"new leases and puts refused; {flushed} chunks flushed; {leases} leases still active")])
 
 
-_COMMANDS = {"status": _status, "stats": _stats, "lookup": _lookup, "evict": _evict, "flush": _flush, "drain": _drain}
+def doctor_checks(s: dict, shm_free: int | None = None) -> list[dict]:
+    """The troubleshooting table as checks: (check, verdict ok/warn/fail, detail, dig)."""
+    d, p, n = s["doctor"], s["pool"], s["nvme"]
+    checks = []
+
+    def add(check: str, verdict: str, detail: str, dig: str) -> None:
+        checks.append({"check": check, "verdict": verdict, "detail": detail, "dig": dig})
+
+    r5, r60 = d.get("hit_rate_5m"), d.get("hit_rate_1h")
+    if r5 is None or r60 is None or d.get("lookup_tokens_5m", 0) < 10_000:
+        add("hit rate", "ok", "not enough recent traffic to compare", "kvcachectl stats")
+    elif r5 < 0.5 * r60:
+        add("hit rate", "warn", f"fell to {r5:.1%} in the last 5 min from {r60:.1%} over the hour: prompts changed, "
+            "or the cache was flushed or evicted", "journalctl -u kvcached EVENT=evictions --since -1h")
+    else:
+        add("hit rate", "ok", f"{r5:.1%} over 5 min, {r60:.1%} over the hour", "kvcachectl stats")
+    long_held = d.get("leases_held_over_10x_ttl", 0)
+    if long_held:
+        add("leases held past TTL", "warn", f"{long_held} leases kept alive more than 10x lease_ttl "
+            f"({d['lease_ttl']:.0f} s; oldest {d['oldest_lease_age_s']:.0f} s): a client may be leaking pins",
+            "journalctl -u kvcached EVENT=session_lost; kvcachectl stats --json")
+    else:
+        add("leases held past TTL", "ok", f"{s['leases_active']} live leases, none held > 10x TTL", "kvcachectl stats")
+    leased = p["blocks_leased"] / p["blocks_total"] if p["blocks_total"] else 0
+    free = p["blocks_free"] / p["blocks_total"] if p["blocks_total"] else 0
+    if leased > 0.9:
+        add("pool", "fail", f"{leased:.0%} of the pool is leased: new puts get RESOURCE_EXHAUSTED",
+            "kvcachectl stats; journalctl -u kvcached EVENT=tier_full")
+    elif free < 0.05 and p["blocks_cached"] == 0:
+        add("pool", "warn", "no free and no evictable blocks", "kvcachectl stats")
+    else:
+        add("pool", "ok", f"{p['blocks_free']} free, {p['blocks_leased']} leased, {p['blocks_cached']} cached "
+            f"of {p['blocks_total']} blocks", "kvcachectl stats")
+    if n is not None:
+        used = n["used_bytes"] / n["capacity_bytes"] if n["capacity_bytes"] else 0
+        if not n["admitting"]:
+            add("NVMe", "fail", "the LMDB map or the disk is full: NVMe stopped admitting",
+                "journalctl -u kvcached EVENT=tier_full; df -h")
+        elif used > 0.95:
+            add("NVMe", "warn", f"{used:.0%} full: it evicts on every write", "kvcachectl stats")
+        else:
+            add("NVMe", "ok", f"{used:.0%} used, {n['chunks']} chunks", "kvcachectl stats")
+        stale = d.get("lmdb_stale_readers_cleared", 0)
+        add("LMDB readers", "warn" if stale else "ok",
+            f"cleared {stale} stale reader slots (a killed process held them)" if stale
+            else f"{d.get('lmdb_readers', 0)} reader slots in use, none stale", "journalctl -u kvcached -p warning")
+    if "gpu_total_bytes" in d:
+        pool_share = p["capacity_bytes"] / d["gpu_total_bytes"]
+        gfree = d["gpu_free_bytes"] / d["gpu_total_bytes"]
+        add("GPU memory", "warn" if gfree < 0.05 else "ok",
+            f"pool is {pool_share:.0%} of GPU memory, {gfree:.0%} of the GPU free", "nvidia-smi")
+    elif shm_free is not None:
+        add("shared memory", "warn" if shm_free < p["capacity_bytes"] * 0.1 else "ok",
+            f"pool {_bytes(p['capacity_bytes'])} in /dev/shm, {_bytes(shm_free)} free there", "df -h /dev/shm")
+    return checks
+
+
+def _doctor(c: Any, args: argparse.Namespace) -> int:
+    import shutil
+
+    s = c.stats()
+    checks = doctor_checks(s, shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None)
+    bad = any(x["verdict"] != "ok" for x in checks)
+    if args.json:
+        print(json.dumps({"checks": checks, "healthy": not bad}, indent=2))
+    else:
+        width = max(len(x["check"]) for x in checks)
+        for x in checks:
+            print(f"{x['verdict'].upper():<4}  {x['check']:<{width}}  {x['detail']}")
+            if x["verdict"] != "ok":
+                print(f"{'':<4}  {'':<{width}}  dig: {x['dig']}")
+    return 1 if bad else 0
+
+
+_COMMANDS = {"doctor": _doctor, "status": _status, "stats": _stats, "lookup": _lookup, "evict": _evict, "flush": _flush, "drain": _drain}
 
 
 if __name__ == "__main__":  # pragma: no cover

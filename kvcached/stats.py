@@ -86,3 +86,27 @@ class StoreStats:
         d = asdict(self)
         d["hit_rate"] = self.hit_rate
         return d
+
+
+class HitRateHistory:
+    """Token hit rate over recent windows, from periodic samples of the cumulative counters."""
+
+    def __init__(self, every: float = 10.0, keep: float = 3700.0) -> None:
+        self.every = every
+        self.keep = keep
+        self._samples: list[tuple[float, int, int]] = []
+
+    def sample(self, now: float, lookup_tokens: int, hit_tokens: int) -> None:
+        if self._samples and now - self._samples[-1][0] < self.every:
+            return
+        self._samples.append((now, lookup_tokens, hit_tokens))
+        while self._samples and now - self._samples[0][0] > self.keep:
+            self._samples.pop(0)
+
+    def window(self, now: float, seconds: float, lookup_tokens: int, hit_tokens: int) -> tuple[float | None, int]:
+        """(hit rate, tokens looked up) over the last ``seconds``; rate None without traffic."""
+        base = next((s for s in self._samples if now - s[0] <= seconds), None)
+        if base is None:
+            return None, 0
+        looked = lookup_tokens - base[1]
+        return ((hit_tokens - base[2]) / looked if looked else None), looked

@@ -62,7 +62,7 @@ from kvcached.receipts import (
 )
 from kvcached.rebuild import rebuild_index
 from kvcached.writes import WritePath
-from kvcached.stats import Counters, NvmeStats, PoolStats, StoreStats
+from kvcached.stats import Counters, HitRateHistory, NvmeStats, PoolStats, StoreStats
 from kvcached.tiers.nvme import NvmeTier
 from kvcached.tiers.blocks import PoolHandle
 from kvcached.tiers.registry import make_pool
@@ -85,6 +85,7 @@ class Store:
         self.index = PrefixIndex()
         self.counters = Counters()
         self._by_layout: dict[LayoutId, list[int]] = {}
+        self.hit_history = HitRateHistory()
         self._leases: TimedTable[tuple[Node, ...]] = TimedTable("lease")
         self.pool = make_pool(config)
         self.nvme: NvmeTier | None = None
@@ -478,6 +479,7 @@ class Store:
         """Expire leases, reservations and chunks whose TTL ran out. Call periodically."""
         with self._lock:
             now = self._clock()
+            self.hit_history.sample(now, self.counters.lookup_tokens, self.counters.hit_tokens)
             leases = self._leases.pop_expired(now)
             for entry in leases:
                 self._unpin(entry.payload, now)
@@ -555,6 +557,31 @@ class Store:
             self.config = dataclasses.replace(
                 self.config, cache_ttl=cache_ttl, lease_ttl=lease_ttl, reservation_ttl=reservation_ttl
             )
+
+    def doctor_facts(self) -> dict[str, Any]:
+        """What ``kvcachectl doctor`` judges: recent vs baseline hit rate, long-held leases,
+        LMDB readers (stale slots are cleared here, and counted)."""
+        with self._lock:
+            now = self._clock()
+            c = self.counters
+            r5, n5 = self.hit_history.window(now, 300, c.lookup_tokens, c.hit_tokens)
+            r60, n60 = self.hit_history.window(now, 3600, c.lookup_tokens, c.hit_tokens)
+            ages = [now - e.created_at for e in self._leases]
+            long_held = sum(1 for a in ages if a > 10 * self.config.lease_ttl)
+            facts: dict[str, Any] = {
+                "hit_rate_5m": r5, "lookup_tokens_5m": n5, "hit_rate_1h": r60, "lookup_tokens_1h": n60,
+                "lease_ttl": self.config.lease_ttl, "leases_held_over_10x_ttl": long_held,
+                "oldest_lease_age_s": max(ages, default=0.0), "device": self.config.device,
+            }
+            if self.config.device.startswith("cuda"):
+                import torch
+
+                free, total = torch.cuda.mem_get_info(torch.device(self.config.device))
+                facts["gpu_free_bytes"], facts["gpu_total_bytes"] = free, total
+            if self.nvme is not None:
+                facts["lmdb_stale_readers_cleared"] = self.nvme.clear_stale_readers()
+                facts["lmdb_readers"] = self.nvme.readers()
+            return facts
 
     def pool_handle(self) -> PoolHandle:
         return self.pool.handle()

@@ -299,6 +299,10 @@ class NvmeTier(Tier):
         info = self._env.info()
         return (info["last_pgno"] + 1) * self._env.stat()["psize"]
 
+    def clear_stale_readers(self) -> int:
+        """Free reader slots left by dead processes (LMDB's reader_check); returns how many."""
+        return self._env.reader_check()
+
     def readers(self) -> int:
         return self._env.info()["num_readers"]
 
