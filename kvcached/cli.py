@@ -112,11 +112,17 @@ def kvcachectl_main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("drain", help="refuse new leases and puts, flush to NVMe").add_argument("--json", action="store_true")
     sub.add_parser("doctor", help="troubleshooting checks, each with a verdict and where to dig").add_argument(
         "--json", action="store_true")
+    sub.add_parser("dashboard", help="print the Grafana dashboard for kvcached's metrics (JSON)")
     args = ap.parse_args(argv)
 
     from kvcached_client import Client, KvcachedError, UnavailableError
 
     sock = args.socket or default_socket()
+    if args.cmd == "dashboard":  # needs no daemon
+        from importlib.resources import files
+
+        print(files("kvcached.dashboards").joinpath("kvcached.json").read_text())
+        return 0
     try:
         with Client(sock, timeout=args.timeout, session=False) as c:
             return _COMMANDS[args.cmd](c, args)

@@ -56,3 +56,22 @@ def test_scrape_of_a_running_daemon(daemon):
               if s.name.endswith("_count")}
     assert counts["Acquire"] >= 1 and counts["Reserve"] == 1 and counts["Commit"] == 1
     assert "semantic_similarity_distribution" in fams
+
+
+def test_dashboard_queries_only_exported_metrics(store, lid):
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+
+    exe = os.path.join(os.path.dirname(sys.executable), "kvcachectl")
+    dash = json.loads(subprocess.run([exe, "dashboard"], capture_output=True, text=True, check=True, timeout=60).stdout)
+    m = Metrics(store)
+    store.lookup(lid, prompt(1))
+    m.rpc_latency.labels("Acquire").observe(0.001)
+    exported = {s.name for fam in m.registry.collect() for s in fam.samples}
+    used = {name for p in dash["panels"] for t in p["targets"]
+            for name in re.findall(r"\b(?:cache|kvcached|semantic)_[a-z_]+", t["expr"])}
+    assert used and used <= exported, used - exported
+    assert len(dash["panels"]) >= 8

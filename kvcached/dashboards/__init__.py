@@ -1,0 +1,1 @@
+"""Grafana dashboards shipped as package data (`kvcachectl dashboard` prints one)."""
