@@ -60,24 +60,37 @@ async def _serve(settings: DaemonSettings, config_file: str | None, overrides: d
 
     loop = asyncio.get_running_loop()
     notify = Notifier()
-    # Pool allocation and the NVMe rebuild can take long: keep extending the start timeout.
-    opening = loop.run_in_executor(None, Store, settings.store_config())
-    while not opening.done():
-        notify.extend_timeout(30)
-        await asyncio.wait([opening], timeout=10)
-    store = opening.result()
-    metrics = Metrics(store)
+    domains = [settings, *settings.extra_domains]  # one store, pool, NVMe env and socket each
+    stores: list[Store] = []
+    try:
+        for d in domains:
+            # Pool allocation and the NVMe rebuild can take long: keep extending the start timeout.
+            opening = loop.run_in_executor(None, Store, d.store_config())
+            while not opening.done():
+                notify.extend_timeout(30)
+                await asyncio.wait([opening], timeout=10)
+            stores.append(opening.result())
+    except BaseException:
+        for st in stores:
+            st.close()
+        raise
+    metrics = Metrics({d.domain: st for d, st in zip(domains, stores)})
     metrics_port = None
     if settings.metrics_addr and settings.metrics_addr != "off":
         try:
             metrics_port = metrics.serve(settings.metrics_addr)
         except OSError as e:  # a busy port must not keep the cache down
             log.error("cannot serve metrics on %s: %s; running without /metrics", settings.metrics_addr, e)
+    runnings: list[Any] = []
     try:
-        running = await start_server(settings, store, [metrics.interceptor])
+        for d, st in zip(domains, stores):
+            runnings.append(await start_server(d, st, [metrics.interceptor]))
     except BaseException:
+        for r in runnings:
+            await r.stop(grace=0)
         metrics.close()
-        store.close()
+        for st in stores:
+            st.close()
         raise
     stop = asyncio.Event()
 
@@ -88,21 +101,27 @@ async def _serve(settings: DaemonSettings, config_file: str | None, overrides: d
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_stop)
     loop.add_signal_handler(
-        signal.SIGHUP, lambda: asyncio.ensure_future(_reload(settings, store, running, config_file, overrides, notify))
+        signal.SIGHUP,
+        lambda: asyncio.ensure_future(_reload(domains, stores, runnings, config_file, overrides, notify)),
     )
-    _announce(settings, store, running.tcp_port, metrics_port)
-    notify.ready(_status_line(store))  # only now: the socket is bound and the index rebuilt
-    tasks = [asyncio.create_task(_expire_loop(store, settings.expire_interval, notify))]
+    for d, st, r in zip(domains, stores, runnings):
+        _announce(d, st, r.tcp_port, metrics_port if d is settings else None)
+    notify.ready(_status_line(stores[0]))  # only now: every socket is bound and every index rebuilt
+    tasks = [asyncio.create_task(_expire_loop(st, settings.expire_interval, notify if i == 0 else None))
+             for i, st in enumerate(stores)]
     if notify.watchdog_interval:
         tasks.append(asyncio.create_task(_watchdog_loop(notify, notify.watchdog_interval)))
     await stop.wait()
     log.info("stopping: health NOT_SERVING, draining in-flight calls", extra={"event": "stop"})
     for t in tasks:
         t.cancel()
-    await running.stop(grace=5.0)
+    for r in runnings:
+        await r.stop(grace=5.0)
     metrics.close()
-    flushed = await loop.run_in_executor(None, store.flush)
-    store.close()
+    flushed = 0
+    for st in stores:
+        flushed += await loop.run_in_executor(None, st.flush)
+        st.close()
     log.info("stopped; wrote %d pool-only chunks to NVMe", flushed, extra={"event": "stopped"})
     return 0
 
@@ -169,7 +188,7 @@ async def _expire_loop(store: Store, interval: float, notify: Notifier | None = 
             last_summary, last_ev = now, ev
 
 
-async def _reload(settings: DaemonSettings, store: Store, running: Any, config_file: str | None,
+async def _reload(domains: list[DaemonSettings], stores: list[Store], runnings: list[Any], config_file: str | None,
                   overrides: dict[str, Any], notify: Notifier | None = None) -> None:
     notify = notify or Notifier({})
     notify.reloading()
@@ -177,15 +196,25 @@ async def _reload(settings: DaemonSettings, store: Store, running: Any, config_f
         new = load_settings(config_file, overrides)
     except SettingsError as e:
         log.error("reload failed, keeping the running settings: %s", e)
-        notify.ready(_status_line(store))
+        notify.ready(_status_line(stores[0]))
         return
-    changed = {f.name for f in dataclasses.fields(DaemonSettings) if getattr(new, f.name) != getattr(settings, f.name)}
+    fresh = {d.domain: d for d in (new, *new.extra_domains)}
+    fields = [f.name for f in dataclasses.fields(DaemonSettings) if f.name != "extra_domains"]
+    changed: set[str] = set()
+    for d, st, running in zip(domains, stores, runnings):
+        nd = fresh.get(d.domain)
+        if nd is None:
+            changed.add(f"domains.{d.domain} (removed)")
+            continue
+        changed |= {f for f in fields if getattr(nd, f) != getattr(d, f)}
+        st.reconfigure(cache_ttl=nd.cache_ttl, lease_ttl=nd.lease_ttl, reservation_ttl=nd.reservation_ttl)
+        running.servicer.call_timeout = nd.call_timeout
+    if set(fresh) - {d.domain for d in domains}:
+        changed.add("domains (added)")
     ignored = sorted(changed - RELOADABLE)
     if ignored:
         log.warning("reload: %s need a restart to take effect", ", ".join(ignored))
     applied = sorted(changed & RELOADABLE)
-    store.reconfigure(cache_ttl=new.cache_ttl, lease_ttl=new.lease_ttl, reservation_ttl=new.reservation_ttl)
-    running.servicer.call_timeout = new.call_timeout
     logging.getLogger().setLevel(getattr(logging, new.log_level.upper()))
     log.info("reloaded: %s", ", ".join(applied) or "nothing changed", extra={"event": "reload"})
-    notify.ready(_status_line(store))
+    notify.ready(_status_line(stores[0]))

@@ -27,60 +27,63 @@ SIMILARITY_BUCKETS = tuple(round(0.80 + 0.01 * i, 2) for i in range(21))
 
 
 class StoreCollector:
-    def __init__(self, store: Store) -> None:
-        self.store = store
+    """One collector for every trust domain's store; every sample carries a ``domain`` label."""
+
+    def __init__(self, stores: "Store | dict[str, Store]") -> None:
+        self.stores = stores if isinstance(stores, dict) else {stores.config.domain: stores}
 
     def describe(self) -> list[Metric]:
         return []  # collected lazily; describe() must not take a snapshot at registration
 
     def collect(self) -> Iterator[Metric]:
-        s = self.store.stats()
+        fams: dict[str, Metric] = {}
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Metric:
+            if name not in fams:
+                fams[name] = GaugeMetricFamily(name, doc, labels=["domain", *labels])
+            return fams[name]
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Metric:
+            if name not in fams:
+                fams[name] = CounterMetricFamily(name, doc, labels=["domain", *labels])
+            return fams[name]
+
+        for domain, store in self.stores.items():
+            self._collect_one(domain, store, gauge, counter)
+        yield from fams.values()
+
+    @staticmethod
+    def _collect_one(dom: str, store: Store, gauge: Any, counter: Any) -> None:
+        s = store.stats()
         c = s.counters
-        layouts = self.store.layouts()
-        per_layout = self.store.tokens_by_layout()
-
-        hit = GaugeMetricFamily("cache_hit_rate_by_model", "Share of looked-up prompt tokens found cached, per model",
-                                labels=["model", "layout_id"])
-        for lid, (looked, hits) in per_layout.items():
+        layouts = store.layouts()
+        hit = gauge("cache_hit_rate_by_model", "Share of looked-up prompt tokens found cached, per model",
+                    ("model", "layout_id"))
+        for lid, (looked, hits) in store.tokens_by_layout().items():
             model = layouts[lid].model if lid in layouts else "?"
-            hit.add_metric([model, lid], hits / looked if looked else 0.0)
-        yield hit
-
-        util = GaugeMetricFamily("cache_memory_utilization", "Used share of each tier's capacity", labels=["tier"])
-        util.add_metric(["pool"], s.pool.used_bytes / s.pool.capacity_bytes if s.pool.capacity_bytes else 0.0)
+            hit.add_metric([dom, model, lid], hits / looked if looked else 0.0)
+        util = gauge("cache_memory_utilization", "Used share of each tier's capacity", ("tier",))
+        util.add_metric([dom, "pool"], s.pool.used_bytes / s.pool.capacity_bytes if s.pool.capacity_bytes else 0.0)
+        used = gauge("kvcached_tier_used_bytes", "Bytes used per tier", ("tier",))
+        cap = gauge("kvcached_tier_capacity_bytes", "Capacity per tier", ("tier",))
+        chunks = gauge("kvcached_tier_chunks", "Chunks held per tier", ("tier",))
+        used.add_metric([dom, "pool"], s.pool.used_bytes)
+        cap.add_metric([dom, "pool"], s.pool.capacity_bytes)
+        chunks.add_metric([dom, "pool"], s.pool.chunks)
         if s.nvme is not None:
-            util.add_metric(["nvme"], s.nvme.used_bytes / s.nvme.capacity_bytes if s.nvme.capacity_bytes else 0.0)
-        yield util
-
-        used = GaugeMetricFamily("kvcached_tier_used_bytes", "Bytes used per tier", labels=["tier"])
-        cap = GaugeMetricFamily("kvcached_tier_capacity_bytes", "Capacity per tier", labels=["tier"])
-        chunks = GaugeMetricFamily("kvcached_tier_chunks", "Chunks held per tier", labels=["tier"])
-        used.add_metric(["pool"], s.pool.used_bytes)
-        cap.add_metric(["pool"], s.pool.capacity_bytes)
-        chunks.add_metric(["pool"], s.pool.chunks)
-        if s.nvme is not None:
-            used.add_metric(["nvme"], s.nvme.used_bytes)
-            cap.add_metric(["nvme"], s.nvme.capacity_bytes)
-            chunks.add_metric(["nvme"], s.nvme.chunks)
-        yield used
-        yield cap
-        yield chunks
-
-        blocks = GaugeMetricFamily("kvcached_pool_blocks", "Pool blocks by state", labels=["state"])
+            util.add_metric([dom, "nvme"], s.nvme.used_bytes / s.nvme.capacity_bytes if s.nvme.capacity_bytes else 0.0)
+            used.add_metric([dom, "nvme"], s.nvme.used_bytes)
+            cap.add_metric([dom, "nvme"], s.nvme.capacity_bytes)
+            chunks.add_metric([dom, "nvme"], s.nvme.chunks)
+            gauge("kvcached_lmdb_file_bytes", "Size of the NVMe tier's LMDB data file").add_metric([dom], s.nvme.file_bytes)
+            gauge("kvcached_lmdb_readers", "LMDB reader slots in use").add_metric([dom], s.nvme.readers)
+        blocks = gauge("kvcached_pool_blocks", "Pool blocks by state", ("state",))
         for state in ("free", "leased", "cached", "reserved"):
-            blocks.add_metric([state], getattr(s.pool, f"blocks_{state}"))
-        yield blocks
-
-        if s.nvme is not None:
-            yield GaugeMetricFamily("kvcached_lmdb_file_bytes", "Size of the NVMe tier's LMDB data file",
-                                    value=s.nvme.file_bytes)
-            yield GaugeMetricFamily("kvcached_lmdb_readers", "LMDB reader slots in use", value=s.nvme.readers)
-
-        yield GaugeMetricFamily("kvcached_indexed_chunks", "Chunks in the prefix index", value=s.indexed_chunks)
-        yield GaugeMetricFamily("kvcached_leases_active", "Live leases", value=s.leases_active)
-        yield GaugeMetricFamily("kvcached_reservations_active", "Live reservations", value=s.reservations_active)
-        yield GaugeMetricFamily("kvcached_layouts", "Registered layouts", value=s.layouts)
-
+            blocks.add_metric([dom, state], getattr(s.pool, f"blocks_{state}"))
+        gauge("kvcached_indexed_chunks", "Chunks in the prefix index").add_metric([dom], s.indexed_chunks)
+        gauge("kvcached_leases_active", "Live leases").add_metric([dom], s.leases_active)
+        gauge("kvcached_reservations_active", "Live reservations").add_metric([dom], s.reservations_active)
+        gauge("kvcached_layouts", "Registered layouts").add_metric([dom], s.layouts)
         for name, doc, value in (
             ("kvcached_lookups", "Lookups and acquires", c.lookups),
             ("kvcached_lookup_tokens", "Prompt tokens looked up", c.lookup_tokens),
@@ -100,11 +103,10 @@ class StoreCollector:
             ("kvcached_ttl_expirations", "Chunks dropped after cache_ttl", c.ttl_expirations),
             ("kvcached_corrupt_dropped", "Corrupt NVMe chunks dropped", c.corrupt_dropped),
         ):
-            yield CounterMetricFamily(name, doc, value=value)
-        ev = CounterMetricFamily("kvcached_evictions", "Evictions per tier", labels=["tier"])
-        ev.add_metric(["pool"], c.pool_evictions)
-        ev.add_metric(["nvme"], c.nvme_evictions)
-        yield ev
+            counter(name, doc).add_metric([dom], value)
+        ev = counter("kvcached_evictions", "Evictions per tier", ("tier",))
+        ev.add_metric([dom, "pool"], c.pool_evictions)
+        ev.add_metric([dom, "nvme"], c.nvme_evictions)
 
 
 class LatencyInterceptor(grpc.aio.ServerInterceptor):
@@ -135,9 +137,9 @@ class LatencyInterceptor(grpc.aio.ServerInterceptor):
 class Metrics:
     """One registry per daemon: the store collector, RPC latency and the similarity histogram."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, stores: "Store | dict[str, Store]") -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(StoreCollector(store))
+        self.registry.register(StoreCollector(stores))
         self.rpc_latency = Histogram("kvcached_rpc_latency_seconds", "Time in the RPC handler", ["method"],
                                      buckets=RPC_BUCKETS, registry=self.registry)
         self.similarity = Histogram("semantic_similarity_distribution",

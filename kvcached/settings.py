@@ -102,6 +102,8 @@ class DaemonSettings:
     expire_interval: float = 1.0
     worker_threads: int = 4
     log_level: str = "info"
+    #: Further trust domains, each with its own socket, pool and NVMe environment ([domains.NAME]).
+    extra_domains: tuple["DaemonSettings", ...] = ()
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", self.device)):
@@ -210,7 +212,10 @@ def load_settings(config_file: str | None = None, overrides: Mapping[str, Any] |
         except tomllib.TOMLDecodeError as e:
             raise SettingsError(f"{path}: {e}") from None
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    fields = {f.name: f for f in dataclasses.fields(DaemonSettings)}
+    domain_tables = values.pop("domains", {})
+    if not isinstance(domain_tables, dict):
+        raise SettingsError("domains must be a table of [domains.NAME] tables")
+    fields = {f.name: f for f in dataclasses.fields(DaemonSettings) if f.name != "extra_domains"}
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise SettingsError(f"unknown setting(s) {', '.join(unknown)}{f' in {path}' if path else ''}")
@@ -218,8 +223,35 @@ def load_settings(config_file: str | None = None, overrides: Mapping[str, Any] |
     kwargs.setdefault("socket", default_socket())
     kwargs.setdefault("state_dir", default_state_dir())
     try:
-        return DaemonSettings(**kwargs)
+        main = DaemonSettings(**kwargs)
+        extra = tuple(_domain_settings(main, name, table, fields) for name, table in domain_tables.items())
     except SettingsError:
         raise
     except (TypeError, ValueError) as e:
         raise SettingsError(str(e)) from None
+    names = [main.domain, *(d.domain for d in extra)]
+    sockets = [main.socket, *(d.socket for d in extra)]
+    if len(set(names)) != len(names) or len(set(sockets)) != len(sockets):
+        raise SettingsError("every trust domain needs its own name and its own socket")
+    return dataclasses.replace(main, extra_domains=extra)
+
+
+#: What a [domains.NAME] table may set; the rest is the daemon's.
+DOMAIN_KEYS = frozenset({
+    "socket", "socket_mode", "socket_owner", "socket_group", "pool_bytes", "pool_block_bytes", "nvme_bytes",
+    "nvme_map_bytes", "cache_ttl", "lease_ttl", "reservation_ttl", "write_through", "prefetch_distance",
+    "max_prompt_tokens",
+})
+
+
+def _domain_settings(main: DaemonSettings, name: str, table: Any, fields: dict) -> DaemonSettings:
+    """A trust domain: the daemon's settings overlaid with its own table; it must name its socket."""
+    if not isinstance(table, dict):
+        raise SettingsError(f"[domains.{name}] must be a table")
+    bad = sorted(set(table) - DOMAIN_KEYS)
+    if bad:
+        raise SettingsError(f"[domains.{name}] cannot set {', '.join(bad)} (allowed: {', '.join(sorted(DOMAIN_KEYS))})")
+    if "socket" not in table:
+        raise SettingsError(f"[domains.{name}] needs its own socket")
+    own = {k: _coerce(k, v, fields[k]) for k, v in table.items()}
+    return dataclasses.replace(main, domain=name, tcp_listen="", metrics_addr="off", **own)

@@ -25,9 +25,19 @@ class Daemon:
         self.output: list[str] = []
 
     def write_config(self) -> None:
+        def value(v: object) -> str:
+            return repr(v).replace("True", "true").replace("False", "false").replace("'", '"')
+
         with open(self.config, "w") as f:
+            tables = {k: v for k, v in self.settings.items() if isinstance(v, dict)}
             for k, v in self.settings.items():
-                f.write(f"{k} = {v!r}\n".replace("True", "true").replace("False", "false").replace("'", '"'))
+                if k not in tables:
+                    f.write(f"{k} = {value(v)}\n")
+            for k, sub in tables.items():  # e.g. domains = {"b": {...}} -> [domains.b]
+                for name, table in sub.items():
+                    f.write(f"[{k}.{name}]\n")
+                    for tk, tv in table.items():
+                        f.write(f"{tk} = {value(tv)}\n")
 
     def start(self, timeout: float = 60.0) -> "Daemon":
         self.write_config()

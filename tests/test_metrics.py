@@ -23,16 +23,17 @@ def test_collector_reports_store_snapshot(store, lid):
     store.lookup(lid, prompt(4))  # 3 of 4 chunks cached
     lease = store.acquire(lid, prompt(2))
     v = reg.get_sample_value
-    assert v("cache_hit_rate_by_model", {"model": TINY.model, "layout_id": lid}) == (3 * CT + 2 * CT) / (4 * CT + 2 * CT)
-    assert v("kvcached_pool_blocks", {"state": "leased"}) == 2
-    assert v("kvcached_pool_blocks", {"state": "cached"}) == 1
-    assert v("kvcached_tier_chunks", {"tier": "pool"}) == 3
-    assert v("cache_memory_utilization", {"tier": "pool"}) == 3 / store.pool.num_blocks
-    assert v("kvcached_leases_active") == 1
-    assert v("kvcached_lookup_tokens_total") == 6 * CT and v("kvcached_hit_tokens_total") == 5 * CT
+    d = {"domain": "default"}
+    assert v("cache_hit_rate_by_model", {**d, "model": TINY.model, "layout_id": lid}) == (5 * CT) / (6 * CT)
+    assert v("kvcached_pool_blocks", {**d, "state": "leased"}) == 2
+    assert v("kvcached_pool_blocks", {**d, "state": "cached"}) == 1
+    assert v("kvcached_tier_chunks", {**d, "tier": "pool"}) == 3
+    assert v("cache_memory_utilization", {**d, "tier": "pool"}) == 3 / store.pool.num_blocks
+    assert v("kvcached_leases_active", d) == 1
+    assert v("kvcached_lookup_tokens_total", d) == 6 * CT and v("kvcached_hit_tokens_total", d) == 5 * CT
     store.release(lease.lease_id)
-    assert v("kvcached_leases_active") == 0 and v("kvcached_leases_released_total") == 1
-    assert v("kvcached_lmdb_file_bytes") > 0
+    assert v("kvcached_leases_active", d) == 0 and v("kvcached_leases_released_total", d) == 1
+    assert v("kvcached_lmdb_file_bytes", d) > 0
 
 
 def test_semantic_histogram_is_exported_empty(store):
