@@ -76,3 +76,20 @@ def test_dashboard_queries_only_exported_metrics(store, lid):
             for name in re.findall(r"\b(?:cache|kvcached|semantic)_[a-z_]+", t["expr"])}
     assert used and used <= exported, used - exported
     assert len(dash["panels"]) >= 8
+
+
+def test_promtool_accepts_a_real_scrape(daemon):
+    import shutil
+    import subprocess
+
+    import pytest
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool missing: scripts/test installs Debian's prometheus package")
+    with Client(daemon.socket) as c:
+        c.put(LAYOUT, list(range(32)), torch.zeros(2, 2, 2, 32, 8))
+        c.lookup(LAYOUT, list(range(32)))
+    text = urllib.request.urlopen(daemon.metrics_url, timeout=10).read()
+    r = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == b"" and r.stderr == b"", (r.stdout + r.stderr).decode()
