@@ -105,8 +105,9 @@ def kvcachectl_main(argv: Sequence[str] | None = None) -> int:
     lk.add_argument("file", nargs="?", default="-", help="token ids: JSON list or whitespace/comma separated ('-' = stdin)")
     lk.add_argument("--layout-id", help="layout id (see `kvcachectl stats`); default: the only registered layout")
     lk.add_argument("--json", action="store_true")
-    ev = sub.add_parser("evict", help="drop every unpinned chunk (of one layout, or all)")
+    ev = sub.add_parser("evict", help="drop unpinned chunks: all, of one layout, or of prompts with a prefix")
     ev.add_argument("--layout-id", default="")
+    ev.add_argument("--prefix", metavar="FILE", help="token ids (file or '-' for stdin): evict prompts starting with them")
     ev.add_argument("--json", action="store_true")
     sub.add_parser("flush", help="write pool-only chunks to NVMe").add_argument("--json", action="store_true")
     sub.add_parser("drain", help="refuse new leases and puts, flush to NVMe").add_argument("--json", action="store_true")
@@ -201,15 +202,19 @@ def _stats(c: Any, args: argparse.Namespace) -> int:
     return _out(args, s, rows)
 
 
+def _read_tokens(source: str) -> list[int]:
+    """Token ids from a file or stdin ('-'): a JSON list, or whitespace/comma separated integers."""
+    text = (sys.stdin.read() if source == "-" else open(source).read()).strip()
+    try:
+        return json.loads(text) if text.startswith("[") else [int(t) for t in re.split(r"[\s,]+", text) if t]
+    except ValueError as e:
+        raise SystemExit(f"kvcachectl: token ids must be integers: {e}") from None
+
+
 def _lookup(c: Any, args: argparse.Namespace) -> int:
     from kvcached.keys import KVLayout
 
-    text = sys.stdin.read() if args.file == "-" else open(args.file).read()
-    text = text.strip()
-    try:
-        tokens = json.loads(text) if text.startswith("[") else [int(t) for t in re.split(r"[\s,]+", text) if t]
-    except ValueError as e:
-        raise SystemExit(f"kvcachectl lookup: token ids must be integers: {e}") from None
+    tokens = _read_tokens(args.file)
     layouts = c.stats()["layouts_detail"]
     lid = args.layout_id
     if not lid:
@@ -230,7 +235,12 @@ def _lookup(c: Any, args: argparse.Namespace) -> int:
 
 
 def _evict(c: Any, args: argparse.Namespace) -> int:
-    chunks, nbytes = c.evict(args.layout_id)
+    prefix = None
+    if args.prefix:
+        if not args.layout_id:
+            raise SystemExit("kvcachectl evict --prefix needs --layout-id (see `kvcachectl stats`)")
+        prefix = _read_tokens(args.prefix)
+    chunks, nbytes = c.evict(args.layout_id, prefix)
     return _out(args, {"chunks": chunks, "bytes": nbytes}, [("evicted", f"{chunks} chunks, {_bytes(nbytes)}")])
 
 

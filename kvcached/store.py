@@ -520,6 +520,24 @@ class Store:
                 self.index.leaves.add(node)
             return EvictReceipt(chunks, freed)
 
+    def evict_prefix(self, layout_id: LayoutId, tokens: TokenInput) -> EvictReceipt:
+        """Drop every unpinned cached chunk of prompts that start with ``tokens`` (its full
+        chunks): the prefix's last chunk and everything cached below it, leaf-first. Shorter
+        prefixes stay; pinned chunks and their prefixes stay."""
+        with self._lock:
+            hashes = self.hashes(layout_id, tokens)
+            if not hashes:
+                raise InvalidTokens("a prefix to evict needs at least one full chunk of tokens")
+            nodes = self.index.match(hashes)
+            if len(nodes) < len(hashes):
+                return EvictReceipt(0, 0)
+            chunks = freed = 0
+            for node in self.index.subtree(nodes[-1]):  # deepest first: children go before parents
+                if node.refcount == 0 and node.children == 0:
+                    freed += self._mover.drop(node)
+                    chunks += 1
+            return EvictReceipt(chunks, freed)
+
     def flush(self) -> int:
         """Write every pool-only chunk to NVMe (write-back); returns chunks written."""
         with self._lock:

@@ -419,3 +419,24 @@ def test_full_lmdb_map_stops_admission_and_the_store_keeps_serving(make_store, c
     lease = store.acquire(lid, last)
     assert bytes(store.read_chunk(lease, 0)) == payload(0)
     store.index.check_invariants()
+
+
+def test_evict_by_prefix_drops_the_subtree_only(store, lid):
+    base = prompt(2)
+    a = base + prompt(2, start=500)
+    b = base + prompt(1, start=900)
+    other = prompt(2, start=7000)
+    for p in (a, b, other):
+        store.put(lid, p, [payload(i) for i in range(len(p) // CT)])
+    lease = store.acquire(lid, b)  # pins b's chunks (and base)
+    rec = store.evict_prefix(lid, base + prompt(1, start=500))  # prompts starting with a's 3rd chunk
+    assert rec.chunks == 2  # a2 and a3
+    assert store.lookup(lid, a) == 2 * CT and store.lookup(lid, b) == 3 * CT and store.lookup(lid, other) == 2 * CT
+    assert store.evict_prefix(lid, base).chunks == 0  # everything left under base is pinned (b) or is base itself
+    store.release(lease.lease_id)
+    assert store.evict_prefix(lid, base).chunks == 2  # b2, then base1; base0 is a shorter prefix and stays
+    assert store.lookup(lid, b) == CT and store.lookup(lid, other) == 2 * CT
+    assert store.evict_prefix(lid, prompt(1, start=12345)).chunks == 0  # not cached: nothing to do
+    with pytest.raises(InvalidTokens):
+        store.evict_prefix(lid, [1, 2])  # less than one chunk
+    store.index.check_invariants()

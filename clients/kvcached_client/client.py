@@ -329,8 +329,10 @@ class Client:
     def ping(self) -> None:
         self._call(self._stub.Ping, pb.PingRequest())
 
-    def evict(self, layout_id: str = "") -> tuple[int, int]:
-        r = self._call(self._stub.Evict, pb.EvictRequest(layout_id=layout_id))
+    def evict(self, layout_id: str = "", prefix: TokenInput | None = None) -> tuple[int, int]:
+        """Drop unpinned chunks: all, one layout's, or (with ``prefix``) prompts starting with it."""
+        packed = _core.pack_tokens(prefix) if prefix is not None else b""
+        r = self._call(self._stub.Evict, pb.EvictRequest(layout_id=layout_id, prefix_tokens=packed))
         return r.chunks, r.bytes
 
     def flush(self) -> int:

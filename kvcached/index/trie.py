@@ -293,13 +293,7 @@ class PrefixIndex:
         on them stay countable (a later unpin still balances) but the nodes
         are never queued or matched again.
         """
-        doomed: set[int] = {id(top)}
-        out = [top]
-        for node in sorted(self._nodes.values(), key=lambda n: n.depth):
-            if node.depth > top.depth and node.parent is not None and id(node.parent) in doomed:
-                doomed.add(id(node))
-                out.append(node)
-        out.reverse()
+        out = self.subtree(top)
         for node in out:
             del self._nodes[node.hash]
             self._dequeue(node)
@@ -312,6 +306,17 @@ class PrefixIndex:
             if top.tiers & POOL:
                 parent.pool_children -= 1
             self._refresh(parent)
+        return out
+
+    def subtree(self, top: Node) -> list[Node]:
+        """``top`` and every descendant, deepest first; O(index size)."""
+        inside: set[int] = {id(top)}
+        out = [top]
+        for node in sorted(self._nodes.values(), key=lambda n: n.depth):
+            if node.depth > top.depth and node.parent is not None and id(node.parent) in inside:
+                inside.add(id(node))
+                out.append(node)
+        out.reverse()
         return out
 
     @staticmethod

@@ -247,7 +247,12 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                                 uptime_seconds=time.monotonic() - self._started, listen=self.listen)
 
     async def Evict(self, request: pb.EvictRequest, context) -> pb.EvictResponse:
-        r = await self._run(context, self.store.evict, request.layout_id or None)
+        if request.prefix_tokens:
+            if not request.layout_id or not self._framed([request.prefix_tokens]):
+                await self._invalid(context, "evict by prefix needs a layout_id and packed uint32 prefix_tokens")
+            r = await self._run(context, self.store.evict_prefix, request.layout_id, request.prefix_tokens)
+        else:
+            r = await self._run(context, self.store.evict, request.layout_id or None)
         return pb.EvictResponse(chunks=r.chunks, bytes=r.bytes)
 
     async def Flush(self, request: pb.FlushRequest, context) -> pb.FlushResponse:

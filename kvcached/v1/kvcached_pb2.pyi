@@ -290,10 +290,12 @@ class StatsResponse(_message.Message):
     def __init__(self, json: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., listen: _Optional[str] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
-    __slots__ = ("layout_id",)
+    __slots__ = ("layout_id", "prefix_tokens")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     layout_id: str
-    def __init__(self, layout_id: _Optional[str] = ...) -> None: ...
+    prefix_tokens: bytes
+    def __init__(self, layout_id: _Optional[str] = ..., prefix_tokens: _Optional[bytes] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
     __slots__ = ("chunks", "bytes")

@@ -193,8 +193,11 @@ def test_kvcachectl_against_a_daemon(daemon):
     assert s["indexed_chunks"] == 3 and s["pool"]["blocks_cached"] == 3
     r = ctl("lookup", "--json", stdin=" ".join(map(str, range(2 * CT + 3))))
     assert json.loads(r.stdout)["cached_tokens"] == 2 * CT
-    assert json.loads(ctl("flush", "--json").stdout) == {"chunks": 3}
-    assert json.loads(ctl("evict", "--json").stdout)["chunks"] == 3
+    lid = next(iter(s["layouts_detail"]))
+    r = ctl("evict", "--layout-id", lid, "--prefix", "-", "--json", stdin=" ".join(map(str, range(2 * CT))))
+    assert json.loads(r.stdout)["chunks"] == 2  # chunks 1 and 2 (prompts starting with the first two chunks)
+    assert json.loads(ctl("flush", "--json").stdout) == {"chunks": 1}
+    assert json.loads(ctl("evict", "--json").stdout)["chunks"] == 1
     r = ctl("drain", "--json")
     assert json.loads(r.stdout)["leases_active"] == 0
     with Client(daemon.socket) as c:
