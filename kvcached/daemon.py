@@ -209,6 +209,7 @@ async def _reload(domains: list[DaemonSettings], stores: list[Store], runnings: 
         changed |= {f for f in fields if getattr(nd, f) != getattr(d, f)}
         st.reconfigure(cache_ttl=nd.cache_ttl, lease_ttl=nd.lease_ttl, reservation_ttl=nd.reservation_ttl)
         running.servicer.call_timeout = nd.call_timeout
+        running.servicer.bypass_generation_tokens = nd.bypass_generation_tokens
     if set(fresh) - {d.domain for d in domains}:
         changed.add("domains (added)")
     ignored = sorted(changed - RELOADABLE)

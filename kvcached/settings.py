@@ -23,7 +23,8 @@ from kvcached.config import GiB, MiB, StoreConfig
 DEFAULT_CONFIG_FILE = "/etc/kvcached/kvcached.toml"
 
 #: Settings SIGHUP may change on a running daemon; everything else needs a restart.
-RELOADABLE = frozenset({"cache_ttl", "lease_ttl", "reservation_ttl", "call_timeout", "log_level"})
+RELOADABLE = frozenset({"cache_ttl", "lease_ttl", "reservation_ttl", "call_timeout", "log_level",
+                        "bypass_generation_tokens"})
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)?\s*$", re.IGNORECASE)
 
@@ -92,6 +93,7 @@ class DaemonSettings:
     reservation_ttl: float = 30.0
     prefetch_distance: int = 8
     max_prompt_tokens: int = 1 << 20
+    bypass_generation_tokens: int = 8192  # requests expecting more output tokens are not stored
     metrics_addr: str = "127.0.0.1:9464"
     tcp_listen: str = ""  # e.g. "127.0.0.1:50551"; empty: Unix socket only
     tls_cert: str = ""
@@ -240,7 +242,7 @@ def load_settings(config_file: str | None = None, overrides: Mapping[str, Any] |
 DOMAIN_KEYS = frozenset({
     "socket", "socket_mode", "socket_owner", "socket_group", "pool_bytes", "pool_block_bytes", "nvme_bytes",
     "nvme_map_bytes", "cache_ttl", "lease_ttl", "reservation_ttl", "write_through", "prefetch_distance",
-    "max_prompt_tokens",
+    "max_prompt_tokens", "bypass_generation_tokens",
 })
 
 

@@ -394,13 +394,17 @@ class Store:
     # -- write path (two-phase; see kvcached.writes) -------------------------------------
 
     def reserve(
-        self, layout_id: LayoutId, tokens: TokenInput, session: SessionId = DEFAULT_SESSION, *, ttl: float | None = None
+        self, layout_id: LayoutId, tokens: TokenInput, session: SessionId = DEFAULT_SESSION, *,
+        ttl: float | None = None, store_nothing: bool = False,
     ) -> ReservationReceipt:
         """Reserve pool blocks for the prompt's full chunks that are not cached yet
-        (see :meth:`kvcached.writes.WritePath.reserve`)."""
+        (see :meth:`kvcached.writes.WritePath.reserve`). ``store_nothing`` (a no-store
+        request) validates and reports what is cached but reserves no block."""
         with self._lock:
             self._check_admitting()
             hashes = self.hashes(layout_id, tokens)
+            if store_nothing:
+                hashes = hashes[: len(self.index.match(hashes))]
             return self.writes.reserve(layout_id, hashes, session, ttl or self.config.reservation_ttl, self._clock())
 
     def write_reserved(self, reservation_id: ReservationId, position: int, data: bytes | memoryview) -> None:

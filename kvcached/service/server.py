@@ -70,7 +70,7 @@ async def start_server(settings: DaemonSettings, store: Store, interceptors: Seq
     server = grpc.aio.server(options=opts, interceptors=list(interceptors) or None)
     listen = f"unix:{settings.socket}" + (f" + tcp:{settings.tcp_listen}" if settings.tcp_listen else "")
     servicer = KVCacheServicer(store, workers=settings.worker_threads, call_timeout=settings.call_timeout,
-                               listen=listen)
+                               listen=listen, bypass_generation_tokens=settings.bypass_generation_tokens)
     pb_grpc.add_KVCacheServicer_to_server(servicer, server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -53,8 +53,10 @@ MAX_IDS_PER_CALL = 4096
 
 
 class KVCacheServicer(pb_grpc.KVCacheServicer):
-    def __init__(self, store: Store, *, workers: int = 4, call_timeout: float = 30.0, listen: str = "") -> None:
+    def __init__(self, store: Store, *, workers: int = 4, call_timeout: float = 30.0, listen: str = "",
+                 bypass_generation_tokens: int = 8192) -> None:
         self.store = store
+        self.bypass_generation_tokens = bypass_generation_tokens
         self.call_timeout = call_timeout
         self.listen = listen
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvcached-store")
@@ -145,6 +147,10 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
 
         return pb.LookupResponse(cached_tokens=await self._run(context, lookup_all, inline=True))
 
+    def _bypass(self, request: Any) -> bool:
+        """Per-request policy: no-store, or a long generation (degrade to plain compute)."""
+        return bool(request.no_store) or request.expected_output_tokens > self.bypass_generation_tokens
+
     @staticmethod
     def _framed(tokens: Any) -> bool:
         return all(len(t) % 4 == 0 for t in tokens)
@@ -155,7 +161,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         session = await self._session(context, request.session_id)
         ttl = await self._ttl(context, request.ttl_seconds)
         r = await self._run(context, self.store.acquire, request.layout_id, request.tokens, session, ttl=ttl,
-                            promote=not request.read_nvme_directly, inline=True)
+                            promote=not request.read_nvme_directly, max_chunks=0 if request.no_cache else None,
+                            inline=True)
         return convert.lease_to_proto(r, self._remaining(r.expires_at))
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
@@ -177,7 +184,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             await self._invalid(context, "tokens must be packed little-endian uint32 (a multiple of 4 bytes)")
         session = await self._session(context, request.session_id)
         ttl = await self._ttl(context, request.ttl_seconds)
-        r = await self._run(context, self.store.reserve, request.layout_id, request.tokens, session, ttl=ttl, inline=True)
+        r = await self._run(context, self.store.reserve, request.layout_id, request.tokens, session, ttl=ttl,
+                            store_nothing=self._bypass(request), inline=True)
         return convert.reservation_to_proto(r, self._remaining(r.expires_at), self.store.layout(r.layout_id).chunk_bytes)
 
     async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
@@ -214,6 +222,9 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         if not self._framed([request.tokens]):
             await self._invalid(context, "tokens must be packed little-endian uint32 (a multiple of 4 bytes)")
         session = await self._session(context, request.session_id)
+        if self._bypass(request):
+            await self._run(context, self.store.hashes, request.layout_id, request.tokens)  # still validated
+            return pb.CommitResponse(committed_chunks=0)
         c = await self._run(context, self.store.put, request.layout_id, request.tokens, list(request.chunks), session)
         return pb.CommitResponse(committed_chunks=c.committed_chunks, cached_tokens=c.cached_tokens)
 

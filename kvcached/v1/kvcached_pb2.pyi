@@ -78,18 +78,20 @@ class ChunkLocations(_message.Message):
     def __init__(self, first_position: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., nvme_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("layout_id", "tokens", "session_id", "ttl_seconds", "read_nvme_directly")
+    __slots__ = ("layout_id", "tokens", "session_id", "ttl_seconds", "read_nvme_directly", "no_cache")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     READ_NVME_DIRECTLY_FIELD_NUMBER: _ClassVar[int]
+    NO_CACHE_FIELD_NUMBER: _ClassVar[int]
     layout_id: str
     tokens: bytes
     session_id: str
     ttl_seconds: float
     read_nvme_directly: bool
-    def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., session_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., read_nvme_directly: _Optional[bool] = ...) -> None: ...
+    no_cache: bool
+    def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., session_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., read_nvme_directly: _Optional[bool] = ..., no_cache: _Optional[bool] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease_id", "matched_tokens", "chunks", "ttl_seconds", "pool_generation")
@@ -136,16 +138,20 @@ class KeepAliveResponse(_message.Message):
     def __init__(self, ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("layout_id", "tokens", "session_id", "ttl_seconds")
+    __slots__ = ("layout_id", "tokens", "session_id", "ttl_seconds", "no_store", "expected_output_tokens")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NO_STORE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     layout_id: str
     tokens: bytes
     session_id: str
     ttl_seconds: float
-    def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., session_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+    no_store: bool
+    expected_output_tokens: int
+    def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., session_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., no_store: _Optional[bool] = ..., expected_output_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("reservation_id", "cached_tokens", "in_flight_tokens", "slots", "ttl_seconds", "pool_generation")
@@ -244,16 +250,20 @@ class PoolHandle(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., generation: _Optional[str] = ..., device_uuid: _Optional[str] = ..., nvme_path: _Optional[str] = ..., ipc_size_bytes: _Optional[int] = ..., ipc_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., device_index: _Optional[int] = ...) -> None: ...
 
 class PutBytesRequest(_message.Message):
-    __slots__ = ("layout_id", "tokens", "chunks", "session_id")
+    __slots__ = ("layout_id", "tokens", "chunks", "session_id", "no_store", "expected_output_tokens")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NO_STORE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     layout_id: str
     tokens: bytes
     chunks: _containers.RepeatedScalarFieldContainer[bytes]
     session_id: str
-    def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., chunks: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    no_store: bool
+    expected_output_tokens: int
+    def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., chunks: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[str] = ..., no_store: _Optional[bool] = ..., expected_output_tokens: _Optional[int] = ...) -> None: ...
 
 class GetBytesRequest(_message.Message):
     __slots__ = ("layout_id", "tokens", "session_id")

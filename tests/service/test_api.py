@@ -199,3 +199,24 @@ def test_tcp_on_loopback(make_daemon):
     with Client(f"ipv4:127.0.0.1:{port}", session=False) as c:
         c.ping()
         assert json.dumps(c.stats())
+
+
+def test_daemon_side_policies(ready):
+    c, stub, lid, sid = ready
+    toks = tokens(2 * CT, 8000)
+    r = stub.Reserve(pb.ReserveRequest(layout_id=lid, tokens=toks, session_id=sid, no_store=True))
+    assert len(r.slots.offsets) == 0
+    stub.Commit(pb.CommitRequest(reservation_id=r.reservation_id))
+    r = stub.Reserve(pb.ReserveRequest(layout_id=lid, tokens=toks, session_id=sid, expected_output_tokens=9000))
+    assert len(r.slots.offsets) == 0  # over bypass_generation_tokens (8192): degrade to plain compute
+    stub.Commit(pb.CommitRequest(reservation_id=r.reservation_id))
+    chunks = [bytes(LAYOUT.chunk_bytes)] * 2
+    assert stub.PutBytes(pb.PutBytesRequest(layout_id=lid, tokens=toks, chunks=chunks, no_store=True)).committed_chunks == 0
+    assert c.lookup(LAYOUT, toks) == 0
+    r = stub.Reserve(pb.ReserveRequest(layout_id=lid, tokens=toks, session_id=sid, expected_output_tokens=100))
+    assert len(r.slots.offsets) == 2
+    stub.Abort(pb.AbortRequest(reservation_ids=[r.reservation_id]))
+    cached = tokens(2 * CT)  # the fixture's cached prompt
+    a = stub.Acquire(pb.AcquireRequest(layout_id=lid, tokens=cached, session_id=sid, no_cache=True))
+    assert a.matched_tokens == 0 and len(a.chunks.offsets) == 0
+    assert stub.Acquire(pb.AcquireRequest(layout_id=lid, tokens=cached, session_id=sid)).matched_tokens == 2 * CT
