@@ -33,7 +33,6 @@ from typing import Any, Callable, Sequence, TypeVar
 from kvcached.config import StoreConfig
 from kvcached.errors import (
     ChunkNotCached,
-    CorruptChunk,
     InvalidKV,
     InvalidLayout,
     InvalidTokens,
@@ -42,14 +41,13 @@ from kvcached.errors import (
     StoreDraining,
     StoreLocked,
     WouldBlock,
-    TierFull,
     UnknownLayout,
     UnknownLease,
     UnknownReservation,
 )
 from kvcached.index import Node, PrefixIndex
 from kvcached.keys import ChunkHash, ChunkHasher, KVLayout, LayoutId, Namespace, TokenInput, load_or_create_key, normalize_tokens
-from kvcached.leases import Entry, LeaseId, ReservationId, SessionId, TimedTable
+from kvcached.leases import LeaseId, ReservationId, SessionId, TimedTable
 from kvcached.locations import NVME, POOL
 from kvcached.movement import Mover
 from kvcached.receipts import (
@@ -61,6 +59,7 @@ from kvcached.receipts import (
     SessionReleaseReceipt,
 )
 from kvcached.rebuild import rebuild_index
+from kvcached.reads import ReadPath
 from kvcached.writes import WritePath
 from kvcached.stats import Counters, HitRateHistory, NvmeStats, PoolStats, StoreStats
 from kvcached.tiers.nvme import NvmeTier
@@ -97,6 +96,7 @@ class Store:
                     map_size=config.nvme_map_bytes,
                 )
             self._mover = Mover(config, self.index, self.pool, self.nvme, self.counters, self._layout)
+            self.reads = ReadPath(self.index, self.pool, self._mover, self.counters, lambda: self.config, self._unpin)
             self.writes = WritePath(config, self.index, self.pool, self._mover, self.counters, self._layout, self._unpin,
                                     self._io_check)
             self.rebuild_report: RebuildReport | None = None
@@ -210,16 +210,16 @@ class Store:
             layout = self._layouts[layout_id][0]
             now = self._clock()
             nodes = self.index.match(hashes if max_chunks is None else hashes[:max_chunks])
-            if self._inline and self.nvme is not None and promote and self._needs_promotion(nodes):
+            if self._inline and self.nvme is not None and promote and self.reads.needs_promotion(nodes):
                 raise WouldBlock
             self.index.pin(nodes, now)
             self.index.note_path(nodes)
             try:
                 if promote or self.nvme is None:
                     matched = len(nodes)
-                    nodes = self._ensure_in_pool(nodes, now)
+                    nodes = self.reads.ensure_in_pool(nodes, now)
                     if nodes and len(nodes) == matched and self.nvme is not None and self.config.prefetch_distance:
-                        self._prefetch(nodes[-1], now)
+                        self.reads.prefetch(nodes[-1], now)
             except BaseException:
                 self._unpin(nodes, now)  # an I/O error must not leave pins behind
                 raise
@@ -231,15 +231,7 @@ class Store:
             c.hit_tokens += len(nodes) * layout.chunk_tokens
             self._count_layout(layout_id, len(hashes) * layout.chunk_tokens, len(nodes) * layout.chunk_tokens)
             c.acquired_tokens += len(nodes) * layout.chunk_tokens
-            return self._lease_receipt(entry, layout_id, layout)
-
-    def _needs_promotion(self, nodes: list[Node]) -> bool:
-        """Would an acquire of ``nodes`` copy anything from NVMe (itself or by prefetch)?"""
-        if any(not n.tiers & POOL for n in nodes):
-            return True
-        if nodes and self.config.prefetch_distance:
-            return any(not n.tiers & POOL for n in self.index.branch(nodes[-1], self.config.prefetch_distance))
-        return False
+            return self.reads.receipt(entry, layout_id, layout)
 
     def run_inline(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         """Run a store call on the caller's thread only if it needs neither to wait for the
@@ -261,73 +253,6 @@ class Store:
     def _io_check(self) -> None:
         if self._inline:
             raise WouldBlock
-
-    def _ensure_in_pool(self, nodes: list[Node], now: float) -> list[Node]:
-        """Promote NVMe-only pinned nodes; on failure unpin the rest and truncate."""
-        for i, node in enumerate(nodes):
-            if node.tiers & POOL:
-                continue
-            try:
-                self._mover.promote(node)
-            except (TierFull, CorruptChunk) as e:
-                self._unpin(nodes[i:], now)
-                if isinstance(e, CorruptChunk):
-                    self._mover.drop_corrupt(node)
-                else:
-                    log.warning("acquire truncated at chunk %d: %s", i, e)
-                return nodes[:i]
-        return nodes
-
-    def _prefetch(self, last: Node, now: float) -> None:
-        """Promote NVMe-only chunks of the branch below ``last`` ahead of need.
-
-        Follows the most recently used children for up to
-        ``prefetch_distance`` chunks. The targets are pinned while this runs
-        (making room must not drop one of them) and released as "just used",
-        so the next prefetch does not evict what this one brought in. Stops
-        at the first chunk that cannot be promoted.
-        """
-        targets = self.index.branch(last, self.config.prefetch_distance)
-        if not any(not n.tiers & POOL for n in targets):
-            return
-        self.index.pin(targets, now)
-        try:
-            for node in targets:
-                if node.tiers & POOL:
-                    continue
-                try:
-                    self._mover.promote(node)
-                except (TierFull, CorruptChunk) as e:
-                    if isinstance(e, CorruptChunk):
-                        self._unpin(targets, now)
-                        targets = []
-                        self._mover.drop_corrupt(node)
-                    break
-                self.counters.prefetched += 1
-        finally:
-            if targets:
-                self._unpin(targets, now)
-
-    def _lease_receipt(self, entry: Entry[tuple[Node, ...]], layout_id: LayoutId, layout: KVLayout) -> LeaseReceipt:
-        nodes = entry.payload
-        hashes = [n.hash for n in nodes]
-        if all(n.tiers & POOL for n in nodes):
-            offsets = self.pool.offsets_of(hashes)
-        else:
-            bb, committed = self.pool.block_bytes, self.pool.locate
-            offsets = [committed(n.hash)[0] * bb if n.tiers & POOL else -1 for n in nodes]
-        return LeaseReceipt(
-            LeaseId(entry.id),
-            entry.session,
-            layout_id,
-            len(nodes) * layout.chunk_tokens,
-            tuple(hashes),
-            tuple(offsets),
-            layout.chunk_bytes,
-            self.pool.block_bytes,
-            entry.expires_at,
-            self.pool.generation,
-        )
 
     def release(self, lease_id: LeaseId, session: SessionId | None = None) -> bool:
         """Drop a lease's pins. Idempotent: False if it was already released or expired.
