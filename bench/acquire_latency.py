@@ -142,13 +142,13 @@ def breakdown_pieces(store: Store, lid: str, inputs: dict, hashes: list, lease) 
         except (AttributeError, TypeError, KeyError) as e:
             skipped.append(f"{name}: {type(e).__name__}: {e}")
 
-    # nodes are all in the pool, so _ensure_in_pool only runs its per-chunk tier check.
-    internal("tier check _ensure_in_pool (64 chunks, all in pool)", lambda: lambda: store._ensure_in_pool(nodes, 0.0))
+    # nodes are all in the pool, so ensure_in_pool only runs its per-chunk tier check.
+    internal("tier check reads.ensure_in_pool (64 chunks, all in pool)", lambda: lambda: store.reads.ensure_in_pool(nodes, 0.0))
     def receipt_maker():
         entry = store._leases.get(lease.lease_id)
-        return lambda: store._lease_receipt(entry, lid, layout)
+        return lambda: store.reads.receipt(entry, lid, layout)
 
-    internal("lease receipt _lease_receipt (64 chunks)", receipt_maker)
+    internal("lease receipt reads.receipt (64 chunks)", receipt_maker)
     # What-ifs: the same work without IntFlag arithmetic / frozen-dataclass construction, to size
     # the suggested fixes (see bench/README.md). Not engine code.
     fns["what-if: tier check with a plain int mask"] = lambda: [n for n in nodes if not n.tiers & 1]
