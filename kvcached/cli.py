@@ -315,7 +315,7 @@ def doctor_checks(s: dict, shm_free: int | None = None) -> list[dict]:
 def _doctor(c: Any, args: argparse.Namespace) -> int:
     import shutil
 
-    s = c.stats()
+    s = c.stats(doctor=True)
     checks = doctor_checks(s, shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None)
     bad = any(x["verdict"] != "ok" for x in checks)
     if args.json:

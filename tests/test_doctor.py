@@ -68,6 +68,8 @@ def test_hit_rate_history_windows():
 def test_doctor_against_a_daemon(daemon):
     with Client(daemon.socket) as c:
         c.put(LAYOUT, list(range(32)), torch.zeros(2, 2, 2, 32, 8))
+        assert "doctor" not in c.stats()  # the probes run only when asked for
+        assert c.stats(doctor=True)["doctor"]["leases_held_over_10x_ttl"] == 0
     exe = os.path.join(os.path.dirname(sys.executable), "kvcachectl")
     r = subprocess.run([exe, "--socket", daemon.socket, "doctor", "--json"], capture_output=True, text=True, timeout=60)
     out = json.loads(r.stdout)

@@ -130,5 +130,13 @@ class LeaseBase:
         if self.released:
             raise FailedPreconditionError("the lease was released; its chunks may already hold other data")
 
+    def _nvme_key(self, i: int) -> bytes:
+        """LMDB key of chunk ``i`` (an NVME_CHUNK entry); the position map is built once."""
+        keys = self.__dict__.get("_nvme_keys")
+        if keys is None:
+            it = iter(self._chunks.nvme_keys)
+            keys = self._nvme_keys = {j: next(it) for j, off in enumerate(self._offsets) if off == NVME_CHUNK}
+        return keys[i]
+
     def _pool_chunk(self, i: int) -> "torch.Tensor":
         return self._client._pool.view(self.layout, self._offsets[i], self._chunks.chunk_bytes)

@@ -73,7 +73,7 @@ class Lease(_core.LeaseBase):
         if self._offsets[i] == _core.NVME_CHUNK:
             t = self._nvme_cache.get(i)
             if t is None:
-                t = self._nvme_cache[i] = self._client._nvme.read(self.layout, self.locations[i].nvme_key)
+                t = self._nvme_cache[i] = self._client._nvme.read(self.layout, self._nvme_key(i))
             return t
         return self._pool_chunk(i)
 
@@ -85,7 +85,7 @@ class Lease(_core.LeaseBase):
         """
         self._check_live()
         if self._offsets[i] == _core.NVME_CHUNK and i not in self._nvme_cache and out.device.type == "cpu" and out.is_contiguous():
-            self._client._nvme.read_into(self.layout, self.locations[i].nvme_key, out)
+            self._client._nvme.read_into(self.layout, self._nvme_key(i), out)
             return out
         return out.copy_(self.chunk(i))
 
@@ -318,10 +318,11 @@ class Client:
     def pool_handle(self):  # -> PoolHandle
         return _core.handle_from_proto(self._call(self._stub.GetPoolHandle, pb.PoolHandleRequest()))
 
-    def stats(self) -> dict:
+    def stats(self, *, doctor: bool = False) -> dict:
+        """The daemon's counters; ``doctor`` adds the troubleshooting probes (``d["doctor"]``)."""
         import json
 
-        resp = self._call(self._stub.Stats, pb.StatsRequest())
+        resp = self._call(self._stub.Stats, pb.StatsRequest(doctor=doctor))
         d = json.loads(resp.json)
         d.update(version=resp.version, uptime_seconds=resp.uptime_seconds, listen=resp.listen)
         return d

@@ -250,7 +250,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             d["sessions_open"] = len(self._sessions)
             d["draining"] = self.store.draining
             d["inline_fallbacks"] = self.fallbacks
-            d["doctor"] = self.store.doctor_facts()
+            if request.doctor:
+                d["doctor"] = self.store.doctor_facts()
             return d
 
         d = await self._run(context, snapshot)

@@ -284,8 +284,10 @@ class GetBytesResponse(_message.Message):
     def __init__(self, matched_tokens: _Optional[int] = ..., chunks: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("doctor",)
+    DOCTOR_FIELD_NUMBER: _ClassVar[int]
+    doctor: bool
+    def __init__(self, doctor: _Optional[bool] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("json", "version", "uptime_seconds", "listen")
