@@ -3,10 +3,67 @@ and wrap this; defaults follow DESIGN.md section 8."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 MiB = 1 << 20
 GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class FileAccess:
+    """Who, besides the daemon's own user, may use a domain's tier files.
+
+    A client that may connect to a domain's socket must also be able to map its
+    pool (read-write: it writes reserved blocks) and read its NVMe tier directly
+    (the LMDB data file read-only, its lock file read-write for the reader
+    table). So the tier files grant exactly the classes the socket grants:
+    ``group`` and/or ``other`` when the socket mode lets them connect, and the
+    socket's group owns them. Nobody else gets anything: the filesystem, not
+    the daemon, keeps other users and other domains out.
+
+    Modes are set with chmod after creation, so a service ``UMask=`` cannot
+    narrow them silently.
+    """
+
+    group: bool = False
+    other: bool = False
+    gid: int = -1  # -1: leave the group as created (the daemon's)
+
+    @classmethod
+    def for_socket(cls, socket_mode: int, gid: int = -1) -> "FileAccess":
+        return cls(group=bool(socket_mode & 0o020), other=bool(socket_mode & 0o002), gid=gid)
+
+    def _bits(self, owner: int, bits: int) -> int:
+        return owner | (bits << 3 if self.group else 0) | (bits if self.other else 0)
+
+    @property
+    def shared_mode(self) -> int:
+        """Read-write for whoever may connect: the pool segment, the LMDB lock file."""
+        return self._bits(0o600, 0o6)
+
+    @property
+    def read_mode(self) -> int:
+        return self._bits(0o600, 0o4)
+
+    @property
+    def dir_mode(self) -> int:
+        return self._bits(0o700, 0o5)
+
+    @property
+    def traverse_mode(self) -> int:
+        """For directories on the way (state dir): enter, not list."""
+        return self._bits(0o700, 0o1)
+
+    def apply(self, path_or_fd: str | int, mode: int) -> None:
+        if isinstance(path_or_fd, int):
+            os.fchmod(path_or_fd, mode)
+            if self.gid >= 0:
+                os.fchown(path_or_fd, -1, self.gid)
+        else:
+            os.chmod(path_or_fd, mode)
+            if self.gid >= 0:
+                os.chown(path_or_fd, -1, self.gid)
 
 
 @dataclass(frozen=True)
@@ -31,6 +88,12 @@ class StoreConfig:
     write_through: bool = False
     prefetch_distance: int = 8
     max_prompt_tokens: int = 1 << 20
+    #: Caps per session, so one client (buggy or hostile) cannot pin the whole pool or grow
+    #: the tables without bound; reaching one is RESOURCE_EXHAUSTED naming the setting.
+    max_leases_per_session: int = 16384
+    max_reservations_per_session: int = 1024
+    #: Tier file permissions; the daemon derives them from the domain's socket.
+    file_access: FileAccess = field(default_factory=FileAccess)
 
     def __post_init__(self) -> None:
         if self.pool_block_bytes <= 0 or self.pool_bytes < self.pool_block_bytes:
@@ -40,6 +103,8 @@ class StoreConfig:
         for name in ("cache_ttl", "lease_ttl", "reservation_ttl"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.max_leases_per_session < 1 or self.max_reservations_per_session < 1:
+            raise ValueError("max_leases_per_session and max_reservations_per_session must be >= 1")
         if not 0 <= self.prefetch_distance <= 1024:
             raise ValueError("prefetch_distance must be in 0..1024")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):

@@ -23,7 +23,7 @@ from typing import Any
 from kvcached import __version__
 from kvcached.journal import JournalHandler, stderr_is_journal
 from kvcached.metrics import Metrics
-from kvcached.settings import RELOADABLE, DaemonSettings, SettingsError, load_settings
+from kvcached.settings import RELOADABLE, STORE_RELOADABLE, DaemonSettings, SettingsError, load_settings
 from kvcached.store import Store
 from kvcached.systemd import Notifier
 
@@ -207,8 +207,9 @@ async def _reload(domains: list[DaemonSettings], stores: list[Store], runnings: 
             changed.add(f"domains.{d.domain} (removed)")
             continue
         changed |= {f for f in fields if getattr(nd, f) != getattr(d, f)}
-        st.reconfigure(cache_ttl=nd.cache_ttl, lease_ttl=nd.lease_ttl, reservation_ttl=nd.reservation_ttl)
+        st.reconfigure(**{name: getattr(nd, name) for name in STORE_RELOADABLE})
         running.servicer.call_timeout = nd.call_timeout
+        running.servicer.max_sessions = nd.max_sessions
         running.servicer.bypass_generation_tokens = nd.bypass_generation_tokens
     if set(fresh) - {d.domain for d in domains}:
         changed.add("domains (added)")

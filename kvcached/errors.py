@@ -101,6 +101,10 @@ class TierFull(ResourceExhausted):
     """A tier cannot admit more data, even after evicting what it may evict."""
 
 
+class LimitReached(ResourceExhausted):
+    """A configured cap (max_sessions, max_leases_per_session, max_reservations_per_session)."""
+
+
 # -- unavailable -----------------------------------------------------------------
 
 

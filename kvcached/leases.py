@@ -114,6 +114,11 @@ class TimedTable(Generic[P]):
     def of_session(self, session: SessionId) -> list[Entry[P]]:
         return [self._entries[i] for i in self._by_session.get(session, ())]
 
+    def count(self, session: SessionId) -> int:
+        """How many live entries ``session`` holds."""
+        ids = self._by_session.get(session)
+        return len(ids) if ids is not None else 0
+
     def sessions(self) -> int:
         return len(self._by_session)
 

@@ -10,6 +10,7 @@ Sizes may be integers (bytes) or strings such as ``"512M"`` / ``"2GiB"``.
 from __future__ import annotations
 
 import dataclasses
+import grp
 import ipaddress
 import os
 import re
@@ -18,13 +19,17 @@ import tomllib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from kvcached.config import GiB, MiB, StoreConfig
+from kvcached.config import FileAccess, GiB, MiB, StoreConfig
 
 DEFAULT_CONFIG_FILE = "/etc/kvcached/kvcached.toml"
 
 #: Settings SIGHUP may change on a running daemon; everything else needs a restart.
 RELOADABLE = frozenset({"cache_ttl", "lease_ttl", "reservation_ttl", "call_timeout", "log_level",
-                        "bypass_generation_tokens"})
+                        "bypass_generation_tokens", "max_sessions", "max_leases_per_session",
+                        "max_reservations_per_session"})
+#: The reloadable settings the store itself applies (Store.reconfigure).
+STORE_RELOADABLE = ("cache_ttl", "lease_ttl", "reservation_ttl", "max_leases_per_session",
+                    "max_reservations_per_session")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)?\s*$", re.IGNORECASE)
 
@@ -94,6 +99,9 @@ class DaemonSettings:
     prefetch_distance: int = 8
     max_prompt_tokens: int = 1 << 20
     bypass_generation_tokens: int = 8192  # requests expecting more output tokens are not stored
+    max_sessions: int = 1024  # open Session streams per domain
+    max_leases_per_session: int = 16384
+    max_reservations_per_session: int = 1024
     metrics_addr: str = "127.0.0.1:9464"
     tcp_listen: str = ""  # e.g. "127.0.0.1:50551"; empty: Unix socket only
     tls_cert: str = ""
@@ -114,6 +122,8 @@ class DaemonSettings:
             raise SettingsError(f"socket_mode must be an octal permission like 0660, got {oct(self.socket_mode)}")
         if self.max_message_bytes < 64 * 1024:
             raise SettingsError("max_message_bytes must be at least 64K")
+        if min(self.max_sessions, self.max_leases_per_session, self.max_reservations_per_session) < 1:
+            raise SettingsError("max_sessions, max_leases_per_session and max_reservations_per_session must be >= 1")
         if self.call_timeout <= 0 or self.expire_interval <= 0 or self.worker_threads <= 0:
             raise SettingsError("call_timeout, expire_interval and worker_threads must be positive")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
@@ -172,7 +182,19 @@ class DaemonSettings:
             write_through=self.write_through,
             prefetch_distance=self.prefetch_distance,
             max_prompt_tokens=self.max_prompt_tokens,
+            max_leases_per_session=self.max_leases_per_session,
+            max_reservations_per_session=self.max_reservations_per_session,
+            file_access=FileAccess.for_socket(self.socket_mode, self.socket_gid()),
         )
+
+    def socket_gid(self) -> int:
+        """The socket group's gid (-1: not set); it also owns the domain's tier files."""
+        if not self.socket_group:
+            return -1
+        try:
+            return grp.getgrnam(self.socket_group).gr_gid
+        except KeyError:
+            raise SettingsError(f"socket_group {self.socket_group!r} does not exist on this host") from None
 
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
@@ -242,7 +264,8 @@ def load_settings(config_file: str | None = None, overrides: Mapping[str, Any] |
 DOMAIN_KEYS = frozenset({
     "socket", "socket_mode", "socket_owner", "socket_group", "pool_bytes", "pool_block_bytes", "nvme_bytes",
     "nvme_map_bytes", "cache_ttl", "lease_ttl", "reservation_ttl", "write_through", "prefetch_distance",
-    "max_prompt_tokens", "bypass_generation_tokens",
+    "max_prompt_tokens", "bypass_generation_tokens", "max_sessions", "max_leases_per_session",
+    "max_reservations_per_session",
 })
 
 

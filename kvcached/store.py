@@ -37,6 +37,7 @@ from kvcached.errors import (
     InvalidLayout,
     InvalidTokens,
     LeaseExpired,
+    LimitReached,
     StoreClosed,
     StoreDraining,
     StoreLocked,
@@ -78,6 +79,8 @@ class Store:
         self._clock = clock
         self._lock = threading.RLock()
         os.makedirs(config.state_dir, mode=0o700, exist_ok=True)
+        if config.file_access.group or config.file_access.other:  # let clients reach nvme/<domain>
+            os.chmod(config.state_dir, os.stat(config.state_dir).st_mode & 0o777 | config.file_access.traverse_mode & 0o011)
         self._lockfile = _lock_state_dir(config.state_dir, config.domain)
         self._hasher = ChunkHasher(load_or_create_key(os.path.join(config.state_dir, "hash.key")))
         self._layouts: dict[LayoutId, tuple[KVLayout, ChunkHash]] = {}
@@ -94,6 +97,7 @@ class Store:
                     os.path.join(config.state_dir, "nvme", config.domain),
                     config.nvme_bytes,
                     map_size=config.nvme_map_bytes,
+                    access=config.file_access,
                 )
             self._mover = Mover(config, self.index, self.pool, self.nvme, self.counters, self._layout)
             self.reads = ReadPath(self.index, self.pool, self._mover, self.counters, lambda: self.config, self._unpin)
@@ -208,6 +212,10 @@ class Store:
             self._check_admitting()
             hashes = self.hashes(layout_id, tokens)
             layout = self._layouts[layout_id][0]
+            cap = self.config.max_leases_per_session
+            if self._leases.count(session) >= cap:
+                raise LimitReached(f"session {session} already holds {cap} leases (max_leases_per_session); "
+                                   "release leases it no longer reads, or raise the limit")
             now = self._clock()
             nodes = self.index.match(hashes if max_chunks is None else hashes[:max_chunks])
             if self._inline and self.nvme is not None and promote and self.reads.needs_promotion(nodes):
@@ -328,6 +336,10 @@ class Store:
         with self._lock:
             self._check_admitting()
             hashes = self.hashes(layout_id, tokens)
+            cap = self.config.max_reservations_per_session
+            if self.writes.reservations.count(session) >= cap:
+                raise LimitReached(f"session {session} already holds {cap} open reservations "
+                                   "(max_reservations_per_session); commit or abort them, or raise the limit")
             if store_nothing:
                 hashes = hashes[: len(self.index.match(hashes))]
             return self.writes.reserve(layout_id, hashes, session, ttl or self.config.reservation_ttl, self._clock())
@@ -498,12 +510,11 @@ class Store:
                 self._leases.sessions(), pstats, nstats, Counters(**vars(self.counters)),
             )
 
-    def reconfigure(self, *, cache_ttl: float, lease_ttl: float, reservation_ttl: float) -> None:
-        """Apply reloadable settings (SIGHUP). Existing leases keep their deadlines."""
+    def reconfigure(self, **reloadable: Any) -> None:
+        """Apply reloadable settings (SIGHUP): TTLs and per-session caps. Existing leases keep
+        their deadlines; a session already over a lowered cap keeps what it holds."""
         with self._lock:
-            self.config = dataclasses.replace(
-                self.config, cache_ttl=cache_ttl, lease_ttl=lease_ttl, reservation_ttl=reservation_ttl
-            )
+            self.config = dataclasses.replace(self.config, **reloadable)
 
     def doctor_facts(self) -> dict[str, Any]:
         """What ``kvcachectl doctor`` judges: recent vs baseline hit rate, long-held leases,

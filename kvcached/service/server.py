@@ -14,7 +14,6 @@ a grace period, then the worker threads are joined.
 
 from __future__ import annotations
 
-import grp
 import logging
 import os
 import pwd
@@ -27,11 +26,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from kvcached.service.decoding import add_servicer
 from kvcached.service.servicer import KVCacheServicer
 from kvcached.settings import DaemonSettings, SettingsError
 from kvcached.store import Store
 from kvcached.v1 import kvcached_pb2 as pb
-from kvcached.v1 import kvcached_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +69,9 @@ async def start_server(settings: DaemonSettings, store: Store, interceptors: Seq
     server = grpc.aio.server(options=opts, interceptors=list(interceptors) or None)
     listen = f"unix:{settings.socket}" + (f" + tcp:{settings.tcp_listen}" if settings.tcp_listen else "")
     servicer = KVCacheServicer(store, workers=settings.worker_threads, call_timeout=settings.call_timeout,
-                               listen=listen, bypass_generation_tokens=settings.bypass_generation_tokens)
-    pb_grpc.add_KVCacheServicer_to_server(servicer, server)
+                               listen=listen, bypass_generation_tokens=settings.bypass_generation_tokens,
+                               max_sessions=settings.max_sessions)
+    add_servicer(servicer, server)  # undecodable requests -> INVALID_ARGUMENT, not UNKNOWN
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
@@ -112,8 +112,7 @@ def _bind_unix(server: grpc.aio.Server, settings: DaemonSettings) -> None:
     os.chmod(path, settings.socket_mode)
     if settings.socket_owner or settings.socket_group:
         uid = pwd.getpwnam(settings.socket_owner).pw_uid if settings.socket_owner else -1
-        gid = grp.getgrnam(settings.socket_group).gr_gid if settings.socket_group else -1
-        os.chown(path, uid, gid)
+        os.chown(path, uid, settings.socket_gid())
 
 
 def _socket_alive(path: str) -> bool:

@@ -54,8 +54,9 @@ MAX_IDS_PER_CALL = 4096
 
 class KVCacheServicer(pb_grpc.KVCacheServicer):
     def __init__(self, store: Store, *, workers: int = 4, call_timeout: float = 30.0, listen: str = "",
-                 bypass_generation_tokens: int = 8192) -> None:
+                 bypass_generation_tokens: int = 8192, max_sessions: int = 1024) -> None:
         self.store = store
+        self.max_sessions = max_sessions
         self.bypass_generation_tokens = bypass_generation_tokens
         self.call_timeout = call_timeout
         self.listen = listen
@@ -199,6 +200,10 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         return pb.AbortResponse(aborted=await self._run(context, self.store.abort_many, ids, inline=True))
 
     async def Session(self, request_iterator: AsyncIterator[pb.SessionRequest], context) -> AsyncIterator[pb.SessionEvent]:
+        if len(self._sessions) >= self.max_sessions:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{len(self._sessions)} sessions are open, the max_sessions limit; close idle "
+                                "clients (one Client per process is enough) or raise max_sessions")
         sid = f"session-{secrets.token_hex(8)}"
         self._sessions[sid] = "?"
         log.info("session %s opened (peer %s)", sid, context.peer())

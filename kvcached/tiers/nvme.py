@@ -37,6 +37,7 @@ import lmdb
 
 from kvcached.errors import ChunkNotCached, CorruptChunk, InternalInvariantError, InvalidKV, TierFull
 from kvcached.keys import ChunkHash, KVLayout, LayoutId
+from kvcached.config import FileAccess
 from kvcached.locations import TierId
 from kvcached.tiers.base import ChunkMeta, Slot, Tier
 from kvcached.tiers.record import HEADER_SIZE, copy_verified, decode_header, encode_header, verified_payload
@@ -49,8 +50,11 @@ _SCAN_BATCH = 4096
 class NvmeTier(Tier):
     tier_id = TierId.NVME
 
-    def __init__(self, path: str, capacity_bytes: int, *, map_size: int | None = None) -> None:
+    def __init__(self, path: str, capacity_bytes: int, *, map_size: int | None = None,
+                 access: FileAccess = FileAccess()) -> None:
         os.makedirs(path, mode=0o700, exist_ok=True)
+        access.apply(os.path.dirname(os.path.abspath(path)), access.traverse_mode)
+        access.apply(path, access.dir_mode)
         self.path = path
         self._capacity = capacity_bytes
         self.map_size = map_size or max(2 * capacity_bytes, 1 << 30)
@@ -67,6 +71,10 @@ class NvmeTier(Tier):
             lock=True,
             max_readers=256,
         )
+        # Clients read the tier directly (kvcached_client.nvme): data read-only, lock file
+        # read-write (LMDB's reader table lives there).
+        access.apply(os.path.join(path, "data.mdb"), access.read_mode)
+        access.apply(os.path.join(path, "lock.mdb"), access.shared_mode)
         self.stale_readers_cleared = self._env.reader_check()
         if self.stale_readers_cleared:
             log.warning("cleared %d stale LMDB reader slots in %s", self.stale_readers_cleared, path)

@@ -27,6 +27,7 @@ import secrets
 from typing import Callable
 
 from kvcached.errors import TierFull
+from kvcached.config import FileAccess
 from kvcached.tiers.base import Slot
 from kvcached.tiers.blocks import BlockPool, PoolHandle
 
@@ -36,7 +37,8 @@ SHM_DIR = "/dev/shm"
 
 
 class HostPool(BlockPool):
-    def __init__(self, name_prefix: str, block_bytes: int, num_blocks: int, *, prefault: bool = True) -> None:
+    def __init__(self, name_prefix: str, block_bytes: int, num_blocks: int, *, prefault: bool = True,
+                 access: FileAccess = FileAccess()) -> None:
         super().__init__(block_bytes, num_blocks)
         self.generation = secrets.token_hex(8)
         self.name = f"{name_prefix}.{os.getpid()}.{self.generation}"
@@ -44,6 +46,7 @@ class HostPool(BlockPool):
         size = block_bytes * num_blocks
         fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            access.apply(fd, access.shared_mode)  # clients that may connect may map it
             os.ftruncate(fd, size)
             if prefault:
                 try:

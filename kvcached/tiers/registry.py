@@ -18,7 +18,8 @@ def _host(config: StoreConfig) -> BlockPool:
 
     prefix = f"kvcached.{config.domain}"
     remove_stale_segments(prefix)
-    return HostPool(prefix, config.pool_block_bytes, config.pool_blocks, prefault=config.pool_prefault)
+    return HostPool(prefix, config.pool_block_bytes, config.pool_blocks, prefault=config.pool_prefault,
+                    access=config.file_access)
 
 
 def _cuda(config: StoreConfig) -> BlockPool:
