@@ -50,10 +50,12 @@ class FileAccess:
     def dir_mode(self) -> int:
         return self._bits(0o700, 0o5)
 
-    @property
-    def traverse_mode(self) -> int:
-        """For directories on the way (state dir): enter, not list."""
-        return self._bits(0o700, 0o1)
+    def open_parent(self, path: str) -> None:
+        """When anything is shared, let anyone enter (not list) a directory on the way to a
+        shared one (the state dir, ``nvme/``). Only the shared directory itself is gated by
+        group: domains with different groups share these parents."""
+        if self.group or self.other:
+            os.chmod(path, os.stat(path).st_mode & 0o7777 | 0o111)
 
     def apply(self, path_or_fd: str | int, mode: int) -> None:
         if isinstance(path_or_fd, int):

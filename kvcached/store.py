@@ -79,8 +79,7 @@ class Store:
         self._clock = clock
         self._lock = threading.RLock()
         os.makedirs(config.state_dir, mode=0o700, exist_ok=True)
-        if config.file_access.group or config.file_access.other:  # let clients reach nvme/<domain>
-            os.chmod(config.state_dir, os.stat(config.state_dir).st_mode & 0o777 | config.file_access.traverse_mode & 0o011)
+        config.file_access.open_parent(config.state_dir)  # clients reach nvme/<domain> through it
         self._lockfile = _lock_state_dir(config.state_dir, config.domain)
         self._hasher = ChunkHasher(load_or_create_key(os.path.join(config.state_dir, "hash.key")))
         self._layouts: dict[LayoutId, tuple[KVLayout, ChunkHash]] = {}

@@ -53,7 +53,7 @@ class NvmeTier(Tier):
     def __init__(self, path: str, capacity_bytes: int, *, map_size: int | None = None,
                  access: FileAccess = FileAccess()) -> None:
         os.makedirs(path, mode=0o700, exist_ok=True)
-        access.apply(os.path.dirname(os.path.abspath(path)), access.traverse_mode)
+        access.open_parent(os.path.dirname(os.path.abspath(path)))
         access.apply(path, access.dir_mode)
         self.path = path
         self._capacity = capacity_bytes
@@ -133,10 +133,12 @@ class NvmeTier(Tier):
             self.admitting = False
             raise TierFull(f"LMDB map of {self.map_size} bytes is full in {self.path}") from e
         except lmdb.Error as e:
-            if _is_enospc(e):
-                self.admitting = False
-                raise TierFull(f"disk full under {self.path}") from e
-            raise
+            # A full disk shows up as ENOSPC, or as EIO when LMDB's page flush makes a short
+            # write (mdb_page_flush). Either way the transaction was aborted and the file is
+            # intact: stop admitting, and let the store evict and serve on.
+            self.admitting = False
+            what = "disk full" if _is_enospc(e) else f"write failed ({e}; disk full or failing)"
+            raise TierFull(f"{what} under {self.path}") from e
         del self._staged[slot.slot_id]
         del self._reserved[slot.slot_id]
         self._used += len(value)

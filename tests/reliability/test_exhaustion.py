@@ -1,0 +1,199 @@
+"""Resource exhaustion against a real daemon: a pool full of leased chunks, a full LMDB map, a
+full disk, and the per-session / per-domain caps. In every case the daemon refuses or degrades
+with a clear error, evicts nothing that is leased, loses nothing it acknowledged, and serves on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from kvcached.v1 import kvcached_pb2 as pb
+from kvcached_client import Client
+from kvcached_client.errors import ResourceExhaustedError
+from tests.daemon import Daemon
+from tests.reliability.conftest import LAYOUT
+
+CT = LAYOUT.chunk_tokens
+
+
+def prompt(i: int, chunks: int) -> list[int]:
+    return list(range(i * 100_000, i * 100_000 + chunks * CT))
+
+
+def kv(i: int, chunks: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(2, LAYOUT.num_layers, LAYOUT.num_kv_heads, chunks * CT, LAYOUT.head_dim, generator=g)
+
+
+def test_pool_full_of_leased_chunks_refuses_new_puts_and_evicts_nothing_leased(make_daemon):
+    d = make_daemon(pool_bytes="256K", pool_block_bytes="4K", nvme_bytes="64M")
+    with Client(d.socket) as c:
+        blocks = c.stats()["pool"]["blocks_total"]
+        assert blocks == 64
+        n = blocks // 16
+        for i in range(n):
+            assert c.put(LAYOUT, prompt(i, 16), kv(i, 16)) == 16
+        leases = [c.acquire(LAYOUT, prompt(i, 16)) for i in range(n)]
+        assert all(lease.matched_tokens == 16 * CT for lease in leases)
+        before = c.stats()
+        assert before["pool"]["blocks_free"] == 0 and before["pool"]["blocks_leased"] == blocks
+
+        for attempt in range(3):  # repeated refusals change nothing either
+            with pytest.raises(ResourceExhaustedError) as e:
+                c.put(LAYOUT, prompt(100 + attempt, 4), kv(100 + attempt, 4))
+            assert "leased" in e.value.details
+        after = c.stats()
+        assert after["pool"] == before["pool"]
+        assert after["reservations_active"] == 0 and after["indexed_chunks"] == before["indexed_chunks"]
+        for i, lease in enumerate(leases):  # every leased chunk is still there, byte for byte
+            assert torch.equal(lease.kv(), kv(i, 16))
+
+        for lease in leases:
+            lease.release()
+        assert c.put(LAYOUT, prompt(100, 4), kv(100, 4)) == 4  # room again: unleased chunks move to NVMe
+        for i in range(n):
+            with c.acquire(LAYOUT, prompt(i, 16)) as lease:
+                assert lease.matched_tokens == 16 * CT
+                assert torch.equal(lease.kv(), kv(i, 16))
+    assert d.proc.poll() is None
+
+
+def _fill_through_nvme(c: Client, count: int) -> list[int]:
+    """Write-through puts of ``count`` 4-chunk prompts; every put must succeed."""
+    stored = []
+    for i in range(count):
+        assert c.put(LAYOUT, prompt(i, 4), kv(i, 4)) == 4
+        stored.append(i)
+    return stored
+
+
+def _readable(c: Client, i: int) -> bool:
+    with c.acquire(LAYOUT, prompt(i, 4)) as lease:
+        if lease.matched_tokens == 0:
+            return False
+        got = lease.kv()
+        assert torch.equal(got, kv(i, 4)[:, :, :, : got.shape[3]])  # a hit is always the right bytes
+        return True
+
+
+def test_full_lmdb_map_stops_admission_and_the_daemon_serves_on(make_daemon):
+    # 256 KiB of map hold ~50 chunks; 120 chunks go through write-through.
+    d = make_daemon(pool_bytes="256K", pool_block_bytes="4K", nvme_bytes="64M", nvme_map_bytes="256K",
+                    write_through=True)
+    with Client(d.socket) as c:
+        _fill_through_nvme(c, 30)
+        s = c.stats()
+        assert s["counters"]["nvme_evictions"] > 0 or s["counters"]["write_through_failures"] > 0
+        assert 0 < s["nvme"]["chunks"] < 120
+        assert s["nvme"]["file_bytes"] <= 256 * 1024
+        assert _readable(c, 29)  # the newest prompt is in the pool at least
+        assert sum(_readable(c, i) for i in range(30)) >= 1
+        c.ping()
+    assert "LMDB map of 262144 bytes is full" in d.log()  # told the operator, in the journal
+    assert d.proc.poll() is None
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """The state directory on a 1 MiB tmpfs: a real ENOSPC from the kernel."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a 1 MiB tmpfs needs root (CI runs as root)")
+    d = Daemon(str(tmp_path), pool_bytes="256K", pool_block_bytes="4K", nvme_bytes="64M", write_through=True)
+    os.makedirs(d.state_dir)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", d.state_dir], check=True)
+    try:
+        yield d
+    finally:
+        if d.proc is not None:
+            d.stop(signal.SIGKILL)
+        subprocess.run(["umount", d.state_dir], check=False)
+
+
+def test_full_disk_stops_admission_and_the_daemon_serves_on(tiny_disk):
+    d = tiny_disk.start()
+    with Client(d.socket) as c:
+        _fill_through_nvme(c, 80)  # 320 chunks x 4 KiB: more than the 1 MiB disk holds
+        s = c.stats()
+        assert s["counters"]["write_through_failures"] > 0 or s["counters"]["nvme_evictions"] > 0
+        assert s["nvme"]["chunks"] > 0
+        assert "disk full" in d.log()
+        assert _readable(c, 79)
+        assert sum(_readable(c, i) for i in range(80)) >= 1
+    assert d.proc.poll() is None
+    assert d.stop() == 0  # a clean stop (drain, flush) on a full disk
+
+
+def test_lease_and_reservation_caps_per_session(make_daemon):
+    d = make_daemon(max_leases_per_session=5, max_reservations_per_session=2)
+    with Client(d.socket) as a, Client(d.socket) as b:
+        a.put(LAYOUT, prompt(0, 2), kv(0, 2))
+        held = [a.acquire(LAYOUT, prompt(0, 2)) for _ in range(5)]
+        with pytest.raises(ResourceExhaustedError) as e:
+            a.acquire(LAYOUT, prompt(0, 2))
+        assert "max_leases_per_session" in e.value.details
+        assert a.stats()["leases_active"] == 5  # the refusal pinned nothing
+        with b.acquire(LAYOUT, prompt(0, 2)) as lease:  # another client is not affected
+            assert lease.matched_tokens == 2 * CT
+        held.pop().release()
+        a.acquire(LAYOUT, prompt(0, 2)).release()  # under the cap again
+
+        lid, sid = a.register(LAYOUT), a.session_id()
+        for i in range(2):
+            a._stub.Reserve(pb.ReserveRequest(layout_id=lid, tokens=np.asarray(prompt(10 + i, 1), "<u4").tobytes(),
+                                              session_id=sid))
+        with pytest.raises(grpc.RpcError) as e:
+            a._stub.Reserve(pb.ReserveRequest(layout_id=lid, tokens=np.asarray(prompt(12, 1), "<u4").tobytes(),
+                                              session_id=sid))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_reservations_per_session" in e.value.details()
+        assert a.stats()["reservations_active"] == 2
+        assert b.put(LAYOUT, prompt(12, 1), kv(12, 1)) == 1  # b has its own budget
+    deadline = time.monotonic() + 10  # a's session ended: its leases and reservations went with it
+    with Client(d.socket) as c:
+        while (c.stats()["leases_active"], c.stats()["reservations_active"]) != (0, 0):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_session_cap_and_its_reload(make_daemon):
+    d = make_daemon(max_sessions=2)
+    clients = [Client(d.socket), Client(d.socket)]
+    for c in clients:
+        c.session_id()
+    extra = Client(d.socket)
+    with pytest.raises(ResourceExhaustedError) as e:
+        extra.session_id()
+    assert "max_sessions" in e.value.details
+    extra.ping()  # refused a session, not the connection
+
+    d.settings["max_sessions"] = 3  # SIGHUP applies it without a restart
+    d.write_config()
+    d.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            extra.session_id()
+            break
+        except ResourceExhaustedError:
+            assert time.monotonic() < deadline, d.log()
+            time.sleep(0.1)
+    assert extra.stats()["sessions_open"] == 3
+    clients[0].close()  # closing one frees its slot for a fourth
+    deadline = time.monotonic() + 10
+    fourth = Client(d.socket)
+    while True:
+        try:
+            fourth.session_id()
+            break
+        except ResourceExhaustedError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    for c in (clients[1], extra, fourth):
+        c.close()
