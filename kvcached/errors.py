@@ -144,6 +144,16 @@ class CorruptChunk(KvcacheError):
     kind = ErrorKind.NOT_FOUND
 
 
+def shown(value: object, limit: int = 64) -> str:
+    """A caller-supplied value as it may appear in an error message: quoted, and cut to
+    ``limit`` characters. Echoing a 20,000-character id would make the message useless and
+    overflow gRPC's metadata limit, which turns the intended status into a transport error."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(str(value))} characters)"
+
+
 class WouldBlock(Exception):
     """Not a domain error: raised by :meth:`Store.run_inline` *before any state changes*
     when a call would wait for the store lock or for disk I/O. The caller then runs the

@@ -35,7 +35,7 @@ from typing import NewType, Sequence, Union
 
 import numpy as np
 
-from kvcached.errors import InvalidLayout, InvalidTokens
+from kvcached.errors import InvalidLayout, InvalidTokens, shown
 
 ChunkHash = NewType("ChunkHash", bytes)
 """16-byte keyed chained digest of a chunk and its whole prefix (see module docstring)."""
@@ -101,14 +101,14 @@ class KVLayout:
         for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise InvalidLayout(f"layout.{name} must be a positive integer, got {v!r}")
+                raise InvalidLayout(f"layout.{name} must be a positive integer, got {shown(v)}")
         if self.num_layers > 4096 or self.num_kv_heads > 4096 or self.head_dim > 65536:
             raise InvalidLayout("layout dimensions are implausibly large (layers/heads ≤ 4096, head_dim ≤ 65536)")
         if not 1 <= self.chunk_tokens <= 65536:
             raise InvalidLayout(f"layout.chunk_tokens must be in 1..65536, got {self.chunk_tokens}")
         if self.dtype not in DTYPE_SIZES:
             raise InvalidLayout(
-                f"layout.dtype {self.dtype!r} is not supported; use one of {sorted(DTYPE_SIZES)}"
+                f"layout.dtype {shown(self.dtype)} is not supported; use one of {sorted(DTYPE_SIZES)}"
             )
         if not isinstance(self.vocab_size, int) or self.vocab_size < 0:
             raise InvalidLayout("layout.vocab_size must be a non-negative integer (0 = unknown)")

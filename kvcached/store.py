@@ -42,6 +42,7 @@ from kvcached.errors import (
     StoreDraining,
     StoreLocked,
     WouldBlock,
+    shown,
     UnknownLayout,
     UnknownLease,
     UnknownReservation,
@@ -162,7 +163,7 @@ class Store:
         try:
             return self._layouts[layout_id]
         except KeyError:
-            raise UnknownLayout(f"layout {layout_id!r} is not registered; register it first") from None
+            raise UnknownLayout(f"layout {shown(layout_id)} is not registered; register it first") from None
 
     def hashes(self, layout_id: LayoutId, tokens: TokenInput) -> list[ChunkHash]:
         """Chunk hashes of every full chunk of ``tokens``. Validates both arguments."""
@@ -271,7 +272,7 @@ class Store:
         with self._lock:
             entry = self._leases.get(lease_id)
             if entry is None and self._leases.closed_reason(lease_id) is None:
-                raise UnknownLease(f"no lease {lease_id!r} was ever granted here")
+                raise UnknownLease(f"no lease {shown(lease_id)} was ever granted here")
             if entry is None or (session is not None and entry.session != session):
                 return False
             self._leases.remove(lease_id, "released")
@@ -285,8 +286,8 @@ class Store:
             entry = self._leases.get(lease_id)
             if entry is None or (session is not None and entry.session != session):
                 if entry is None and self._leases.closed_reason(lease_id) == "expired":
-                    raise LeaseExpired(f"lease {lease_id} already expired; acquire again")
-                raise UnknownLease(f"no live lease {lease_id!r}")
+                    raise LeaseExpired(f"lease {shown(lease_id)} already expired; acquire again")
+                raise UnknownLease(f"no live lease {shown(lease_id)}")
             renewed = self._leases.renew(lease_id, ttl or self.config.lease_ttl, self._clock())
             assert renewed is not None
             return renewed.expires_at
@@ -297,7 +298,7 @@ class Store:
         with self._lock:
             for lid in lease_ids:
                 if self._leases.get(lid) is None and self._leases.closed_reason(lid) is None:
-                    raise UnknownLease(f"no lease {lid!r} was ever granted here")
+                    raise UnknownLease(f"no lease {shown(lid)} was ever granted here")
             return sum(self.release(lid, session) for lid in lease_ids)
 
     def renew_many(self, lease_ids: Sequence[LeaseId], session: SessionId | None = None, *,
@@ -366,7 +367,7 @@ class Store:
             table = self.writes.reservations
             for rid in reservation_ids:
                 if table.get(rid) is None and table.closed_reason(rid) is None:
-                    raise UnknownReservation(f"no reservation {rid!r} was ever made here")
+                    raise UnknownReservation(f"no reservation {shown(rid)} was ever made here")
             return sum(self.abort(rid) for rid in reservation_ids)
 
     def put(
@@ -384,8 +385,9 @@ class Store:
         with self._lock:
             hashes = self.hashes(layout_id, tokens)
             layout = self._layouts[layout_id][0]
-            if len(chunk_data) < len(hashes):
-                raise InvalidKV(f"{len(chunk_data)} chunk payloads for {len(hashes)} full chunks")
+            if len(chunk_data) != len(hashes):
+                raise InvalidKV(f"{len(chunk_data)} chunk payloads for {len(hashes)} full chunks; send one per "
+                                "full chunk (a partial last chunk is not cached)")
             for i, d in enumerate(chunk_data[: len(hashes)]):
                 nbytes = memoryview(d).nbytes
                 if nbytes != layout.chunk_bytes:

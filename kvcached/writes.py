@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kvcached.config import StoreConfig
-from kvcached.errors import InvalidKV, ReservationClosed, TierFull, UnknownReservation
+from kvcached.errors import InvalidKV, ReservationClosed, TierFull, UnknownReservation, shown
 from kvcached.index import Node, PrefixIndex
 from kvcached.keys import ChunkHash, KVLayout, LayoutId
 from kvcached.leases import Entry, ReservationId, SessionId, TimedTable
@@ -126,7 +126,7 @@ class WritePath:
         pending = self.pending(reservation_id).payload
         i = position - pending.first_position
         if not 0 <= i < len(pending.slots):
-            raise InvalidKV(f"chunk {position} is not part of reservation {reservation_id}")
+            raise InvalidKV(f"chunk {position} is not part of reservation {shown(reservation_id)}")
         self.pool.write(pending.slots[i], data)
 
     def commit(self, reservation_id: ReservationId, chunks: int | None, now: float) -> CommitReceipt:
@@ -164,7 +164,7 @@ class WritePath:
         entry = self.reservations.remove(reservation_id, "aborted")
         if entry is None:
             if self.reservations.closed_reason(reservation_id) is None:
-                raise UnknownReservation(f"no reservation {reservation_id!r} was ever made here")
+                raise UnknownReservation(f"no reservation {shown(reservation_id)} was ever made here")
             return False
         self.close(entry.payload, now, committed=0)
         self.counters.aborts += 1
@@ -189,8 +189,8 @@ class WritePath:
         if entry is None:
             why = self.reservations.closed_reason(reservation_id)
             if why is not None:
-                raise ReservationClosed(f"reservation {reservation_id} was already {why}")
-            raise UnknownReservation(f"no reservation {reservation_id!r}")
+                raise ReservationClosed(f"reservation {shown(reservation_id)} was already {why}")
+            raise UnknownReservation(f"no reservation {shown(reservation_id)}")
         return entry
 
     def close(self, pending: PendingPut, now: float, committed: int) -> None:

@@ -34,6 +34,9 @@ class CorruptChunkError(KvcachedError):
     """An NVMe chunk failed its checksum; it was not used."""
 
 
+#: Address space a reader maps for the daemon's LMDB file (see _acquire_env).
+READER_MAP_BYTES = 1 << 40
+
 _ENVS: dict[str, list[Any]] = {}  # real path -> [env, db, refcount]
 _ENVS_LOCK = threading.Lock()
 
@@ -48,7 +51,12 @@ def _acquire_env(path: str) -> tuple[Any, Any]:
         entry = _ENVS.get(real)
         if entry is None:
             try:
-                env = lmdb.open(real, readonly=True, lock=True, max_dbs=4, subdir=True, readahead=False)
+                # map_size: a read-only environment maps only what it is told (default 10 MiB) or
+                # what the file held at open; once the daemon grows the file past that, every read
+                # fails with MapResizedError. Address space is cheap and the mapping is read-only
+                # and shared, so map far beyond any tier size once.
+                env = lmdb.open(real, readonly=True, lock=True, max_dbs=4, subdir=True, readahead=False,
+                                map_size=READER_MAP_BYTES)
                 db = env.open_db(b"chunks", create=False)
             except lmdb.Error as e:
                 raise PoolMappingError(f"cannot open the NVMe tier at {path}: {e}") from e

@@ -70,7 +70,7 @@ async def start_server(settings: DaemonSettings, store: Store, interceptors: Seq
     listen = f"unix:{settings.socket}" + (f" + tcp:{settings.tcp_listen}" if settings.tcp_listen else "")
     servicer = KVCacheServicer(store, workers=settings.worker_threads, call_timeout=settings.call_timeout,
                                listen=listen, bypass_generation_tokens=settings.bypass_generation_tokens,
-                               max_sessions=settings.max_sessions)
+                               max_sessions=settings.max_sessions, max_message_bytes=settings.max_message_bytes)
     add_servicer(servicer, server)  # undecodable requests -> INVALID_ARGUMENT, not UNKNOWN
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 import grpc
 
 from kvcached import __version__
-from kvcached.errors import ErrorKind, KvcacheError, WouldBlock
+from kvcached.errors import ErrorKind, KvcacheError, WouldBlock, shown
 from kvcached.leases import ReservationId, SessionId
 from kvcached.service import convert
 from kvcached.store import DEFAULT_SESSION, Store
@@ -54,8 +54,10 @@ MAX_IDS_PER_CALL = 4096
 
 class KVCacheServicer(pb_grpc.KVCacheServicer):
     def __init__(self, store: Store, *, workers: int = 4, call_timeout: float = 30.0, listen: str = "",
-                 bypass_generation_tokens: int = 8192, max_sessions: int = 1024) -> None:
+                 bypass_generation_tokens: int = 8192, max_sessions: int = 1024,
+                 max_message_bytes: int = 64 << 20) -> None:
         self.store = store
+        self.max_message_bytes = max_message_bytes
         self.max_sessions = max_sessions
         self.bypass_generation_tokens = bypass_generation_tokens
         self.call_timeout = call_timeout
@@ -107,7 +109,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         if session_id not in self._sessions:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"session {session_id!r} is not open (it ended, or the daemon restarted); open a new Session",
+                f"session {shown(session_id)} is not open (it ended, or the daemon restarted); open a new Session",
             )
         return SessionId(session_id)
 
@@ -239,7 +241,10 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         session = await self._session(context, request.session_id)
 
         def read() -> tuple[int, list[bytes]]:
-            r = self.store.acquire(request.layout_id, request.tokens, session)
+            # The reply must fit in one message: return the longest cached prefix that does
+            # (matched_tokens says how much), rather than fail in the transport after the work.
+            fits = (self.max_message_bytes - 4096) // (self.store.layout(request.layout_id).chunk_bytes + 16)
+            r = self.store.acquire(request.layout_id, request.tokens, session, max_chunks=max(fits, 0))
             try:
                 return r.matched_tokens, [bytes(self.store.read_chunk(r, i)) for i in range(len(r.offsets))]
             finally:
