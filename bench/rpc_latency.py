@@ -55,6 +55,7 @@ import glob
 import os
 import sys
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -152,7 +153,8 @@ async def op_acquire_release(c: Caller) -> None:
     r = await c.stub.Acquire(c.acquire_req, timeout=TIMEOUT)
     if r.matched_tokens != PROMPT_TOKENS:
         c.misses += 1
-    await c.stub.Release(pb.ReleaseRequest(lease_ids=[r.lease_id]), timeout=TIMEOUT)
+    await c.stub.Release(pb.ReleaseRequest(lease_ids=[r.lease_id], session_id=c.acquire_req.session_id),
+                         timeout=TIMEOUT)
 
 
 class ApiCaller:
@@ -202,12 +204,13 @@ async def run_callers(callers: list, op, k: int, out: list[int]) -> float:
     return time.perf_counter() - t0
 
 
-async def release_batched(stub: pb_grpc.KVCacheStub, ids: list[str]) -> tuple[int, int]:
-    """Release ``ids`` in calls of at most MAX_IDS; returns (released, ns spent)."""
+async def release_batched(stub: pb_grpc.KVCacheStub, ids: list[str], sid: str) -> tuple[int, int]:
+    """Release ``ids`` (leases of session ``sid``) in calls of at most MAX_IDS; returns (released, ns spent)."""
     t0 = time.perf_counter_ns()
     released = 0
     for i in range(0, len(ids), MAX_IDS):
-        released += (await stub.Release(pb.ReleaseRequest(lease_ids=ids[i:i + MAX_IDS]), timeout=60)).released
+        req = pb.ReleaseRequest(lease_ids=ids[i:i + MAX_IDS], session_id=sid)
+        released += (await stub.Release(req, timeout=60)).released
     return released, time.perf_counter_ns() - t0
 
 
@@ -318,13 +321,22 @@ async def measure_async(sock: str, pid: int, tokens: bytes, tokens_np: np.ndarra
                         finally:
                             gc.enable()
                         ids = [x for c in callers for x in c.leases]
+                        by_session: dict[tuple[Any, str], list[str]] = {}  # leases are bound to their session
+                        for c in callers:
+                            if isinstance(c, Caller):
+                                key = (c.stub, c.acquire_req.session_id)
+                            else:
+                                key = (c.client._stub, c.client._session_id or "")
+                            by_session.setdefault(key, []).extend(c.leases)
                         for c in callers:
                             t.misses += c.misses if rnd else 0
                             c.leases.clear()
                             c.misses = 0
                         if ids:
-                            rel_stub = pool[0].stub if not name.startswith("api") else api_client._stub
-                            released, rel_ns = await release_batched(rel_stub, ids)
+                            released = rel_ns = 0
+                            for (rel_stub, sid), group in by_session.items():
+                                n, ns = await release_batched(rel_stub, group, sid)
+                                released, rel_ns = released + n, rel_ns + ns
                             if released != len(ids):
                                 raise RuntimeError(f"{name}: released {released} of {len(ids)} leases")
                         if not rnd:

@@ -349,26 +349,28 @@ class Store:
         with self._lock:
             self.writes.write(reservation_id, position, data)
 
-    def commit(self, reservation_id: ReservationId, *, chunks: int | None = None) -> CommitReceipt:
-        """Make the written chunks visible. ``chunks`` commits only the first N (the rest are aborted)."""
+    def commit(self, reservation_id: ReservationId, session: SessionId | None = None, *,
+               chunks: int | None = None) -> CommitReceipt:
+        """Make the written chunks visible. ``chunks`` commits only the first N (the rest are aborted).
+        With ``session`` (the service always passes the caller's), only that session's reservation."""
         with self._lock:
             self._check_open()
-            return self.writes.commit(reservation_id, chunks, self._clock())
+            return self.writes.commit(reservation_id, chunks, self._clock(), session)
 
-    def abort(self, reservation_id: ReservationId) -> bool:
-        """Free a reservation's blocks. Idempotent: False if it was already closed;
-        an id never issued raises :class:`UnknownReservation`."""
+    def abort(self, reservation_id: ReservationId, session: SessionId | None = None) -> bool:
+        """Free a reservation's blocks. Idempotent: False if it was already closed (or, with
+        ``session``, belongs to another session); an id never issued raises :class:`UnknownReservation`."""
         with self._lock:
-            return self.writes.abort(reservation_id, self._clock())
+            return self.writes.abort(reservation_id, self._clock(), session)
 
-    def abort_many(self, reservation_ids: Sequence[ReservationId]) -> int:
+    def abort_many(self, reservation_ids: Sequence[ReservationId], session: SessionId | None = None) -> int:
         """Batch :meth:`abort`; a never-issued id raises and aborts nothing."""
         with self._lock:
             table = self.writes.reservations
             for rid in reservation_ids:
                 if table.get(rid) is None and table.closed_reason(rid) is None:
                     raise UnknownReservation(f"no reservation {shown(rid)} was ever made here")
-            return sum(self.abort(rid) for rid in reservation_ids)
+            return sum(self.abort(rid, session) for rid in reservation_ids)
 
     def put(
         self,

@@ -129,8 +129,9 @@ class WritePath:
             raise InvalidKV(f"chunk {position} is not part of reservation {shown(reservation_id)}")
         self.pool.write(pending.slots[i], data)
 
-    def commit(self, reservation_id: ReservationId, chunks: int | None, now: float) -> CommitReceipt:
-        pending = self.pending(reservation_id).payload
+    def commit(self, reservation_id: ReservationId, chunks: int | None, now: float,
+               session: SessionId | None = None) -> CommitReceipt:
+        pending = self.pending(reservation_id, session).payload
         if self.config.write_through and self.mover.nvme is not None:
             self._io_check()
         n = len(pending.slots) if chunks is None else chunks
@@ -160,7 +161,10 @@ class WritePath:
         self.counters.committed_chunks += n
         return CommitReceipt(reservation_id, n, (pending.first_position + n) * layout.chunk_tokens)
 
-    def abort(self, reservation_id: ReservationId, now: float) -> bool:
+    def abort(self, reservation_id: ReservationId, now: float, session: SessionId | None = None) -> bool:
+        live = self.reservations.get(reservation_id)
+        if live is not None and session is not None and live.session != session:
+            return False  # another session's reservation: not ours to abort
         entry = self.reservations.remove(reservation_id, "aborted")
         if entry is None:
             if self.reservations.closed_reason(reservation_id) is None:
@@ -184,8 +188,12 @@ class WritePath:
         self.counters.reservations_expired += len(puts)
         return len(puts)
 
-    def pending(self, reservation_id: ReservationId) -> Entry[PendingPut]:
+    def pending(self, reservation_id: ReservationId, session: SessionId | None = None) -> Entry[PendingPut]:
+        """The live reservation; with ``session``, only if that session made it (another
+        session's id reads as unknown, so ids cannot be probed across sessions)."""
         entry = self.reservations.get(reservation_id)
+        if entry is not None and session is not None and entry.session != session:
+            raise UnknownReservation(f"no reservation {shown(reservation_id)} in this session")
         if entry is None:
             why = self.reservations.closed_reason(reservation_id)
             if why is not None:

@@ -170,13 +170,13 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         ids = await self._ids(context, request.lease_ids, "lease ids")
-        session = await self._session(context, request.session_id) if request.session_id else None
+        session = await self._session(context, request.session_id)  # ids are bound to their session
 
         return pb.ReleaseResponse(released=await self._run(context, self.store.release_many, ids, session, inline=True))
 
     async def KeepAlive(self, request: pb.KeepAliveRequest, context) -> pb.KeepAliveResponse:
         ids = await self._ids(context, request.lease_ids, "lease ids")
-        session = await self._session(context, request.session_id) if request.session_id else None
+        session = await self._session(context, request.session_id)
         ttl = await self._ttl(context, request.ttl_seconds)
 
         deadline = await self._run(context, self.store.renew_many, ids, session, ttl=ttl, inline=True)
@@ -193,13 +193,15 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
 
     async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
         chunks = request.chunks if request.HasField("chunks") else None
-        c = await self._run(context, self.store.commit, ReservationId(request.reservation_id), chunks=chunks, inline=True)
+        session = await self._session(context, request.session_id)
+        c = await self._run(context, self.store.commit, ReservationId(request.reservation_id), session, chunks=chunks,
+                            inline=True)
         return pb.CommitResponse(committed_chunks=c.committed_chunks, cached_tokens=c.cached_tokens)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         ids = await self._ids(context, request.reservation_ids, "reservation ids")
-
-        return pb.AbortResponse(aborted=await self._run(context, self.store.abort_many, ids, inline=True))
+        session = await self._session(context, request.session_id)
+        return pb.AbortResponse(aborted=await self._run(context, self.store.abort_many, ids, session, inline=True))
 
     async def Session(self, request_iterator: AsyncIterator[pb.SessionRequest], context) -> AsyncIterator[pb.SessionEvent]:
         if len(self._sessions) >= self.max_sessions:

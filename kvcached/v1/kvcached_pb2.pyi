@@ -170,12 +170,14 @@ class ReserveResponse(_message.Message):
     def __init__(self, reservation_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., slots: _Optional[_Union[ChunkLocations, _Mapping]] = ..., ttl_seconds: _Optional[float] = ..., pool_generation: _Optional[str] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("reservation_id", "chunks")
+    __slots__ = ("reservation_id", "chunks", "session_id")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     chunks: int
-    def __init__(self, reservation_id: _Optional[str] = ..., chunks: _Optional[int] = ...) -> None: ...
+    session_id: str
+    def __init__(self, reservation_id: _Optional[str] = ..., chunks: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("committed_chunks", "cached_tokens")
@@ -186,10 +188,12 @@ class CommitResponse(_message.Message):
     def __init__(self, committed_chunks: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("reservation_ids",)
+    __slots__ = ("reservation_ids", "session_id")
     RESERVATION_IDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     reservation_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, reservation_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    session_id: str
+    def __init__(self, reservation_ids: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("aborted",)

@@ -114,7 +114,7 @@ class World:
     foreign_lease: str  # live lease of ``other_sid`` on ``cached``
     released_lease: str
     expired_lease: str
-    open_res: str  # open reservation (of ``other_sid``) of ``open_res_slots`` chunks
+    open_res: str  # open reservation (of ``other_sid``: ids are bound to their session) of ``open_res_slots`` chunks
     open_res_slots: int
     committed_res: str
     aborted_res: str
@@ -224,10 +224,14 @@ def predict(method: str, m: Message, w: World) -> grpc.StatusCode:
             return IA
         for i in m.lease_ids:
             owner = w.leases.get(i)
-            if owner is None or (m.session_id and owner != m.session_id):
+            if owner is None or owner != m.session_id:  # bound to its session (empty: sessionless)
                 return FP if owner is None and w.closed_leases.get(i) == "expired" else NF
         return OK
     if method == "Commit":
+        if m.session_id and m.session_id not in w.live_sessions:
+            return FP
+        if m.reservation_id in w.open_reservations and m.session_id != w.other_sid:
+            return NF  # another session's reservation reads as unknown
         if m.reservation_id in w.open_reservations:
             n = m.chunks if m.HasField("chunks") else w.open_reservations[m.reservation_id]
             return OK if 0 <= n <= w.open_reservations[m.reservation_id] else IA
@@ -235,6 +239,8 @@ def predict(method: str, m: Message, w: World) -> grpc.StatusCode:
     if method == "Abort":
         if len(m.reservation_ids) > MAX_IDS_PER_CALL:
             return IA
+        if m.session_id and m.session_id not in w.live_sessions:
+            return FP
         known = all(i in w.open_reservations or i in w.closed_reservations for i in m.reservation_ids)
         return OK if known else NF
     if method == "Evict":
@@ -363,8 +369,8 @@ def base_requests(w: World) -> list[tuple[str, Message]]:
         ("KeepAlive", pb.KeepAliveRequest(lease_ids=[w.own_lease], ttl_seconds=60, session_id=w.sid)),
         ("Reserve", pb.ReserveRequest(layout_id=w.lid, tokens=w.fresh, session_id=w.sid, ttl_seconds=60,
                                       no_store=True, expected_output_tokens=100)),
-        ("Commit", pb.CommitRequest(reservation_id=w.open_res, chunks=1)),
-        ("Abort", pb.AbortRequest(reservation_ids=[w.aborted_res, w.open_res])),
+        ("Commit", pb.CommitRequest(reservation_id=w.open_res, chunks=1, session_id=w.other_sid)),
+        ("Abort", pb.AbortRequest(reservation_ids=[w.aborted_res, w.open_res], session_id=w.other_sid)),
         ("PutBytes", pb.PutBytesRequest(layout_id=w.lid, tokens=w.fresh, chunks=[chunk(1), chunk(2)],
                                         session_id=w.sid, expected_output_tokens=10)),
         ("GetBytes", pb.GetBytesRequest(layout_id=w.lid, tokens=w.cached, session_id=w.sid)),
@@ -625,7 +631,8 @@ def _messages(w: World) -> Iterator[Case]:
                 yield Case(f"layout-{f}={v}", "bad-layout", "RegisterLayout", raw, code,
                            f"{f} sent as the int64 varint of {v} (parses as uint32 {v % 2**32})", ("layout",))
     yield Case("commit-chunks=-1", "kv-size-mismatch", "Commit",
-               pb.CommitRequest(reservation_id=w.open_res).SerializeToString() + tag(2, 0) + varint(2**64 - 1), IA,
+               pb.CommitRequest(reservation_id=w.open_res, session_id=w.other_sid).SerializeToString()
+               + tag(2, 0) + varint(2**64 - 1), IA,
                "chunks sent as the int64 varint of -1", ("chunk",))
     yield Case("layout-missing", "bad-layout", "RegisterLayout", pb.RegisterLayoutRequest(), IA,
                "RegisterLayout without a layout", ("model",))
@@ -662,7 +669,7 @@ def _messages(w: World) -> Iterator[Case]:
                "wrong payload size for the vocab layout", ("chunk", "payload"))
     for n in (w.open_res_slots + 1, 64, 2**31, 2**32 - 1):
         yield Case(f"commit-{n}-chunks", "kv-size-mismatch", "Commit",
-                   pb.CommitRequest(reservation_id=w.open_res, chunks=n), IA,
+                   pb.CommitRequest(reservation_id=w.open_res, chunks=n, session_id=w.other_sid), IA,
                    f"commit {n} chunks of a reservation of {w.open_res_slots}", ("chunk",))
 
     # a live lease of another session

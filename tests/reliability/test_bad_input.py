@@ -69,15 +69,15 @@ def set_up_world(stub: pb_grpc.KVCacheStub, sid: str, other_sid: str, closed_sid
                                               ttl_seconds=MAX_TTL))
 
     own, foreign, released = acquire(sid), acquire(other_sid), acquire(sid)
-    assert stub.Release(pb.ReleaseRequest(lease_ids=[released])).released == 1
+    assert stub.Release(pb.ReleaseRequest(lease_ids=[released], session_id=sid)).released == 1
     before = snapshot(stub)
     expired = acquire(sid, ttl=0.05)
     wait_for(lambda: snapshot(stub) == before)  # the expiry sweep closed it as "expired"
     open_res = reserve(90_000, other_sid)
     committed = reserve(100_000, sid)
-    stub.Commit(pb.CommitRequest(reservation_id=committed.reservation_id))
+    stub.Commit(pb.CommitRequest(reservation_id=committed.reservation_id, session_id=sid))
     aborted = reserve(110_000, sid)
-    assert stub.Abort(pb.AbortRequest(reservation_ids=[aborted.reservation_id])).aborted == 1
+    assert stub.Abort(pb.AbortRequest(reservation_ids=[aborted.reservation_id], session_id=sid)).aborted == 1
     long_cached = tokens(LONG_CHUNKS * CT, 120_000)
     r = stub.Reserve(pb.ReserveRequest(layout_id=lid, tokens=long_cached))  # cached without writing the bytes
     assert stub.Commit(pb.CommitRequest(reservation_id=r.reservation_id)).committed_chunks == LONG_CHUNKS

@@ -338,7 +338,8 @@ REQUEST_FIELDS: dict[str, str] = {
     "ReserveRequest.session_id": "daemon-issued id", "ReserveRequest.ttl_seconds": "policy",
     "ReserveRequest.no_store": "policy", "ReserveRequest.expected_output_tokens": "policy",
     "CommitRequest.reservation_id": "daemon-issued id", "CommitRequest.chunks": "policy",
-    "AbortRequest.reservation_ids": "daemon-issued id",
+    "AbortRequest.reservation_ids": "daemon-issued id", "AbortRequest.session_id": "daemon-issued id",
+    "CommitRequest.session_id": "daemon-issued id",
     "SessionRequest.client_name": "label",
     "PutBytesRequest.layout_id": "daemon-issued id", "PutBytesRequest.tokens": "token ids",
     "PutBytesRequest.chunks": "kv payload", "PutBytesRequest.session_id": "daemon-issued id",
@@ -394,7 +395,7 @@ def test_same_domain_poisoning_through_the_api_fails(make_daemon):
             lid, sid = m.register(LAYOUT), m.session_id()
             r = st.Reserve(pb.ReserveRequest(layout_id=lid, tokens=_core.pack_tokens(toks), session_id=sid))
             assert len(r.slots.offsets) == 0 and r.cached_tokens == FULL  # nothing of P to write
-            assert st.Commit(pb.CommitRequest(reservation_id=r.reservation_id)).committed_chunks == 0
+            assert st.Commit(pb.CommitRequest(reservation_id=r.reservation_id, session_id=sid)).committed_chunks == 0
 
             # A's write of Q is in flight: M's puts of Q are skipped, A's commit lands X.
             q = list(range(50_000, 50_000 + FULL))
@@ -402,8 +403,16 @@ def test_same_domain_poisoning_through_the_api_fails(make_daemon):
             assert len(ra.slots.offsets) == N_CHUNKS
             assert m.put(LAYOUT, q, y) == 0 and m.put_bytes(LAYOUT, q, payloads(y)) == 0
             a._ensure_pool(ra.pool_generation)
+            # M learned A's reservation id: committing or aborting it anyway is refused, so M
+            # cannot publish blocks before A wrote them (they would read as zeros).
+            for s in (sid, ""):
+                with pytest.raises(grpc.RpcError) as e:
+                    st.Commit(pb.CommitRequest(reservation_id=ra.reservation_id, session_id=s))
+                assert e.value.code() == grpc.StatusCode.NOT_FOUND
+                assert st.Abort(pb.AbortRequest(reservation_ids=[ra.reservation_id], session_id=s)).aborted == 0
             _core.write_slots(a._pool, LAYOUT, _core.locations(ra.slots), x)
-            assert st.Commit(pb.CommitRequest(reservation_id=ra.reservation_id)).committed_chunks == N_CHUNKS
+            commit = pb.CommitRequest(reservation_id=ra.reservation_id, session_id=a.session_id())
+            assert st.Commit(commit).committed_chunks == N_CHUNKS
 
         longer = toks + list(range(90_000, 90_000 + CT))
         assert m.put(LAYOUT, longer, torch.cat([y, kv_for("Y+", CT)], dim=3)) == 1  # only the new chunk
@@ -472,11 +481,10 @@ def test_chunk_hashes_are_keyed_by_a_private_per_daemon_key(make_daemon, tmp_pat
 
 
 def test_lease_ids_are_unguessable_and_session_bound(make_daemon, tmp_path):
-    """H holds a lease. M (another session, same domain) releasing or renewing it under M's session
-    does nothing; from domain B the id is unknown; neighbouring ids are unknown too. Ids carry
-    64 random bits. Not asserted here: a Release / KeepAlive with no session id at all (what
-    ``Client.release`` sends) is not session-bound today; it relies on the id being unguessable
-    (reported to the lead with issue #7)."""
+    """H holds a lease. M (another session, same domain) releasing or renewing it, under M's
+    session or under none, does nothing; from domain B the id is unknown; neighbouring ids are
+    unknown too. Ids carry 64 random bits, and knowing one is still not enough: ids are bound to
+    the session that obtained them."""
     b_sock = str(tmp_path / "b.sock")
     d = make_daemon(domains={"tenant_b": {"socket": b_sock}})
     toks = list(range(FULL))
@@ -488,10 +496,11 @@ def test_lease_ids_are_unguessable_and_session_bound(make_daemon, tmp_path):
         ch_b, st_b = stub(b_sock)
         with ch, ch_b:
             msid = m.session_id()
-            assert st.Release(pb.ReleaseRequest(lease_ids=[lid], session_id=msid)).released == 0
-            with pytest.raises(grpc.RpcError) as e:
-                st.KeepAlive(pb.KeepAliveRequest(lease_ids=[lid], session_id=msid, ttl_seconds=3600))
-            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            for s in (msid, ""):
+                assert st.Release(pb.ReleaseRequest(lease_ids=[lid], session_id=s)).released == 0
+                with pytest.raises(grpc.RpcError) as e:
+                    st.KeepAlive(pb.KeepAliveRequest(lease_ids=[lid], session_id=s, ttl_seconds=3600))
+                assert e.value.code() == grpc.StatusCode.NOT_FOUND
             for req in (pb.ReleaseRequest(lease_ids=[lid]), pb.KeepAliveRequest(lease_ids=[lid])):
                 with pytest.raises(grpc.RpcError) as e:
                     (st_b.Release if isinstance(req, pb.ReleaseRequest) else st_b.KeepAlive)(req)

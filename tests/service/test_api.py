@@ -89,7 +89,7 @@ def test_bad_requests_get_the_right_status_and_change_nothing(make_daemon, case)
         name, method, req, code = _bad_requests(lid, sid)[case]
         if name == "commit-too-many":
             r = c._stub.Reserve(pb.ReserveRequest(layout_id=lid, tokens=tokens(CT, 900), session_id=sid))
-            req = pb.CommitRequest(reservation_id=r.reservation_id, chunks=5)
+            req = pb.CommitRequest(reservation_id=r.reservation_id, chunks=5, session_id=sid)
         before = state(c)
         with pytest.raises(grpc.RpcError) as ei:
             getattr(c._stub, method)(req, timeout=10)
@@ -155,10 +155,10 @@ def test_in_flight_writer_is_told(ready):
     r1 = stub.Reserve(pb.ReserveRequest(layout_id=lid, tokens=t, session_id=sid))
     r2 = stub.Reserve(pb.ReserveRequest(layout_id=lid, tokens=t, session_id=sid))
     assert len(r1.slots.offsets) == 2 and len(r2.slots.offsets) == 0 and r2.in_flight_tokens == 2 * CT
-    stub.Commit(pb.CommitRequest(reservation_id=r1.reservation_id))
-    stub.Commit(pb.CommitRequest(reservation_id=r2.reservation_id))
+    stub.Commit(pb.CommitRequest(reservation_id=r1.reservation_id, session_id=sid))
+    stub.Commit(pb.CommitRequest(reservation_id=r2.reservation_id, session_id=sid))
     with pytest.raises(grpc.RpcError) as ei:
-        stub.Commit(pb.CommitRequest(reservation_id=r1.reservation_id))
+        stub.Commit(pb.CommitRequest(reservation_id=r1.reservation_id, session_id=sid))
     assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "already committed" in ei.value.details()
 
 
@@ -167,9 +167,33 @@ def test_batch_release_is_all_or_nothing(ready):
     a = c.acquire(LAYOUT, list(range(CT)))
     b = c.acquire(LAYOUT, list(range(CT)))
     with pytest.raises(grpc.RpcError):
-        stub.Release(pb.ReleaseRequest(lease_ids=[a.lease_id, "lease-never"]))
+        stub.Release(pb.ReleaseRequest(lease_ids=[a.lease_id, "lease-never"], session_id=sid))
     assert c.stats()["leases_active"] == 2
-    assert stub.Release(pb.ReleaseRequest(lease_ids=[a.lease_id, b.lease_id, a.lease_id])).released == 2
+    assert stub.Release(pb.ReleaseRequest(lease_ids=[a.lease_id, b.lease_id, a.lease_id], session_id=sid)).released == 2
+
+
+def test_ids_are_bound_to_the_session_that_obtained_them(ready, daemon):
+    """Knowing another session's lease or reservation id is not enough to release, renew,
+    commit or abort it: neither from another session nor without one."""
+    c, stub, lid, sid = ready
+    lease = c.acquire(LAYOUT, list(range(CT)))
+    r = stub.Reserve(pb.ReserveRequest(layout_id=lid, tokens=tokens(2 * CT, 9100), session_id=sid))
+    assert len(r.slots.offsets) == 2
+    with Client(daemon.socket) as other:
+        osid = other.session_id()
+        for s in ("", osid):
+            assert stub.Release(pb.ReleaseRequest(lease_ids=[lease.lease_id], session_id=s)).released == 0
+            assert stub.Abort(pb.AbortRequest(reservation_ids=[r.reservation_id], session_id=s)).aborted == 0
+            for call, req in (("KeepAlive", pb.KeepAliveRequest(lease_ids=[lease.lease_id], session_id=s)),
+                              ("Commit", pb.CommitRequest(reservation_id=r.reservation_id, session_id=s))):
+                with pytest.raises(grpc.RpcError) as ei:
+                    getattr(stub, call)(req)
+                assert ei.value.code() == grpc.StatusCode.NOT_FOUND, call
+        s = c.stats()
+        assert (s["leases_active"], s["reservations_active"]) == (1, 1)
+    assert stub.Commit(pb.CommitRequest(reservation_id=r.reservation_id, session_id=sid)).committed_chunks == 2
+    lease.release()
+    assert c.stats()["leases_active"] == 0
 
 
 def test_async_client(daemon):
@@ -206,16 +230,16 @@ def test_daemon_side_policies(ready):
     toks = tokens(2 * CT, 8000)
     r = stub.Reserve(pb.ReserveRequest(layout_id=lid, tokens=toks, session_id=sid, no_store=True))
     assert len(r.slots.offsets) == 0
-    stub.Commit(pb.CommitRequest(reservation_id=r.reservation_id))
+    stub.Commit(pb.CommitRequest(reservation_id=r.reservation_id, session_id=sid))
     r = stub.Reserve(pb.ReserveRequest(layout_id=lid, tokens=toks, session_id=sid, expected_output_tokens=9000))
     assert len(r.slots.offsets) == 0  # over bypass_generation_tokens (8192): degrade to plain compute
-    stub.Commit(pb.CommitRequest(reservation_id=r.reservation_id))
+    stub.Commit(pb.CommitRequest(reservation_id=r.reservation_id, session_id=sid))
     chunks = [bytes(LAYOUT.chunk_bytes)] * 2
     assert stub.PutBytes(pb.PutBytesRequest(layout_id=lid, tokens=toks, chunks=chunks, no_store=True)).committed_chunks == 0
     assert c.lookup(LAYOUT, toks) == 0
     r = stub.Reserve(pb.ReserveRequest(layout_id=lid, tokens=toks, session_id=sid, expected_output_tokens=100))
     assert len(r.slots.offsets) == 2
-    stub.Abort(pb.AbortRequest(reservation_ids=[r.reservation_id]))
+    stub.Abort(pb.AbortRequest(reservation_ids=[r.reservation_id], session_id=sid))
     cached = tokens(2 * CT)  # the fixture's cached prompt
     a = stub.Acquire(pb.AcquireRequest(layout_id=lid, tokens=cached, session_id=sid, no_cache=True))
     assert a.matched_tokens == 0 and len(a.chunks.offsets) == 0
