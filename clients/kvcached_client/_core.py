@@ -17,16 +17,29 @@ from kvcached.service.convert import layout_to_proto, pool_handle_from_proto
 from kvcached.settings import default_socket
 from kvcached.tiers.blocks import PoolHandle
 from kvcached.v1 import kvcached_pb2 as pb
-from kvcached_client.errors import FailedPreconditionError, InvalidArgumentError
+from kvcached_client.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, UnavailableError
 from kvcached_client.pool import PoolMap
 
 if TYPE_CHECKING:
     import torch
 
 MiB = 1 << 20
+#: Errors from releasing a lease that say the daemon no longer holds it: its session ended
+#: (FAILED_PRECONDITION), the daemon restarted (NOT_FOUND), or the daemon is down (UNAVAILABLE;
+#: a daemon that comes back has none of the old leases).
+GONE = (FailedPreconditionError, NotFoundError, UnavailableError)
+
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 256 * MiB),
     ("grpc.max_send_message_length", 256 * MiB),
+    # Reconnect quickly after a daemon restart. gRPC's defaults (1 s initial backoff, x1.6,
+    # up to 120 s) left a client failing with UNAVAILABLE for seconds after the daemon was back
+    # (tests/reliability/test_crash.py); a refused Unix-socket connect costs microseconds.
+    # Not grpc.min_reconnect_backoff_ms: gRPC also uses it as the minimum *connect timeout*
+    # (20 s by default), and at 100 ms a loaded daemon's new clients failed with "connection
+    # attempt timed out before receiving SETTINGS frame" (bench/soak.py).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
 ]
 
 
@@ -117,6 +130,8 @@ class LeaseBase:
         self.matched_tokens: int = resp.matched_tokens
         self._chunks = resp.chunks
         self._offsets = list(resp.chunks.offsets)
+        self._generation: str = resp.pool_generation
+        self.session_id: str = ""  # the session it was granted under: the daemon binds it there
         self.released = False
 
     def __len__(self) -> int:
@@ -139,4 +154,11 @@ class LeaseBase:
         return keys[i]
 
     def _pool_chunk(self, i: int) -> "torch.Tensor":
-        return self._client._pool.view(self.layout, self._offsets[i], self._chunks.chunk_bytes)
+        pool = self._client._pool
+        view = pool.view(self.layout, self._offsets[i], self._chunks.chunk_bytes)
+        if pool.generation != self._generation:
+            # The daemon restarted and this client mapped the new pool: the lease's offsets point
+            # into blocks the new daemon owns (tests/reliability/test_crash.py read wrong bytes).
+            raise FailedPreconditionError("the daemon restarted since this lease was granted; "
+                                          "its chunks are gone, acquire again")
+        return view

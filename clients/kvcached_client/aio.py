@@ -23,7 +23,7 @@ from kvcached.keys import KVLayout, TokenInput
 from kvcached.v1 import kvcached_pb2 as pb
 from kvcached.v1 import kvcached_pb2_grpc as pb_grpc
 from kvcached_client import _core
-from kvcached_client.errors import FailedPreconditionError, NotFoundError, from_rpc_error
+from kvcached_client.errors import FailedPreconditionError, NotFoundError, UnavailableError, from_rpc_error
 from kvcached_client.pool import PoolMap
 
 if TYPE_CHECKING:
@@ -39,12 +39,16 @@ class AsyncLease(_core.LeaseBase):
         return self._pool_chunk(i)
 
     async def keep_alive(self, ttl: float | None = None) -> float:
-        return await self._client.keep_alive([self.lease_id], ttl)
+        return await self._client.keep_alive([self.lease_id], ttl, session_id=self.session_id)
 
     async def release(self) -> None:
+        """Give the lease back; never raises for a lease the daemon no longer holds."""
         if not self.released:
             self.released = True
-            await self._client.release([self.lease_id])
+            try:
+                await self._client.release([self.lease_id], session_id=self.session_id)
+            except _core.GONE:
+                pass
 
     async def __aenter__(self) -> "AsyncLease":
         return self
@@ -111,6 +115,8 @@ class AsyncClient:
     async def _ensure_pool(self, generation: str) -> None:
         if self._pool.generation != generation:
             h = await self._call(self._stub.GetPoolHandle, pb.PoolHandleRequest())
+            if h.generation != generation:  # restarted since the lease/reservation: its offsets are void
+                raise UnavailableError("the daemon restarted during this call; retry")
             self._pool.ensure(_core.handle_from_proto(h))
 
     async def register(self, layout: KVLayout) -> str:
@@ -127,13 +133,16 @@ class AsyncClient:
 
     async def acquire(self, layout: KVLayout, tokens: TokenInput, *, ttl: float | None = None) -> AsyncLease:
         packed = _core.pack_tokens(tokens)
+        used = [""]  # the session the lease is granted under
 
-        async def go(lid: str) -> pb.AcquireResponse:
-            return await self._with_session(lambda sid: self._call(
-                self._stub.Acquire, pb.AcquireRequest(layout_id=lid, tokens=packed, session_id=sid, ttl_seconds=ttl or 0)))
+        def call(lid: str, sid: str) -> Awaitable[pb.AcquireResponse]:
+            used[0] = sid
+            return self._call(self._stub.Acquire, pb.AcquireRequest(layout_id=lid, tokens=packed, session_id=sid,
+                                                                    ttl_seconds=ttl or 0))
 
-        resp = await self._with_layout(layout, go)
+        resp = await self._with_layout(layout, lambda lid: self._with_session(lambda sid: call(lid, sid)))
         lease = AsyncLease(self, layout, resp)
+        lease.session_id = used[0]
         if lease._offsets:
             try:
                 await self._ensure_pool(resp.pool_generation)
@@ -142,30 +151,41 @@ class AsyncClient:
                 raise
         return lease
 
-    async def release(self, lease_ids: Sequence[str]) -> int:
-        return (await self._call(self._stub.Release, pb.ReleaseRequest(lease_ids=list(lease_ids)))).released
+    def _sid(self, session_id: str | None) -> str:
+        return session_id if session_id is not None else (self._session_id or "")
 
-    async def keep_alive(self, lease_ids: Sequence[str], ttl: float | None = None) -> float:
-        req = pb.KeepAliveRequest(lease_ids=list(lease_ids), ttl_seconds=ttl or 0)
+    async def release(self, lease_ids: Sequence[str], *, session_id: str | None = None) -> int:
+        req = pb.ReleaseRequest(lease_ids=list(lease_ids), session_id=self._sid(session_id))
+        return (await self._call(self._stub.Release, req)).released
+
+    async def keep_alive(self, lease_ids: Sequence[str], ttl: float | None = None, *,
+                         session_id: str | None = None) -> float:
+        req = pb.KeepAliveRequest(lease_ids=list(lease_ids), ttl_seconds=ttl or 0, session_id=self._sid(session_id))
         return (await self._call(self._stub.KeepAlive, req)).ttl_seconds
 
     async def put(self, layout: KVLayout, tokens: TokenInput, kv: "torch.Tensor") -> int:
         packed = _core.pack_tokens(tokens)
         _core.validate_kv(layout, kv, len(packed) // 4)
 
-        async def reserve(lid: str) -> pb.ReserveResponse:
-            return await self._with_session(lambda sid: self._call(
-                self._stub.Reserve, pb.ReserveRequest(layout_id=lid, tokens=packed, session_id=sid)))
+        used = [""]  # the session the reservation is made under
 
-        r = await self._with_layout(layout, reserve)
+        def reserve(lid: str, sid: str) -> Awaitable[pb.ReserveResponse]:
+            used[0] = sid
+            return self._call(self._stub.Reserve, pb.ReserveRequest(layout_id=lid, tokens=packed, session_id=sid))
+
+        r = await self._with_layout(layout, lambda lid: self._with_session(lambda sid: reserve(lid, sid)))
         if r.slots.offsets:
             try:
                 await self._ensure_pool(r.pool_generation)
                 _core.write_slots(self._pool, layout, _core.locations(r.slots), kv)
             except BaseException:
-                await self._call(self._stub.Abort, pb.AbortRequest(reservation_ids=[r.reservation_id]))
+                try:
+                    await self._call(self._stub.Abort, pb.AbortRequest(reservation_ids=[r.reservation_id],
+                                                                       session_id=used[0]))
+                except _core.GONE:
+                    pass  # its session or daemon is gone, and the reservation with it
                 raise
-        resp = await self._call(self._stub.Commit, pb.CommitRequest(reservation_id=r.reservation_id))
+        resp = await self._call(self._stub.Commit, pb.CommitRequest(reservation_id=r.reservation_id, session_id=used[0]))
         return resp.committed_chunks
 
     async def stats(self) -> dict:

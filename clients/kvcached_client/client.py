@@ -40,6 +40,7 @@ from kvcached_client.errors import (
     KvcachedError,
     NotFoundError,
     PoolMappingError,
+    UnavailableError,
     from_rpc_error,
 )
 from kvcached_client.nvme import NvmeReader
@@ -101,12 +102,17 @@ class Lease(_core.LeaseBase):
         return torch.cat([self.chunk(i) for i in range(len(self))], dim=3)
 
     def keep_alive(self, ttl: float | None = None) -> float:
-        return self._client.keep_alive([self.lease_id], ttl)
+        return self._client.keep_alive([self.lease_id], ttl, session_id=self.session_id)
 
     def release(self) -> None:
+        """Give the lease back. Never raises for a lease the daemon no longer holds: if its
+        session ended or the daemon restarted, the daemon already released it."""
         if not self.released:
             self.released = True
-            self._client.release([self.lease_id])
+            try:
+                self._client.release([self.lease_id], session_id=self.session_id)
+            except _core.GONE:
+                pass
 
     def __enter__(self) -> "Lease":
         return self
@@ -171,6 +177,10 @@ class Client:
         return call is not None and call.is_active()
 
     def _open_session(self) -> None:
+        if self._session_end is not None:
+            # The old stream ended (daemon restart): let its request iterator return, or the gRPC
+            # thread consuming it stays blocked in end.get() forever, one per restart.
+            self._session_end.put(None)
         end: queue.Queue[None] = queue.Queue()
         name = self.client_name
 
@@ -218,6 +228,8 @@ class Client:
     def _ensure_pool(self, generation: str) -> None:
         if self._pool.generation != generation:
             msg = self._call(self._stub.GetPoolHandle, pb.PoolHandleRequest())
+            if msg.generation != generation:  # restarted since the lease/reservation: its offsets are void
+                raise UnavailableError("the daemon restarted during this call; retry")
             self._handle = msg
             self._pool.ensure(_core.handle_from_proto(msg))
             if self._nvme.path is not None and self._nvme.path != msg.nvme_path:
@@ -242,15 +254,17 @@ class Client:
     def acquire(self, layout: KVLayout, tokens: TokenInput, *, ttl: float | None = None) -> Lease:
         """Pin the cached prefix of ``tokens``; the returned lease maps its chunks."""
         packed = _core.pack_tokens(tokens)
+        used = [""]  # the session the lease is granted under
 
-        def go(lid: str) -> pb.AcquireResponse:
-            return self._with_session(lambda sid: self._call(
-                self._stub.Acquire, pb.AcquireRequest(layout_id=lid, tokens=packed, session_id=sid, ttl_seconds=ttl or 0,
-                                                      read_nvme_directly=direct)))
+        def call(lid: str, sid: str) -> pb.AcquireResponse:
+            used[0] = sid
+            return self._call(self._stub.Acquire, pb.AcquireRequest(
+                layout_id=lid, tokens=packed, session_id=sid, ttl_seconds=ttl or 0, read_nvme_directly=direct))
 
         direct = self.nvme_read == "direct"
-        resp = self._with_layout(layout, go)
+        resp = self._with_layout(layout, lambda lid: self._with_session(lambda sid: call(lid, sid)))
         lease = Lease(self, layout, resp)
+        lease.session_id = used[0]
         if lease._offsets:
             try:
                 self._ensure_pool(resp.pool_generation)
@@ -269,11 +283,16 @@ class Client:
                 raise
         return lease
 
-    def release(self, lease_ids: Sequence[str]) -> int:
-        return self._call(self._stub.Release, pb.ReleaseRequest(lease_ids=list(lease_ids))).released
+    def _sid(self, session_id: str | None) -> str:
+        """The session an id was obtained under: given, else this client's current one."""
+        return session_id if session_id is not None else (self._session_id or "")
 
-    def keep_alive(self, lease_ids: Sequence[str], ttl: float | None = None) -> float:
-        req = pb.KeepAliveRequest(lease_ids=list(lease_ids), ttl_seconds=ttl or 0)
+    def release(self, lease_ids: Sequence[str], *, session_id: str | None = None) -> int:
+        req = pb.ReleaseRequest(lease_ids=list(lease_ids), session_id=self._sid(session_id))
+        return self._call(self._stub.Release, req).released
+
+    def keep_alive(self, lease_ids: Sequence[str], ttl: float | None = None, *, session_id: str | None = None) -> float:
+        req = pb.KeepAliveRequest(lease_ids=list(lease_ids), ttl_seconds=ttl or 0, session_id=self._sid(session_id))
         return self._call(self._stub.KeepAlive, req).ttl_seconds
 
     def put(self, layout: KVLayout, tokens: TokenInput, kv: "torch.Tensor") -> int:
@@ -285,21 +304,27 @@ class Client:
         packed = _core.pack_tokens(tokens)
         _core.validate_kv(layout, kv, len(packed) // 4)
 
-        def reserve(lid: str) -> pb.ReserveResponse:
-            return self._with_session(lambda sid: self._call(
-                self._stub.Reserve, pb.ReserveRequest(layout_id=lid, tokens=packed, session_id=sid)))
+        used = [""]  # the session the reservation is made under
 
-        r = self._with_layout(layout, reserve)
+        def reserve(lid: str, sid: str) -> pb.ReserveResponse:
+            used[0] = sid
+            return self._call(self._stub.Reserve, pb.ReserveRequest(layout_id=lid, tokens=packed, session_id=sid))
+
+        r = self._with_layout(layout, lambda lid: self._with_session(lambda sid: reserve(lid, sid)))
+        commit = pb.CommitRequest(reservation_id=r.reservation_id, session_id=used[0])
         if not r.slots.offsets:
-            self._call(self._stub.Commit, pb.CommitRequest(reservation_id=r.reservation_id))
+            self._call(self._stub.Commit, commit)
             return 0
         try:
             self._ensure_pool(r.pool_generation)
             _core.write_slots(self._pool, layout, _core.locations(r.slots), kv)
         except BaseException:
-            self._call(self._stub.Abort, pb.AbortRequest(reservation_ids=[r.reservation_id]))
+            try:
+                self._call(self._stub.Abort, pb.AbortRequest(reservation_ids=[r.reservation_id], session_id=used[0]))
+            except _core.GONE:
+                pass  # its session or daemon is gone, and the reservation with it
             raise
-        return self._call(self._stub.Commit, pb.CommitRequest(reservation_id=r.reservation_id)).committed_chunks
+        return self._call(self._stub.Commit, commit).committed_chunks
 
     def put_bytes(self, layout: KVLayout, tokens: TokenInput, chunks: Sequence[bytes]) -> int:
         """Fallback for processes that cannot map the pool: the KV bytes travel over gRPC (slow)."""
