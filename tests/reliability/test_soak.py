@@ -19,7 +19,6 @@ import importlib.util
 import os
 import sys
 
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SOAK_PY = os.path.join(ROOT, "bench", "soak.py")
