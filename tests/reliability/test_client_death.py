@@ -142,6 +142,17 @@ def pins(c: Any) -> tuple[int, int, int, int]:
     return s["leases_active"], s["reservations_active"], s["pool"]["blocks_leased"], s["pool"]["blocks_reserved"]
 
 
+def reap(procs: list) -> None:
+    """Kill what is still running and close every pipe (no zombie, no ResourceWarning)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        for f in (p.stdout, p.stderr):
+            if f is not None:
+                f.close()
+
+
 def check_reclaimed(c: Any, records: list[str], ws: list[int]) -> dict:
     """After the dead clients' pins are gone: no chunk in flight, no torn chunk, pool reclaimable."""
     from kvcached.v1 import kvcached_pb2 as pb
@@ -208,13 +219,7 @@ def kill_round(d: Daemon, root: str, *, n: int, seed: int, round_no: int = 0) ->
             sessions_ended = len(SESSION_LOST.findall(d.log())) - log_before
             out = check_reclaimed(c, records, ws)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-            for f in (p.stdout, p.stderr):
-                if f is not None:
-                    f.close()
+        reap(procs)
     out.update(kills=n, kill_kinds=kinds, held_leases=leases, held_reservations=reservations,
                released_s=released_s, sessions_ended_logged=sessions_ended)
     return out
@@ -269,13 +274,7 @@ def ttl_round(d: Daemon, root: str, *, seed: int = 5, w0: int = 140) -> dict:
             counters = c.stats()["counters"]
             out = check_reclaimed(c, recs, [w0, w0 + 1])
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-            for f in (p.stdout, p.stderr):
-                if f is not None:
-                    f.close()
+        reap(procs)
     out.update(held_before=before, kept_after_session_release=kept, session_released_s=session_s,
                ttl_released_s=ttl_s,
                leases_expired=counters["leases_expired"] - expired0["leases_expired"],
