@@ -247,7 +247,9 @@ def section_found() -> list[str]:
     out += [f"| {what} | {fix} |" for what, fix in FOUND]
     out += ["", "Not fixed (performance, not correctness): every demotion to NVMe is one fsync'd LMDB transaction "
             "under the store lock (~2 ms here), which caps new chunks at ~500/s and puts the soak's reserve p99 in "
-            "the hundreds of milliseconds once the pool is full; batching demotions per transaction is the fix.", ""]
+            "the hundreds of milliseconds once the pool is full. Batching them is not a small change: the pool "
+            "evicts leaf-first, so the next victim (the parent) only becomes evictable once the previous one's block "
+            "is gone, while its bytes are still the source of the pending NVMe write.", ""]
     return out
 
 
