@@ -229,6 +229,15 @@ class Tally:
         self.released = 0
         self.misses = 0
 
+    def record(self, lat: list[int], wall: float, client_cpu_ns: int, daemon_cpu_ns: int) -> None:
+        """One measured round of one contender."""
+        self.lat.extend(lat)
+        self.ops += len(lat)
+        self.wall += wall
+        self.throughput.append(len(lat) / wall)
+        self.client_cpu_ns += client_cpu_ns
+        self.daemon_cpu_ns += daemon_cpu_ns
+
     def summary(self) -> dict:
         s = summarize_ns(self.lat)
         tp = sorted(self.throughput)
@@ -341,12 +350,7 @@ async def measure_async(sock: str, pid: int, tokens: bytes, tokens_np: np.ndarra
                                 raise RuntimeError(f"{name}: released {released} of {len(ids)} leases")
                         if not rnd:
                             continue
-                        t.lat.extend(lat)
-                        t.ops += len(lat)
-                        t.wall += wall
-                        t.throughput.append(len(lat) / wall)
-                        t.client_cpu_ns += c1 - c0
-                        t.daemon_cpu_ns += d1 - d0
+                        t.record(lat, wall, c1 - c0, d1 - d0)
                         if ids:
                             t.released += len(ids)
                             t.release_ns += rel_ns
@@ -413,12 +417,7 @@ def measure_sync(sock: str, pid: int, tokens_np: np.ndarray, args) -> dict:
                         t.release_ns += rel_ns
                 if not rnd:
                     continue
-                t.lat.extend(lat)
-                t.ops += len(lat)
-                t.wall += wall
-                t.throughput.append(len(lat) / wall)
-                t.client_cpu_ns += c1 - c0
-                t.daemon_cpu_ns += d1 - d0
+                t.record(lat, wall, c1 - c0, d1 - d0)
     return {"sync/c1": {name: t.summary() for name, t in tallies.items()}}
 
 

@@ -87,14 +87,17 @@ class AsyncClient:
             self._session_id, self._session_call = first.session_id, call
         return self._session_id
 
-    async def _with_session(self, fn: Callable[[str], Awaitable[T]]) -> T:
+    async def _with_session(self, fn: Callable[[str], Awaitable[T]]) -> tuple[T, str]:
+        """``(await fn(session_id), session_id)``, reopening the session once (see Client)."""
+        sid = await self.session_id()
         try:
-            return await fn(await self.session_id())
+            return await fn(sid), sid
         except FailedPreconditionError as e:
             if "session" not in e.details:
                 raise
             self._session_id = None
-            return await fn(await self.session_id())
+            sid = await self.session_id()
+            return await fn(sid), sid
 
     async def _layout_id(self, layout: KVLayout) -> str:
         lid = self._layouts.get(layout)
@@ -133,16 +136,14 @@ class AsyncClient:
 
     async def acquire(self, layout: KVLayout, tokens: TokenInput, *, ttl: float | None = None) -> AsyncLease:
         packed = _core.pack_tokens(tokens)
-        used = [""]  # the session the lease is granted under
 
-        def call(lid: str, sid: str) -> Awaitable[pb.AcquireResponse]:
-            used[0] = sid
-            return self._call(self._stub.Acquire, pb.AcquireRequest(layout_id=lid, tokens=packed, session_id=sid,
-                                                                    ttl_seconds=ttl or 0))
+        def go(lid: str) -> Awaitable[tuple[pb.AcquireResponse, str]]:
+            return self._with_session(lambda sid: self._call(self._stub.Acquire, pb.AcquireRequest(
+                layout_id=lid, tokens=packed, session_id=sid, ttl_seconds=ttl or 0)))
 
-        resp = await self._with_layout(layout, lambda lid: self._with_session(lambda sid: call(lid, sid)))
+        resp, sid = await self._with_layout(layout, go)
         lease = AsyncLease(self, layout, resp)
-        lease.session_id = used[0]
+        lease.session_id = sid
         if lease._offsets:
             try:
                 await self._ensure_pool(resp.pool_generation)
@@ -167,13 +168,11 @@ class AsyncClient:
         packed = _core.pack_tokens(tokens)
         _core.validate_kv(layout, kv, len(packed) // 4)
 
-        used = [""]  # the session the reservation is made under
+        def reserve(lid: str) -> Awaitable[tuple[pb.ReserveResponse, str]]:
+            return self._with_session(lambda sid: self._call(
+                self._stub.Reserve, pb.ReserveRequest(layout_id=lid, tokens=packed, session_id=sid)))
 
-        def reserve(lid: str, sid: str) -> Awaitable[pb.ReserveResponse]:
-            used[0] = sid
-            return self._call(self._stub.Reserve, pb.ReserveRequest(layout_id=lid, tokens=packed, session_id=sid))
-
-        r = await self._with_layout(layout, lambda lid: self._with_session(lambda sid: reserve(lid, sid)))
+        r, sid = await self._with_layout(layout, reserve)
         if r.slots.offsets:
             try:
                 await self._ensure_pool(r.pool_generation)
@@ -181,11 +180,11 @@ class AsyncClient:
             except BaseException:
                 try:
                     await self._call(self._stub.Abort, pb.AbortRequest(reservation_ids=[r.reservation_id],
-                                                                       session_id=used[0]))
+                                                                       session_id=sid))
                 except _core.GONE:
                     pass  # its session or daemon is gone, and the reservation with it
                 raise
-        resp = await self._call(self._stub.Commit, pb.CommitRequest(reservation_id=r.reservation_id, session_id=used[0]))
+        resp = await self._call(self._stub.Commit, pb.CommitRequest(reservation_id=r.reservation_id, session_id=sid))
         return resp.committed_chunks
 
     async def stats(self) -> dict:

@@ -196,17 +196,20 @@ class Client:
             raise from_rpc_error(e) from None
         self._session_id, self._session_end, self._session_call = first.session_id, end, call
 
-    def _with_session(self, fn: Callable[[str], T]) -> T:
-        """Run ``fn(session_id)``; if the daemon no longer knows the session (it restarted), reopen once."""
+    def _with_session(self, fn: Callable[[str], T]) -> tuple[T, str]:
+        """``(fn(session_id), session_id)``; if the daemon no longer knows the session (it
+        restarted), reopen once. The id is returned because what ``fn`` obtained (a lease, a
+        reservation) is bound to it: releases and commits must name it."""
         sid = self.session_id()
         try:
-            return fn(sid)
+            return fn(sid), sid
         except FailedPreconditionError as e:
             if "session" not in e.details:
                 raise
             with self._lock:
                 self._session_id = None
-            return fn(self.session_id())
+            sid = self.session_id()
+            return fn(sid), sid
 
     def _layout_id(self, layout: KVLayout) -> str:
         lid = self._layouts.get(layout)
@@ -254,17 +257,15 @@ class Client:
     def acquire(self, layout: KVLayout, tokens: TokenInput, *, ttl: float | None = None) -> Lease:
         """Pin the cached prefix of ``tokens``; the returned lease maps its chunks."""
         packed = _core.pack_tokens(tokens)
-        used = [""]  # the session the lease is granted under
 
-        def call(lid: str, sid: str) -> pb.AcquireResponse:
-            used[0] = sid
-            return self._call(self._stub.Acquire, pb.AcquireRequest(
-                layout_id=lid, tokens=packed, session_id=sid, ttl_seconds=ttl or 0, read_nvme_directly=direct))
+        def go(lid: str) -> tuple[pb.AcquireResponse, str]:
+            return self._with_session(lambda sid: self._call(self._stub.Acquire, pb.AcquireRequest(
+                layout_id=lid, tokens=packed, session_id=sid, ttl_seconds=ttl or 0, read_nvme_directly=direct)))
 
         direct = self.nvme_read == "direct"
-        resp = self._with_layout(layout, lambda lid: self._with_session(lambda sid: call(lid, sid)))
+        resp, sid = self._with_layout(layout, go)
         lease = Lease(self, layout, resp)
-        lease.session_id = used[0]
+        lease.session_id = sid
         if lease._offsets:
             try:
                 self._ensure_pool(resp.pool_generation)
@@ -304,14 +305,12 @@ class Client:
         packed = _core.pack_tokens(tokens)
         _core.validate_kv(layout, kv, len(packed) // 4)
 
-        used = [""]  # the session the reservation is made under
+        def reserve(lid: str) -> tuple[pb.ReserveResponse, str]:
+            return self._with_session(lambda sid: self._call(
+                self._stub.Reserve, pb.ReserveRequest(layout_id=lid, tokens=packed, session_id=sid)))
 
-        def reserve(lid: str, sid: str) -> pb.ReserveResponse:
-            used[0] = sid
-            return self._call(self._stub.Reserve, pb.ReserveRequest(layout_id=lid, tokens=packed, session_id=sid))
-
-        r = self._with_layout(layout, lambda lid: self._with_session(lambda sid: reserve(lid, sid)))
-        commit = pb.CommitRequest(reservation_id=r.reservation_id, session_id=used[0])
+        r, sid = self._with_layout(layout, reserve)
+        commit = pb.CommitRequest(reservation_id=r.reservation_id, session_id=sid)
         if not r.slots.offsets:
             self._call(self._stub.Commit, commit)
             return 0
@@ -320,7 +319,7 @@ class Client:
             _core.write_slots(self._pool, layout, _core.locations(r.slots), kv)
         except BaseException:
             try:
-                self._call(self._stub.Abort, pb.AbortRequest(reservation_ids=[r.reservation_id], session_id=used[0]))
+                self._call(self._stub.Abort, pb.AbortRequest(reservation_ids=[r.reservation_id], session_id=sid))
             except _core.GONE:
                 pass  # its session or daemon is gone, and the reservation with it
             raise
