@@ -10,7 +10,9 @@ inner trie nodes, as a popular system prompt's would be). Every measured acquire
 
 Contenders, all in one run and interleaved round by round so box noise hits them alike:
 
-* ``hashes``        ``store.hashes(lid, tokens)``: validation + the keyed BLAKE2b chain; the floor
+* ``hashes``        ``store.hashes(lid, tokens)``: validation + the keyed chain, answered by the
+                    hash memo (the prompt was hashed before); the breakdown also times the
+                    SHA-256 chain with the memo off
 * ``lookup``        ``store.lookup``: hashes + longest-prefix match, pins nothing
 * ``acquire``       ``store.acquire`` alone (its leases are released after the timed batch)
 * ``release``       ``store.release`` of those leases, alone
@@ -149,6 +151,12 @@ def breakdown_pieces(store: Store, lid: str, inputs: dict, hashes: list, lease) 
         return lambda: store.reads.receipt(entry, lid, layout)
 
     internal("lease receipt reads.receipt (64 chunks)", receipt_maker)
+
+    def sha_chain_maker():
+        hasher, (_, root) = store._hasher, store._layouts[lid]
+        return lambda: hasher.chain(root, normalize_tokens(inputs["bytes"]), CHUNK_TOKENS)
+
+    internal("hashes with the memo off: normalize_tokens + SHA-256 chain (64 chunks)", sha_chain_maker)
     # What-ifs: the same work without IntFlag arithmetic / frozen-dataclass construction, to size
     # the suggested fixes (see bench/README.md). Not engine code.
     fns["what-if: tier check with a plain int mask"] = lambda: [n for n in nodes if not n.tiers & 1]

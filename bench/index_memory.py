@@ -8,10 +8,11 @@ prompt, with probability 0.75, shares a prefix of uniform random length 1..63 ch
 uniformly chosen earlier prompt, else starts a fresh root (a new system prompt). New chunks
 get random 16-byte hashes (what the BLAKE2b-128 chain yields). Prompts are added until the
 index holds exactly N distinct chunks (N = 1,000,000; ``--quick``: 50,000). Chunks are
-inserted with ``PrefixIndex.insert(h, parent, layout_id, TierId.POOL, now)``.
+inserted with ``PrefixIndex.insert(h, parent, layout_id, TierId.POOL, now, pool_offset)``, each
+with its own 16 MiB-block byte offset (an int object per chunk, as in the daemon).
 
 Equal records: both contenders hold the same per-chunk record (a ``kvcached.index.Node``, the
-10-slot object the engine uses) and the same incremental eviction queues (pygtrie's contender
+12-slot object the engine uses) and the same incremental eviction queues (pygtrie's contender
 subclasses ``PrefixIndex`` and only swaps the container), so the difference measured is the
 container: one dict entry per chunk vs one pygtrie ``_Node`` (+ its children mapping) per chunk.
 
@@ -60,6 +61,7 @@ from kvcached.locations import TierId
 
 TARGET_BYTES_PER_CHUNK = 300
 PROMPT_CHUNKS = 64
+BLOCK_BYTES = 16 << 20  # one 128-token Llama-3-8B bf16 chunk per pool block
 LAYOUT_ID = "0123456789abcdef0123456789abcdef"
 POOL = TierId.POOL
 
@@ -81,8 +83,10 @@ class PygtrieIndex(PrefixIndex):
     def __len__(self) -> int:
         return self._count
 
-    def insert_path(self, path: tuple, parent: Node | None, layout_id: str, tiers: TierId, now: float) -> Node:
+    def insert_path(self, path: tuple, parent: Node | None, layout_id: str, tiers: TierId, now: float,
+                    pool_offset: int) -> Node:
         node = Node(path[-1], parent, layout_id, tiers, now)
+        node.pool_offset = pool_offset
         self.trie[path] = node
         self._count += 1
         if parent is not None:
@@ -158,7 +162,7 @@ def build_flat(prompts: list[list[bytes]], shared: list[int]) -> PrefixIndex:
         parent = get(path[s - 1]) if s else None
         now += 1.0
         for h in path[s:]:
-            parent = insert(h, parent, LAYOUT_ID, POOL, now)
+            parent = insert(h, parent, LAYOUT_ID, POOL, now, len(index) * BLOCK_BYTES)
     return index
 
 
@@ -171,7 +175,7 @@ def build_trie(prompts: list[list[bytes]], shared: list[int]) -> PygtrieIndex:
         parent = index.trie[tpath[:s]] if s else None
         now += 1.0
         for k in range(s, len(tpath)):
-            parent = insert(tpath[: k + 1], parent, LAYOUT_ID, POOL, now)
+            parent = insert(tpath[: k + 1], parent, LAYOUT_ID, POOL, now, len(index) * BLOCK_BYTES)
     return index
 
 

@@ -33,9 +33,9 @@ same ``timeout`` the client library passes.
 
 Attribution: an in-process breakdown (no RPC) of what an Acquire adds to an empty RPC (store
 work, response building, protobuf, the client's per-chunk objects, the servicer's hop to a worker
-thread), with what-if rows for cheaper encodings; and a what-if daemon (``--what-if inline``,
-on by default in full runs) that is the same kvcached with ``KVCacheServicer._run`` patched at
-start to call the store inline on the event loop, measured with the raw rows, shared channel.
+thread); and a comparison daemon (``--what-if no-memo``, on by default in full runs) that is the
+same kvcached with ``hash_memo_bytes = 0``, so every Acquire hashes its 32 KB of tokens afresh:
+the memo's effect end to end, measured with the raw rows, shared channel, in the same run.
 
 Targets from the issue: acquire p50 <= 1.3x the empty RPC's p50, and acquire throughput >= 0.8x
 the empty RPC's. They are checked for ``acquire`` (one RPC) vs ``ping`` and, as the stricter
@@ -503,23 +503,10 @@ def breakdown(tokens: bytes, args: argparse.Namespace) -> dict:
     return out
 
 
-#: What-if daemon: the servicer runs every store call inline on the event loop instead of handing
-#: it to a worker thread (safe here: every chunk is in the pool, so no call does LMDB I/O). Sizes
-#: the fix suggested in bench/README.md; kvcached itself is not changed.
-PRELUDE_INLINE = """
-import kvcached.service.servicer as _s
-from kvcached.errors import KvcacheError as _E
-
-async def _run_inline(self, context, fn, *args, **kw):
-    try:
-        return fn(*args, **kw)
-    except _E as e:
-        await context.abort(_s.STATUS_OF[e.kind], str(e))
-
-_s.KVCacheServicer._run = _run_inline
-"""
-
-WHAT_IFS = {"inline store calls (no worker-thread hop)": PRELUDE_INLINE}
+#: Comparison daemons, measured with the raw rows over one shared channel in the same run:
+#: name -> (settings that differ from the main daemon's, Python run in the daemon before it starts).
+#: ``no hash memo``: every request hashes its tokens afresh (SHA-256 chain), as before the memo.
+WHAT_IFS: dict[str, tuple[dict, str | None]] = {"no hash memo (hash_memo_bytes = 0)": ({"hash_memo_bytes": 0}, None)}
 
 
 def measure_daemon(settings: dict, prelude: str | None, tokens: bytes, tokens_np: np.ndarray, args,
@@ -596,9 +583,11 @@ def run(args: argparse.Namespace) -> dict:
     out["breakdown_in_process"] = pieces
     out["what_if"] = {}
     for name in args.what_if:
-        print(f"what-if daemon: {name}", flush=True)
-        w = measure_daemon(settings, WHAT_IFS[name], tokens, tokens_np, args, ["shared"], api=False, sync=False)
-        w["prelude"] = WHAT_IFS[name]
+        print(f"comparison daemon: {name}", flush=True)
+        changed, prelude = WHAT_IFS[name]
+        w = measure_daemon({**settings, **changed}, prelude, tokens, tokens_np, args, ["shared"], api=False,
+                           sync=False)
+        w["settings_changed"], w["prelude"] = changed, prelude
         out["what_if"][name] = w
     out["targets"] = {"acquire_p50_over_ping_p50_max": TARGET_P50_RATIO,
                       "acquire_throughput_over_ping_min": TARGET_THROUGHPUT_RATIO}
@@ -665,13 +654,13 @@ def print_report(res: dict) -> None:
                        [[k, v["p50_us"], v["p99_us"], v.get("cpu_us_per_call", float("nan"))]
                         for k, v in res["breakdown_in_process"].items() if not k.startswith("_")]))
     for name, w in res["what_if"].items():
-        print(f"\nwhat-if daemon ({name}; kvcached unchanged, patched at daemon start):")
+        print(f"\ncomparison daemon ({name}):")
         _print_results(w["results"])
     print(f"\ntargets: p50 <= {TARGET_P50_RATIO}x the empty RPC's p50; throughput >= {TARGET_THROUGHPUT_RATIO}x "
           "the empty RPC's")
     _print_verdicts(res["ratios"])
     for name, w in res["what_if"].items():
-        print(f"what-if ({name}):")
+        print(f"comparison ({name}):")
         _print_verdicts(w["ratios"])
 
 
@@ -686,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,16,64", help="comma-separated caller counts (default 1,16,64)")
     p.add_argument("--channels", default=None, help="shared,per-caller (default both; quick: shared)")
     p.add_argument("--what-if", default=None,
-                   help="what-if daemons to measure too: 'inline' or 'none' (default inline; quick none)")
+                   help="comparison daemons to measure too: 'no-memo' or 'none' (default no-memo; quick none)")
     p.add_argument("--workers", type=int, default=4, help="daemon worker_threads (default 4, the daemon's default)")
     p.add_argument("--breakdown-iterations", type=int, default=None,
                    help="samples per in-process breakdown piece (default 3000; quick 300)")
@@ -699,8 +688,8 @@ def main(argv: list[str] | None = None) -> int:
     args.breakdown_iterations = args.breakdown_iterations or (300 if args.quick else 3000)
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
     args.channels = (args.channels or ("shared" if args.quick else "shared,per-caller")).split(",")
-    wi = args.what_if or "none"  # the daemon now runs store calls inline itself; the what-if is kept for comparison
-    args.what_if = [] if wi == "none" else [k for k in WHAT_IFS if k.startswith(wi)]
+    wi = args.what_if or ("none" if args.quick else "no-memo")
+    args.what_if = [] if wi == "none" else [k for k in WHAT_IFS if k.replace(" ", "-").startswith(wi)]
     bad = set(args.channels) - {"shared", "per-caller"}
     if bad:
         p.error(f"unknown --channels {sorted(bad)}")

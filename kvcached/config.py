@@ -90,6 +90,8 @@ class StoreConfig:
     write_through: bool = False
     prefetch_distance: int = 8
     max_prompt_tokens: int = 1 << 20
+    #: Memory for remembered chunk-hash runs (kvcached.hashmemo); 0 hashes every request afresh.
+    hash_memo_bytes: int = 32 * MiB
     #: Caps per session, so one client (buggy or hostile) cannot pin the whole pool or grow
     #: the tables without bound; reaching one is RESOURCE_EXHAUSTED naming the setting.
     max_leases_per_session: int = 16384
@@ -107,6 +109,8 @@ class StoreConfig:
                 raise ValueError(f"{name} must be positive")
         if self.max_leases_per_session < 1 or self.max_reservations_per_session < 1:
             raise ValueError("max_leases_per_session and max_reservations_per_session must be >= 1")
+        if self.hash_memo_bytes < 0:
+            raise ValueError("hash_memo_bytes must be >= 0")
         if not 0 <= self.prefetch_distance <= 1024:
             raise ValueError("prefetch_distance must be in 0..1024")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):

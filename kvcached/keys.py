@@ -16,8 +16,10 @@ output does not reveal the internal state, so no length extension.
 Why not BLAKE2b-128 (the design card's suggestion): ``bench/acquire_latency.py``
 hashes an 8k-token prompt (64 chunks) in ~72 µs with keyed BLAKE2b and
 ~50 µs with SHA-256, which uses the CPU's SHA extensions through OpenSSL;
-hashing is most of an in-process acquire (target ≤ 100 µs), so the faster,
-equally collision-resistant function wins. Every identity field is length-prefixed, so two different identities
+hashing was most of an in-process acquire (target ≤ 100 µs), so the faster,
+equally collision-resistant function wins. The store also keeps a
+:mod:`kvcached.hashmemo` of runs it has hashed, so a prefix it has seen
+costs a byte comparison instead (same hashes, by construction). Every identity field is length-prefixed, so two different identities
 can never produce the same encoded bytes (``("ab", "c")`` vs ``("a", "bc")``).
 
 Only full chunks are hashed: a prompt of 300 tokens with ``chunk_tokens=128``
@@ -215,12 +217,16 @@ class ChunkHasher:
         needed inside the chain; the parent digest is always 16 bytes.
         """
         step = chunk_tokens * 4
-        end = len(tokens) // step * step
+        return self.chain_range(root, tokens, 0, len(tokens) // step, step)
+
+    def chain_range(self, parent: ChunkHash, tokens: bytes, start: int, end: int, step: int) -> list[ChunkHash]:
+        """Hashes of chunks ``start``..``end - 1`` of ``tokens`` (``step`` bytes each), the
+        chain continuing from ``parent``, the hash of chunk ``start - 1`` (or the root)."""
         out: list[ChunkHash] = []
         append = out.append
-        prev = root
+        prev = parent
         copy = self._chunk.copy
-        for off in range(0, end, step):
+        for off in range(start * step, end * step, step):
             h = copy()
             h.update(prev)
             h.update(tokens[off : off + step])

@@ -111,7 +111,7 @@ class Mover:
             self.pool.abort(slot)
             raise
         self.pool.commit(slot, self.meta_of(node))
-        self.index.add_tier(node, POOL)
+        self.index.add_tier(node, POOL, slot.offset)
         self.counters.promotions += 1
 
     # -- NVMe ----------------------------------------------------------------------

@@ -42,9 +42,10 @@ class ReadPath:
         self._config = config  # the store's current config (TTLs may be reloaded)
         self._unpin = unpin
 
-    def needs_promotion(self, nodes: list[Node]) -> bool:
-        """Would an acquire of ``nodes`` copy anything from NVMe (itself or by prefetch)?"""
-        if any(not n.tiers & POOL for n in nodes):
+    def needs_promotion(self, nodes: list[Node], in_pool: int) -> bool:
+        """Would an acquire of ``nodes``, the first ``in_pool`` of which have a pool copy,
+        copy anything from NVMe (itself or by prefetch)?"""
+        if in_pool < len(nodes):
             return True
         if nodes and self._config().prefetch_distance:
             return any(not n.tiers & POOL for n in self.index.branch(nodes[-1], self._config().prefetch_distance))
@@ -99,11 +100,7 @@ class ReadPath:
     def receipt(self, entry: Entry[tuple[Node, ...]], layout_id: LayoutId, layout: KVLayout) -> LeaseReceipt:
         nodes = entry.payload
         hashes = [n.hash for n in nodes]
-        if all(n.tiers & POOL for n in nodes):
-            offsets = self.pool.offsets_of(hashes)
-        else:
-            bb, committed = self.pool.block_bytes, self.pool.locate
-            offsets = [committed(n.hash)[0] * bb if n.tiers & POOL else -1 for n in nodes]
+        offsets = [n.pool_offset for n in nodes]  # -1 for a chunk left on NVMe
         return LeaseReceipt(
             LeaseId(entry.id),
             entry.session,

@@ -98,6 +98,7 @@ class DaemonSettings:
     reservation_ttl: float = 30.0
     prefetch_distance: int = 8
     max_prompt_tokens: int = 1 << 20
+    hash_memo_bytes: int = 32 * MiB  # remembered chunk-hash runs; 0 disables
     bypass_generation_tokens: int = 8192  # requests expecting more output tokens are not stored
     max_sessions: int = 1024  # open Session streams per domain
     max_leases_per_session: int = 16384
@@ -182,6 +183,7 @@ class DaemonSettings:
             write_through=self.write_through,
             prefetch_distance=self.prefetch_distance,
             max_prompt_tokens=self.max_prompt_tokens,
+            hash_memo_bytes=self.hash_memo_bytes,
             max_leases_per_session=self.max_leases_per_session,
             max_reservations_per_session=self.max_reservations_per_session,
             file_access=FileAccess.for_socket(self.socket_mode, self.socket_gid()),
@@ -198,7 +200,8 @@ class DaemonSettings:
 
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
-_SIZES = {"pool_bytes", "pool_block_bytes", "nvme_bytes", "nvme_map_bytes", "max_message_bytes"}
+_SIZES = {"pool_bytes", "pool_block_bytes", "nvme_bytes", "nvme_map_bytes", "max_message_bytes",
+          "hash_memo_bytes"}
 
 
 def _coerce(name: str, value: Any, field: dataclasses.Field) -> Any:
@@ -264,7 +267,7 @@ def load_settings(config_file: str | None = None, overrides: Mapping[str, Any] |
 DOMAIN_KEYS = frozenset({
     "socket", "socket_mode", "socket_owner", "socket_group", "pool_bytes", "pool_block_bytes", "nvme_bytes",
     "nvme_map_bytes", "cache_ttl", "lease_ttl", "reservation_ttl", "write_through", "prefetch_distance",
-    "max_prompt_tokens", "bypass_generation_tokens", "max_sessions", "max_leases_per_session",
+    "max_prompt_tokens", "hash_memo_bytes", "bypass_generation_tokens", "max_sessions", "max_leases_per_session",
     "max_reservations_per_session",
 })
 

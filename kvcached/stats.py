@@ -66,6 +66,17 @@ class NvmeStats(TierStats):
 
 
 @dataclass(frozen=True)
+class HashMemoStats:
+    """The chunk-hash memo (kvcached.hashmemo): what it holds and how much hashing it saved."""
+
+    runs: int
+    bytes: int
+    max_bytes: int
+    memo_chunks: int  # chunk hashes answered from the memo
+    hashed_chunks: int  # chunk hashes computed with SHA-256
+
+
+@dataclass(frozen=True)
 class StoreStats:
     domain: str
     layouts: int
@@ -76,6 +87,7 @@ class StoreStats:
     pool: PoolStats
     nvme: NvmeStats | None
     counters: Counters = field(default_factory=Counters)
+    hash_memo: HashMemoStats | None = None
 
     @property
     def hit_rate(self) -> float:

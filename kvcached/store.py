@@ -48,6 +48,7 @@ from kvcached.errors import (
     UnknownReservation,
 )
 from kvcached.index import Node, PrefixIndex
+from kvcached.hashmemo import HashMemo
 from kvcached.keys import ChunkHash, ChunkHasher, KVLayout, LayoutId, Namespace, TokenInput, load_or_create_key, normalize_tokens
 from kvcached.leases import LeaseId, ReservationId, SessionId, TimedTable
 from kvcached.locations import NVME, POOL
@@ -63,7 +64,7 @@ from kvcached.receipts import (
 from kvcached.rebuild import rebuild_index
 from kvcached.reads import ReadPath
 from kvcached.writes import WritePath
-from kvcached.stats import Counters, HitRateHistory, NvmeStats, PoolStats, StoreStats
+from kvcached.stats import Counters, HashMemoStats, HitRateHistory, NvmeStats, PoolStats, StoreStats
 from kvcached.tiers.nvme import NvmeTier
 from kvcached.tiers.blocks import PoolHandle
 from kvcached.tiers.registry import make_pool
@@ -83,6 +84,7 @@ class Store:
         config.file_access.open_parent(config.state_dir)  # clients reach nvme/<domain> through it
         self._lockfile = _lock_state_dir(config.state_dir, config.domain)
         self._hasher = ChunkHasher(load_or_create_key(os.path.join(config.state_dir, "hash.key")))
+        self._memo = HashMemo(config.hash_memo_bytes)
         self._layouts: dict[LayoutId, tuple[KVLayout, ChunkHash]] = {}
         self.index = PrefixIndex()
         self.counters = Counters()
@@ -171,7 +173,7 @@ class Store:
         raw = normalize_tokens(tokens, layout.vocab_size)
         if len(raw) // 4 > self.config.max_prompt_tokens:
             raise InvalidTokens(f"{len(raw) // 4} tokens exceed max_prompt_tokens={self.config.max_prompt_tokens}")
-        return self._hasher.chain(root, raw, layout.chunk_tokens)
+        return self._memo.chain(root, raw, layout.chunk_tokens * 4, self._hasher.chain_range)
 
     # -- read path ------------------------------------------------------------------
 
@@ -218,14 +220,16 @@ class Store:
                                    "release leases it no longer reads, or raise the limit")
             now = self._clock()
             nodes = self.index.match(hashes if max_chunks is None else hashes[:max_chunks])
-            if self._inline and self.nvme is not None and promote and self.reads.needs_promotion(nodes):
+            in_pool = self.index.pool_prefix(nodes)
+            if self._inline and self.nvme is not None and promote and self.reads.needs_promotion(nodes, in_pool):
                 raise WouldBlock
-            self.index.pin(nodes, now)
-            self.index.note_path(nodes)
+            self.index.pin_path(nodes, now)
             try:
                 if promote or self.nvme is None:
                     matched = len(nodes)
-                    nodes = self.reads.ensure_in_pool(nodes, now)
+                    if in_pool < matched:
+                        nodes = self.reads.ensure_in_pool(nodes, now)
+                    in_pool = len(nodes)
                     if nodes and len(nodes) == matched and self.nvme is not None and self.config.prefetch_distance:
                         self.reads.prefetch(nodes[-1], now)
             except BaseException:
@@ -503,7 +507,7 @@ class Store:
                 pool.capacity_bytes, pool.used_bytes, pool.committed_blocks, pool.block_bytes, pool.num_blocks,
                 pool.free_blocks, pool.reserved_blocks, pool.committed_blocks - leased, leased, pool.generation,
             )
-            nstats = None
+            nstats, m = None, self._memo
             if self.nvme is not None:
                 n = self.nvme
                 nstats = NvmeStats(n.capacity_bytes, n.used_bytes, n.chunk_count, n.file_bytes(), n.map_size,
@@ -511,6 +515,7 @@ class Store:
             return StoreStats(
                 self.config.domain, len(self._layouts), len(self.index), len(self._leases), len(self.writes.reservations),
                 self._leases.sessions(), pstats, nstats, Counters(**vars(self.counters)),
+                HashMemoStats(len(m), m.bytes, m.max_bytes, m.hit_chunks, m.missed_chunks),
             )
 
     def reconfigure(self, **reloadable: Any) -> None:

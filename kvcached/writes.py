@@ -149,7 +149,8 @@ class WritePath:
             meta = ChunkMeta(h, prev_hash, pending.layout_id, pending.first_position + i, layout.chunk_tokens)
             self.pool.commit(pending.slots[i], meta)
             prev_hash = h
-        nodes = self.index.insert_chain(pending.hashes[:n], parent, pending.layout_id, POOL, now)
+        nodes = self.index.insert_chain(pending.hashes[:n], parent, pending.layout_id, POOL, now,
+                                        [slot.offset for slot in pending.slots[:n]])
         if self.config.write_through and self.mover.nvme is not None:
             for node in nodes:
                 if self.mover.write_nvme(node, self.pool.read(node.hash)):

@@ -196,8 +196,10 @@ class StoreMachine(RuleBasedStateMachine):
     def structure_is_consistent(self):
         self.store.index.check_invariants()  # whole prefixes, child counts, queue membership
         pool = self.store.pool
-        in_pool = sum(1 for n in self.store.index.nodes() if n.tiers & TierId.POOL)
-        assert pool.committed_blocks == in_pool
+        in_pool = [n for n in self.store.index.nodes() if n.tiers & TierId.POOL]
+        assert pool.committed_blocks == len(in_pool)
+        for n in in_pool:  # what lease receipts name is where the pool holds the bytes
+            assert n.pool_offset == pool.slot_of(n.hash).offset
         assert pool.free_blocks + pool.reserved_blocks + pool.committed_blocks == pool.num_blocks
         reserved = sum(len(self.store.writes.reservations.get(r).payload.slots) for r in self.puts)
         assert pool.reserved_blocks == reserved

@@ -60,6 +60,7 @@ class Node:
         "tiers",
         "qflags",
         "hot_child",
+        "pool_offset",
     )
 
     def __init__(
@@ -76,6 +77,7 @@ class Node:
         self.tiers = int(tiers)
         self.qflags = 0
         self.hot_child: Node | None = None  # the child most recently inserted or used: the branch to prefetch
+        self.pool_offset = -1  # byte offset of the pool copy, -1 without one (what a lease receipt names)
 
     def __repr__(self) -> str:
         return (
@@ -120,9 +122,13 @@ class PrefixIndex:
     # -- structure ----------------------------------------------------------
 
     def insert(
-        self, h: ChunkHash, parent: Node | None, layout_id: LayoutId, tiers: TierId, now: float
+        self, h: ChunkHash, parent: Node | None, layout_id: LayoutId, tiers: TierId, now: float,
+        pool_offset: int = -1,
     ) -> Node:
-        """Add a chunk whose parent is already indexed (or a first chunk)."""
+        """Add a chunk whose parent is already indexed (or a first chunk). A chunk with a pool
+        copy comes with that copy's byte offset."""
+        if (tiers & POOL) != (pool_offset >= 0):
+            raise InternalInvariantError(f"chunk {h.hex()}: a pool offset goes with the pool tier, and only with it")
         if h in self._nodes:
             raise InternalInvariantError(f"chunk {h.hex()} is already indexed")
         if parent is not None and self._nodes.get(parent.hash) is not parent:
@@ -130,6 +136,7 @@ class PrefixIndex:
         if not tiers:
             raise InternalInvariantError("a chunk must live in at least one tier")
         node = Node(h, parent, layout_id, tiers, now)
+        node.pool_offset = pool_offset
         self._nodes[h] = node
         if parent is not None:
             parent.hot_child = node
@@ -141,7 +148,8 @@ class PrefixIndex:
         return node
 
     def insert_chain(
-        self, hashes: list[ChunkHash], parent: Node | None, layout_id: LayoutId, tiers: TierId, now: float
+        self, hashes: list[ChunkHash], parent: Node | None, layout_id: LayoutId, tiers: TierId, now: float,
+        pool_offsets: Sequence[int] = (),
     ) -> list[Node]:
         """Insert consecutive chunks under ``parent`` in one go.
 
@@ -151,6 +159,8 @@ class PrefixIndex:
         """
         if not hashes:
             return []
+        if tiers & POOL and (len(pool_offsets) != len(hashes) or min(pool_offsets) < 0):
+            raise InternalInvariantError("chunks inserted into the pool tier need one pool offset each")
         for h in hashes:
             if h in self._nodes:
                 raise InternalInvariantError(f"chunk {h.hex()} is already indexed")
@@ -161,8 +171,10 @@ class PrefixIndex:
         pool = 1 if tiers & POOL else 0
         out: list[Node] = []
         prev = parent
-        for h in hashes:
+        for i, h in enumerate(hashes):
             node = Node(h, prev, layout_id, tiers, now)
+            if pool:
+                node.pool_offset = pool_offsets[i]
             self._nodes[h] = node
             if prev is not None:
                 prev.hot_child = node
@@ -194,10 +206,16 @@ class PrefixIndex:
                 parent.pool_children -= 1
             self._refresh(parent)
         node.tiers = 0
+        node.pool_offset = -1
 
-    def add_tier(self, node: Node, tier: TierId) -> None:
+    def add_tier(self, node: Node, tier: TierId, pool_offset: int = -1) -> None:
+        """Record a new copy of ``node``; a pool copy comes with its byte offset."""
         if node.tiers & tier:
             return
+        if (tier & POOL) != (pool_offset >= 0):
+            raise InternalInvariantError(f"{node!r}: a pool offset goes with the pool tier, and only with it")
+        if tier & POOL:
+            node.pool_offset = pool_offset
         node.tiers |= int(tier)
         if tier & POOL and node.refcount:
             self.pinned_in_pool += 1
@@ -216,6 +234,8 @@ class PrefixIndex:
         if node.refcount and tier & POOL:
             raise InternalInvariantError(f"evicting the pool copy of pinned {node!r}")
         node.tiers &= ~int(tier)
+        if tier & POOL:
+            node.pool_offset = -1
         if tier & POOL and node.parent is not None:
             node.parent.pool_children -= 1
             self._refresh(node.parent)
@@ -232,6 +252,20 @@ class PrefixIndex:
                 self.pinned_in_pool += 1
             if node.qflags & _QUEUED:
                 self._dequeue(node)
+
+    def pin_path(self, nodes: Sequence[Node], now: float) -> None:
+        """:meth:`pin` a matched prefix and :meth:`note_path` it, in one pass (the acquire hot path)."""
+        prev: Node | None = None
+        for node in nodes:
+            node.refcount += 1
+            node.last_use = now
+            if node.refcount == 1 and node.tiers & POOL:
+                self.pinned_in_pool += 1
+            if node.qflags & _QUEUED:
+                self._dequeue(node)
+            if prev is not None:
+                prev.hot_child = node
+            prev = node
 
     def unpin(self, nodes: Iterable[Node], now: float) -> list[Node]:
         """Release one pin on each node; a release counts as a use.
@@ -259,6 +293,14 @@ class PrefixIndex:
                 elif not node.pool_children:  # with a child in the pool it joins no queue
                     self._refresh(node)
         return freed
+
+    @staticmethod
+    def pool_prefix(nodes: Sequence[Node]) -> int:
+        """How many of ``nodes``, from the first, have a pool copy."""
+        for i, node in enumerate(nodes):
+            if not node.tiers & POOL:
+                return i
+        return len(nodes)
 
     def note_path(self, nodes: Sequence[Node]) -> None:
         """Record that ``nodes`` (a matched prefix) were just used in this order."""
@@ -356,6 +398,8 @@ class PrefixIndex:
                 raise InternalInvariantError(f"{node!r} has a negative refcount")
             if not node.tiers:
                 raise InternalInvariantError(f"{node!r} lives in no tier")
+            if bool(node.tiers & POOL) != (node.pool_offset >= 0):
+                raise InternalInvariantError(f"{node!r} has pool offset {node.pool_offset}")
             p = node.parent
             if p is not None:
                 if self._nodes.get(p.hash) is not p:

@@ -63,19 +63,17 @@ def locations_to_proto(chunks: tuple[ChunkLocation, ...], chunk_bytes: int, firs
 
 
 def lease_to_proto(r: LeaseReceipt, ttl: float) -> pb.AcquireResponse:
-    locs = pb.ChunkLocations(first_position=0, chunk_bytes=r.chunk_bytes)
+    resp = pb.AcquireResponse(lease_id=r.lease_id, matched_tokens=r.matched_tokens, ttl_seconds=ttl,
+                              pool_generation=r.pool_generation)
+    locs = resp.chunks  # filled in place: building a ChunkLocations and copying it in costs 2x
+    locs.first_position = 0
+    locs.chunk_bytes = r.chunk_bytes
     if r.all_in_pool:
         locs.offsets.extend(r.offsets)
     else:
         locs.offsets.extend([off if off >= 0 else NVME_CHUNK for off in r.offsets])
         locs.nvme_keys.extend([h for h, off in zip(r.chunk_hashes, r.offsets) if off < 0])
-    return pb.AcquireResponse(
-        lease_id=r.lease_id,
-        matched_tokens=r.matched_tokens,
-        chunks=locs,
-        ttl_seconds=ttl,
-        pool_generation=r.pool_generation,
-    )
+    return resp
 
 
 def reservation_to_proto(r: ReservationReceipt, ttl: float, chunk_bytes: int) -> pb.ReserveResponse:

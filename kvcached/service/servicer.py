@@ -159,11 +159,12 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         return all(len(t) % 4 == 0 for t in tokens)
 
     async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
-        if not self._framed([request.tokens]):
+        tokens = request.tokens  # each read of a bytes field copies it
+        if len(tokens) % 4:
             await self._invalid(context, "tokens must be packed little-endian uint32 (a multiple of 4 bytes)")
         session = await self._session(context, request.session_id)
         ttl = await self._ttl(context, request.ttl_seconds)
-        r = await self._run(context, self.store.acquire, request.layout_id, request.tokens, session, ttl=ttl,
+        r = await self._run(context, self.store.acquire, request.layout_id, tokens, session, ttl=ttl,
                             promote=not request.read_nvme_directly, max_chunks=0 if request.no_cache else None,
                             inline=True)
         return convert.lease_to_proto(r, self._remaining(r.expires_at))

@@ -19,7 +19,8 @@ def build(index: PrefixIndex, spec: dict[str, str | None], tiers=P, t0: float = 
     """spec: child -> parent (None for a first chunk), inserted in order with increasing time."""
     nodes = {}
     for i, (name, parent) in enumerate(spec.items()):
-        nodes[name] = index.insert(h(name), nodes[parent] if parent else None, L, tiers, t0 + i)
+        off = (i + 1) * 4096 if tiers & P else -1
+        nodes[name] = index.insert(h(name), nodes[parent] if parent else None, L, tiers, t0 + i, off)
     return nodes
 
 
@@ -111,10 +112,10 @@ def test_insert_requires_indexed_parent_and_new_hash():
     ix = PrefixIndex()
     n = build(ix, {"a": None})
     with pytest.raises(InternalInvariantError):
-        ix.insert(h("a"), None, L, P, 1.0)
+        ix.insert(h("a"), None, L, P, 1.0, 0)
     ix.remove(n["a"])
     with pytest.raises(InternalInvariantError):
-        ix.insert(h("b"), n["a"], L, P, 1.0)
+        ix.insert(h("b"), n["a"], L, P, 1.0, 0)
 
 
 def test_pool_queue_is_leaf_first_within_the_pool():
@@ -132,7 +133,7 @@ def test_nvme_leaves_tracks_nvme_copies_of_leaves():
     ix = PrefixIndex()
     n = build(ix, {"a": None, "b": "a"}, tiers=N)
     assert n["b"] in ix.nvme_leaves and n["a"] not in ix.nvme_leaves
-    ix.add_tier(n["b"], P)
+    ix.add_tier(n["b"], P, 8192)
     ix.check_invariants()
     ix.drop_tier(n["b"], N)
     assert n["b"] not in ix.nvme_leaves and n["b"] in ix.leaves
@@ -164,18 +165,52 @@ def test_eviction_queue_compacts_stale_entries():
 
 def test_insert_chain_equals_repeated_insert():
     a, b = PrefixIndex(), PrefixIndex()
-    root_a = a.insert(h("r"), None, L, P, 0.0)
-    root_b = b.insert(h("r"), None, L, P, 0.0)
+    root_a = a.insert(h("r"), None, L, P, 0.0, 0)
+    root_b = b.insert(h("r"), None, L, P, 0.0, 0)
     chain = [h(f"c{i}") for i in range(5)]
+    offsets = [(i + 1) * 4096 for i in range(5)]
     prev = root_a
-    for x in chain:
-        prev = a.insert(x, prev, L, P, 1.0)
-    nodes = b.insert_chain(chain, root_b, L, P, 1.0)
+    for x, off in zip(chain, offsets):
+        prev = a.insert(x, prev, L, P, 1.0, off)
+    nodes = b.insert_chain(chain, root_b, L, P, 1.0, offsets)
     a.check_invariants()
     b.check_invariants()
-    shape = lambda ix: sorted((n.hash, n.depth, n.children, n.pool_children, n in ix.leaves) for n in ix.nodes())
+    shape = lambda ix: sorted((n.hash, n.depth, n.children, n.pool_children, n.pool_offset, n in ix.leaves)
+                              for n in ix.nodes())
     assert shape(a) == shape(b)
     assert [n.depth for n in nodes] == [1, 2, 3, 4, 5]
     assert len(b.leaves._heap) < len(a.leaves._heap)  # no stale entries for the inner nodes
     with pytest.raises(InternalInvariantError):
-        b.insert_chain([h("c0")], root_b, L, P, 2.0)
+        b.insert_chain([h("c0")], root_b, L, P, 2.0, [0])
+
+
+def test_a_node_knows_its_pool_offset_exactly_while_it_has_a_pool_copy():
+    ix = PrefixIndex()
+    n = build(ix, {"a": None, "b": "a"}, tiers=N)
+    assert n["b"].pool_offset == -1
+    ix.add_tier(n["b"], P, 8192)
+    assert n["b"].pool_offset == 8192
+    ix.check_invariants()
+    ix.drop_tier(n["b"], P)
+    assert n["b"].pool_offset == -1
+    ix.add_tier(n["b"], P, 4096)
+    ix.remove(n["b"])
+    assert n["b"].pool_offset == -1
+    ix.check_invariants()
+
+
+@pytest.mark.parametrize("call", [
+    lambda ix, a: ix.insert(h("x"), a, L, P, 1.0),               # pool tier without an offset
+    lambda ix, a: ix.insert(h("x"), a, L, N, 1.0, 4096),         # an offset without the pool tier
+    lambda ix, a: ix.insert_chain([h("x"), h("y")], a, L, P, 1.0, [4096]),
+    lambda ix, a: ix.insert_chain([h("x")], a, L, P, 1.0, [-1]),
+    lambda ix, a: ix.add_tier(a, P),
+    lambda ix, a: ix.add_tier(a, P, -1),
+])
+def test_pool_offsets_that_do_not_match_the_tier_are_refused(call):
+    ix = PrefixIndex()
+    a = build(ix, {"a": None}, tiers=N)["a"]
+    with pytest.raises(InternalInvariantError):
+        call(ix, a)
+    assert len(ix) == 1 and a.pool_offset == -1
+    ix.check_invariants()
