@@ -505,8 +505,8 @@ def breakdown(tokens: bytes, args: argparse.Namespace) -> dict:
 
 #: Comparison daemons, measured with the raw rows over one shared channel in the same run:
 #: name -> (settings that differ from the main daemon's, Python run in the daemon before it starts).
-#: ``no hash memo``: every request hashes its tokens afresh (SHA-256 chain), as before the memo.
-WHAT_IFS: dict[str, tuple[dict, str | None]] = {"no hash memo (hash_memo_bytes = 0)": ({"hash_memo_bytes": 0}, None)}
+#: ``no-memo``: hash_memo_bytes = 0, so every request hashes its tokens afresh (SHA-256 chain).
+WHAT_IFS: dict[str, tuple[dict, str | None]] = {"no-memo": ({"hash_memo_bytes": 0}, None)}
 
 
 def measure_daemon(settings: dict, prelude: str | None, tokens: bytes, tokens_np: np.ndarray, args,
@@ -689,7 +689,9 @@ def main(argv: list[str] | None = None) -> int:
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
     args.channels = (args.channels or ("shared" if args.quick else "shared,per-caller")).split(",")
     wi = args.what_if or ("none" if args.quick else "no-memo")
-    args.what_if = [] if wi == "none" else [k for k in WHAT_IFS if k.replace(" ", "-").startswith(wi)]
+    args.what_if = [] if wi == "none" else [k for k in WHAT_IFS if k == wi]
+    if wi != "none" and not args.what_if:
+        p.error(f"unknown --what-if {wi!r} (known: {', '.join(WHAT_IFS)}, none)")
     bad = set(args.channels) - {"shared", "per-caller"}
     if bad:
         p.error(f"unknown --channels {sorted(bad)}")

@@ -18,9 +18,11 @@ def test_add_remove_is_idempotent_and_remembers_why():
 
 def test_ids_are_unique_and_unguessable():
     t: TimedTable[int] = TimedTable("x")
-    ids = {t.add(S1, i, 10, 0).id for i in range(1000)}
-    assert len(ids) == 1000
-    assert all(len(i) == len("x-") + 16 for i in ids)
+    ids = {t.add(S1, i, 10, 0).id for i in range(2000)}  # several 512-id random batches
+    assert len(ids) == 2000
+    assert all(len(i) == len("x-") + 16 and int(i[2:], 16) >= 0 for i in ids)
+    other: TimedTable[int] = TimedTable("x")  # each table draws its own randomness
+    assert not {other.add(S1, i, 10, 0).id for i in range(600)} & ids
 
 
 def test_expiry_in_deadline_order_and_renewal_postpones():
