@@ -74,13 +74,14 @@ def test_default_paths(monkeypatch):
 
 def test_config_file_then_flags(tmp_path):
     cfg = tmp_path / "k.toml"
-    cfg.write_text('pool_bytes = "64M"\nsocket_mode = "0600"\ncache_ttl = 10\nwrite_through = true\n')
+    cfg.write_text('pool_bytes = "64M"\nsocket_mode = "0600"\ncache_ttl = 10\nwrite_through = true\n'
+                   'hash_memo_bytes = "8M"\n')
     s = load_settings(str(cfg), {"pool_bytes": 32 << 20, "nvme_bytes": None})
     assert s.pool_bytes == 32 << 20  # the flag wins
     assert s.socket_mode == 0o600 and s.cache_ttl == 10.0 and s.write_through is True
     assert s.nvme_bytes == 64 << 30  # untouched default
     sc = s.store_config()
-    assert sc.pool_bytes == 32 << 20 and sc.write_through
+    assert sc.pool_bytes == 32 << 20 and sc.write_through and sc.hash_memo_bytes == 8 << 20
 
 
 @pytest.mark.parametrize(
