@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 from kvcached.config import StoreConfig
 from kvcached.errors import CorruptChunk, TierFull
 from kvcached.index import Node, PrefixIndex
-from kvcached.keys import KVLayout, LayoutId
+from kvcached.keys import ChunkHash, KVLayout, LayoutId
 from kvcached.leases import Entry, LeaseId
 from kvcached.locations import POOL
 from kvcached.movement import Mover
@@ -42,10 +42,9 @@ class ReadPath:
         self._config = config  # the store's current config (TTLs may be reloaded)
         self._unpin = unpin
 
-    def needs_promotion(self, nodes: list[Node], in_pool: int) -> bool:
-        """Would an acquire of ``nodes``, the first ``in_pool`` of which have a pool copy,
-        copy anything from NVMe (itself or by prefetch)?"""
-        if in_pool < len(nodes):
+    def needs_promotion(self, nodes: list[Node], all_in_pool: bool) -> bool:
+        """Would an acquire of ``nodes`` copy anything from NVMe (itself or by prefetch)?"""
+        if not all_in_pool:
             return True
         if nodes and self._config().prefetch_distance:
             return any(not n.tiers & POOL for n in self.index.branch(nodes[-1], self._config().prefetch_distance))
@@ -97,10 +96,15 @@ class ReadPath:
             if targets:
                 self._unpin(targets, now)
 
-    def receipt(self, entry: Entry[tuple[Node, ...]], layout_id: LayoutId, layout: KVLayout) -> LeaseReceipt:
+    def receipt(self, entry: Entry[tuple[Node, ...]], layout_id: LayoutId, layout: KVLayout,
+                hashes: Sequence[ChunkHash] | None = None, offsets: Sequence[int] | None = None) -> LeaseReceipt:
+        """The receipt of a lease on ``entry.payload``; ``hashes`` and ``offsets`` (-1 for a chunk
+        left on NVMe), when the caller already has them, must be those of the pinned nodes."""
         nodes = entry.payload
-        hashes = [n.hash for n in nodes]
-        offsets = [n.pool_offset for n in nodes]  # -1 for a chunk left on NVMe
+        if hashes is None:
+            hashes = [n.hash for n in nodes]
+        if offsets is None:
+            offsets = [n.pool_offset for n in nodes]
         return LeaseReceipt(
             LeaseId(entry.id),
             entry.session,

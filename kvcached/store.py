@@ -219,17 +219,17 @@ class Store:
                 raise LimitReached(f"session {session} already holds {cap} leases (max_leases_per_session); "
                                    "release leases it no longer reads, or raise the limit")
             now = self._clock()
-            nodes = self.index.match(hashes if max_chunks is None else hashes[:max_chunks])
-            in_pool = self.index.pool_prefix(nodes)
+            nodes, offsets = self.index.match_located(hashes if max_chunks is None else hashes[:max_chunks])
+            in_pool = not offsets or min(offsets) >= 0
             if self._inline and self.nvme is not None and promote and self.reads.needs_promotion(nodes, in_pool):
                 raise WouldBlock
             self.index.pin_path(nodes, now)
             try:
                 if promote or self.nvme is None:
                     matched = len(nodes)
-                    if in_pool < matched:
+                    if not in_pool:
                         nodes = self.reads.ensure_in_pool(nodes, now)
-                    in_pool = len(nodes)
+                        offsets = [n.pool_offset for n in nodes]
                     if nodes and len(nodes) == matched and self.nvme is not None and self.config.prefetch_distance:
                         self.reads.prefetch(nodes[-1], now)
             except BaseException:
@@ -243,7 +243,8 @@ class Store:
             c.hit_tokens += len(nodes) * layout.chunk_tokens
             self._count_layout(layout_id, len(hashes) * layout.chunk_tokens, len(nodes) * layout.chunk_tokens)
             c.acquired_tokens += len(nodes) * layout.chunk_tokens
-            return self.reads.receipt(entry, layout_id, layout)
+            # Pinned, so prefetch's evictions cannot have moved them: the offsets still hold.
+            return self.reads.receipt(entry, layout_id, layout, hashes[:len(nodes)], offsets)
 
     def run_inline(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         """Run a store call on the caller's thread only if it needs neither to wait for the

@@ -119,6 +119,20 @@ class PrefixIndex:
             out.append(node)
         return out
 
+    def match_located(self, hashes: Sequence[ChunkHash]) -> tuple[list[Node], list[int]]:
+        """:meth:`match`, plus each matched node's pool offset (-1: no pool copy), in one pass
+        (the acquire hot path). Read-only."""
+        out: list[Node] = []
+        offsets: list[int] = []
+        get = self._nodes.get
+        for h in hashes:
+            node = get(h)
+            if node is None:
+                break
+            out.append(node)
+            offsets.append(node.pool_offset)
+        return out, offsets
+
     # -- structure ----------------------------------------------------------
 
     def insert(
@@ -293,14 +307,6 @@ class PrefixIndex:
                 elif not node.pool_children:  # with a child in the pool it joins no queue
                     self._refresh(node)
         return freed
-
-    @staticmethod
-    def pool_prefix(nodes: Sequence[Node]) -> int:
-        """How many of ``nodes``, from the first, have a pool copy."""
-        for i, node in enumerate(nodes):
-            if not node.tiers & POOL:
-                return i
-        return len(nodes)
 
     def note_path(self, nodes: Sequence[Node]) -> None:
         """Record that ``nodes`` (a matched prefix) were just used in this order."""
