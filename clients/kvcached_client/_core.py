@@ -24,6 +24,12 @@ if TYPE_CHECKING:
     import torch
 
 MiB = 1 << 20
+#: How NVMe-only chunks reach a client unless it says otherwise. bench/chunk_read.py measured
+#: the complete direct path (acquire + read the LMDB file + one copy) 1.5x faster than daemon
+#: promotion (acquire + copy NVMe->pool + copy pool->client) on this hardware. A client that
+#: cannot open the LMDB file (another user, another container) falls back to "promote".
+NVME_READ_DEFAULT = "direct"
+NVME_READ_MODES = ("promote", "direct")
 #: Errors from releasing a lease that say the daemon no longer holds it: its session ended
 #: (FAILED_PRECONDITION), the daemon restarted (NOT_FOUND), or the daemon is down (UNAVAILABLE;
 #: a daemon that comes back has none of the old leases).
@@ -132,7 +138,9 @@ class LeaseBase:
         self._offsets = list(resp.chunks.offsets)
         self._generation: str = resp.pool_generation
         self.session_id: str = ""  # the session it was granted under: the daemon binds it there
+        self.ttl_seconds: float = resp.ttl_seconds
         self.released = False
+        self._nvme_cache: dict[int, "torch.Tensor"] = {}
 
     def __len__(self) -> int:
         return len(self._offsets)
@@ -152,6 +160,40 @@ class LeaseBase:
             it = iter(self._chunks.nvme_keys)
             keys = self._nvme_keys = {j: next(it) for j, off in enumerate(self._offsets) if off == NVME_CHUNK}
         return keys[i]
+
+    def chunk(self, i: int) -> "torch.Tensor":
+        """Chunk ``i`` as a [2, layers, kv_heads, chunk_tokens, head_dim] tensor: a view of the
+        pool (no copy), or, for a chunk read straight from NVMe, a new tensor (one copy)."""
+        self._check_live()
+        if self._offsets[i] == NVME_CHUNK:
+            t = self._nvme_cache.get(i)
+            if t is None:
+                t = self._nvme_cache[i] = self._client._nvme.read(self.layout, self._nvme_key(i))
+            return t
+        return self._pool_chunk(i)
+
+    def copy_chunk(self, i: int, out: "torch.Tensor") -> "torch.Tensor":
+        """Copy chunk ``i`` into ``out`` (same shape and dtype); one copy on every path.
+
+        Prefer this to ``out.copy_(lease.chunk(i))`` for chunks read from NVMe directly:
+        it copies from the LMDB page cache straight into ``out``.
+        """
+        self._check_live()
+        if self._offsets[i] == NVME_CHUNK and i not in self._nvme_cache and out.device.type == "cpu" and out.is_contiguous():
+            self._client._nvme.read_into(self.layout, self._nvme_key(i), out)
+            return out
+        return out.copy_(self.chunk(i))
+
+    def kv(self) -> "torch.Tensor":
+        """The whole matched prefix as one new tensor [2, layers, kv_heads, matched_tokens, head_dim] (a copy)."""
+        import torch
+
+        if not self._offsets:
+            from kvcached.kv import torch_dtype
+
+            shape = (2, self.layout.num_layers, self.layout.num_kv_heads, 0, self.layout.head_dim)
+            return torch.empty(shape, dtype=torch_dtype(self.layout.dtype))
+        return torch.cat([self.chunk(i) for i in range(len(self))], dim=3)
 
     def _pool_chunk(self, i: int) -> "torch.Tensor":
         pool = self._client._pool

@@ -8,12 +8,18 @@
         await c.put(layout, token_ids, kv)
 
 Copying KV into or out of the mapped pool is plain memory traffic and runs
-inline; only the control calls are awaited.
+inline; only the control calls are awaited. So does reading a chunk that a
+lease left on NVMe (``nvme_read="direct"``, the default, as for
+:class:`~kvcached_client.Client`): it copies from the LMDB file's page cache,
+which is disk I/O on the event loop's thread when the page cache is cold.
+An application that cannot afford that passes ``nvme_read="promote"``, and
+the daemon copies such chunks into the pool before the acquire returns.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence, TypeVar
 
@@ -23,20 +29,26 @@ from kvcached.keys import KVLayout, TokenInput
 from kvcached.v1 import kvcached_pb2 as pb
 from kvcached.v1 import kvcached_pb2_grpc as pb_grpc
 from kvcached_client import _core
-from kvcached_client.errors import FailedPreconditionError, NotFoundError, UnavailableError, from_rpc_error
+from kvcached_client.errors import (
+    FailedPreconditionError,
+    NotFoundError,
+    PoolMappingError,
+    UnavailableError,
+    from_rpc_error,
+)
+from kvcached_client.nvme import NvmeReader
 from kvcached_client.pool import PoolMap
 
 if TYPE_CHECKING:
     import torch
 
 T = TypeVar("T")
+log = logging.getLogger("kvcached_client")
 
 
 class AsyncLease(_core.LeaseBase):
-    def chunk(self, i: int) -> "torch.Tensor":
-        """Chunk ``i`` as a view of the pool (no copy); the asyncio client always has the daemon promote."""
-        self._check_live()
-        return self._pool_chunk(i)
+    """A pinned cached prefix; ``async with`` it, or await :meth:`release`. ``chunk``,
+    ``copy_chunk`` and ``kv`` read it synchronously (see :class:`kvcached_client._core.LeaseBase`)."""
 
     async def keep_alive(self, ttl: float | None = None) -> float:
         return await self._client.keep_alive([self.lease_id], ttl, session_id=self.session_id)
@@ -58,13 +70,20 @@ class AsyncLease(_core.LeaseBase):
 
 
 class AsyncClient:
-    def __init__(self, socket: str | None = None, *, timeout: float = 10.0, client_name: str | None = None) -> None:
+    def __init__(self, socket: str | None = None, *, timeout: float = 10.0, client_name: str | None = None,
+                 nvme_read: str = _core.NVME_READ_DEFAULT) -> None:
+        """``nvme_read``: "direct" or "promote", as for :class:`~kvcached_client.Client`."""
+        if nvme_read not in _core.NVME_READ_MODES:
+            raise ValueError("nvme_read must be 'promote' or 'direct'")
+        self.nvme_read = nvme_read
         self.target = _core.target(socket)
         self.timeout = timeout
         self.client_name = client_name or f"pid {os.getpid()} (asyncio)"
         self._channel = grpc.aio.insecure_channel(self.target, options=_core.CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVCacheStub(self._channel)
         self._pool = PoolMap()
+        self._nvme = NvmeReader()
+        self._handle: pb.PoolHandle | None = None
         self._layouts: dict[KVLayout, str] = {}
         self._session_id: str | None = None
         self._session_call: Any = None
@@ -120,7 +139,10 @@ class AsyncClient:
             h = await self._call(self._stub.GetPoolHandle, pb.PoolHandleRequest())
             if h.generation != generation:  # restarted since the lease/reservation: its offsets are void
                 raise UnavailableError("the daemon restarted during this call; retry")
+            self._handle = h
             self._pool.ensure(_core.handle_from_proto(h))
+            if self._nvme.path is not None and self._nvme.path != h.nvme_path:
+                self._nvme.close()
 
     async def register(self, layout: KVLayout) -> str:
         return await self._layout_id(layout)
@@ -135,18 +157,31 @@ class AsyncClient:
         return list(resp.cached_tokens)
 
     async def acquire(self, layout: KVLayout, tokens: TokenInput, *, ttl: float | None = None) -> AsyncLease:
+        """Pin the cached prefix of ``tokens``; the returned lease maps its chunks. Falls back
+        to ``nvme_read="promote"`` for good when the NVMe tier cannot be opened (see Client)."""
         packed = _core.pack_tokens(tokens)
 
         def go(lid: str) -> Awaitable[tuple[pb.AcquireResponse, str]]:
             return self._with_session(lambda sid: self._call(self._stub.Acquire, pb.AcquireRequest(
-                layout_id=lid, tokens=packed, session_id=sid, ttl_seconds=ttl or 0)))
+                layout_id=lid, tokens=packed, session_id=sid, ttl_seconds=ttl or 0, read_nvme_directly=direct)))
 
+        direct = self.nvme_read == "direct"
         resp, sid = await self._with_layout(layout, go)
         lease = AsyncLease(self, layout, resp)
         lease.session_id = sid
         if lease._offsets:
             try:
                 await self._ensure_pool(resp.pool_generation)
+                if direct and resp.chunks.nvme_keys and self._nvme.path is None:
+                    assert self._handle is not None
+                    self._nvme.open(self._handle.nvme_path)
+            except PoolMappingError as e:
+                await lease.release()
+                if not direct or not resp.chunks.nvme_keys:
+                    raise
+                log.warning("cannot read the NVMe tier directly (%s); letting the daemon promote chunks instead", e)
+                self.nvme_read = "promote"
+                return await self.acquire(layout, tokens, ttl=ttl)
             except BaseException:
                 await lease.release()
                 raise
@@ -201,6 +236,7 @@ class AsyncClient:
             self._session_call.cancel()
             self._session_call = self._session_id = None
         self._pool.close()
+        self._nvme.close()
         await self._channel.close()
 
     async def __aenter__(self) -> "AsyncClient":

@@ -46,11 +46,7 @@ from kvcached_client.errors import (
 from kvcached_client.nvme import NvmeReader
 from kvcached_client.pool import PoolMap
 
-#: How NVMe-only chunks reach a client unless it says otherwise. bench/chunk_read.py measured
-#: the complete direct path (acquire + read the LMDB file + one copy) 1.5x faster than daemon
-#: promotion (acquire + copy NVMe->pool + copy pool->client) on this hardware. A client that
-#: cannot open the LMDB file (another user, another container) falls back to "promote".
-NVME_READ_DEFAULT = "direct"
+NVME_READ_DEFAULT = _core.NVME_READ_DEFAULT
 
 if TYPE_CHECKING:
     import torch
@@ -60,46 +56,8 @@ log = logging.getLogger("kvcached_client")
 
 
 class Lease(_core.LeaseBase):
-    """A pinned cached prefix. Use as a context manager, or call :meth:`release`."""
-
-    def __init__(self, client: "Client", layout: KVLayout, resp: pb.AcquireResponse) -> None:
-        super().__init__(client, layout, resp)
-        self.ttl_seconds: float = resp.ttl_seconds
-        self._nvme_cache: dict[int, "torch.Tensor"] = {}
-
-    def chunk(self, i: int) -> "torch.Tensor":
-        """Chunk ``i`` as a [2, layers, kv_heads, chunk_tokens, head_dim] tensor: a view of the
-        pool (no copy), or, for a chunk read straight from NVMe, a new tensor (one copy)."""
-        self._check_live()
-        if self._offsets[i] == _core.NVME_CHUNK:
-            t = self._nvme_cache.get(i)
-            if t is None:
-                t = self._nvme_cache[i] = self._client._nvme.read(self.layout, self._nvme_key(i))
-            return t
-        return self._pool_chunk(i)
-
-    def copy_chunk(self, i: int, out: "torch.Tensor") -> "torch.Tensor":
-        """Copy chunk ``i`` into ``out`` (same shape and dtype); one copy on every path.
-
-        Prefer this to ``out.copy_(lease.chunk(i))`` for chunks read from NVMe directly:
-        it copies from the LMDB page cache straight into ``out``.
-        """
-        self._check_live()
-        if self._offsets[i] == _core.NVME_CHUNK and i not in self._nvme_cache and out.device.type == "cpu" and out.is_contiguous():
-            self._client._nvme.read_into(self.layout, self._nvme_key(i), out)
-            return out
-        return out.copy_(self.chunk(i))
-
-    def kv(self) -> "torch.Tensor":
-        """The whole matched prefix as one new tensor [2, layers, kv_heads, matched_tokens, head_dim] (a copy)."""
-        import torch
-
-        if not self._offsets:
-            shape = (2, self.layout.num_layers, self.layout.num_kv_heads, 0, self.layout.head_dim)
-            from kvcached.kv import torch_dtype
-
-            return torch.empty(shape, dtype=torch_dtype(self.layout.dtype))
-        return torch.cat([self.chunk(i) for i in range(len(self))], dim=3)
+    """A pinned cached prefix. Use as a context manager, or call :meth:`release`.
+    ``chunk``, ``copy_chunk`` and ``kv`` read it (see :class:`kvcached_client._core.LeaseBase`)."""
 
     def keep_alive(self, ttl: float | None = None) -> float:
         return self._client.keep_alive([self.lease_id], ttl, session_id=self.session_id)
@@ -135,7 +93,7 @@ class Client:
         daemon copies them into the pool; "direct": this process reads the LMDB file itself
         (same host, access to the state directory). The default is the faster one as measured
         by bench/chunk_read.py."""
-        if nvme_read not in ("promote", "direct"):
+        if nvme_read not in _core.NVME_READ_MODES:
             raise ValueError("nvme_read must be 'promote' or 'direct'")
         self.nvme_read = nvme_read
         self.target = _core.target(socket)

@@ -234,6 +234,35 @@ def test_nvme_only_chunks_reach_the_client_both_ways(make_daemon, mode):
         assert s["leases_active"] == 0
 
 
+@pytest.mark.parametrize("mode", ["promote", "direct"])
+def test_async_client_reads_nvme_only_chunks_both_ways(make_daemon, mode):
+    import asyncio
+
+    from kvcached.keys import KVLayout
+    from kvcached_client import AsyncClient
+
+    fat = KVLayout("test/fat@1", num_layers=4, num_kv_heads=4, head_dim=64, dtype="float32", chunk_tokens=16)
+    d = make_daemon(pool_bytes="2M", pool_block_bytes="128K")
+    a = torch.randn(2, 4, 4, 48, 64)
+
+    async def main() -> dict:
+        async with AsyncClient(d.socket, nvme_read=mode) as c:
+            assert await c.put(fat, list(range(48)), a) == 3
+            for k in range(5):  # push a1, a2 out of the pool onto NVMe (as in the sync test above)
+                await c.put(fat, [1000 * (k + 1) + i for i in range(48)], torch.zeros(2, 4, 4, 48, 64))
+            assert (await c.stats())["counters"]["demotions"] == 2
+            async with await c.acquire(fat, list(range(48))) as lease:
+                assert lease.matched_tokens == 48
+                assert torch.equal(lease.kv(), a)
+                out = torch.empty(fat.chunk_shape)
+                assert torch.equal(lease.copy_chunk(2, out), a[:, :, :, 32:48])
+            return await c.stats()
+
+    s = asyncio.run(main())
+    assert (s["counters"]["promotions"] == 0) == (mode == "direct")  # direct: read from the LMDB file
+    assert s["leases_active"] == 0
+
+
 def test_direct_nvme_read_falls_back_to_promotion_when_the_file_cannot_be_opened(make_daemon, monkeypatch):
     # As root every file is readable, so the permission failure is simulated.
     import kvcached_client.nvme as nv
@@ -257,3 +286,41 @@ def test_direct_nvme_read_falls_back_to_promotion_when_the_file_cannot_be_opened
             assert torch.equal(lease.kv(), a)
         assert c.nvme_read == "promote" and c.stats()["counters"]["promotions"] >= 2
         assert c.stats()["leases_active"] == 0
+
+
+def test_async_client_falls_back_to_promotion_when_the_nvme_file_cannot_be_opened(make_daemon, monkeypatch):
+    import asyncio
+
+    import kvcached_client.nvme as nv
+    from kvcached.keys import KVLayout
+    from kvcached_client import AsyncClient, PoolMappingError
+
+    fat = KVLayout("test/fat@1", num_layers=4, num_kv_heads=4, head_dim=64, dtype="float32", chunk_tokens=16)
+    d = make_daemon(pool_bytes="2M", pool_block_bytes="128K")
+    a = torch.randn(2, 4, 4, 48, 64)
+
+    def refuse(path):
+        raise PoolMappingError(f"cannot open the NVMe tier at {path}: Permission denied")
+
+    monkeypatch.setattr(nv, "_acquire_env", refuse)
+
+    async def main() -> None:
+        async with AsyncClient(d.socket) as c:
+            assert c.nvme_read == "direct"  # the measured default, as for Client
+            await c.put(fat, list(range(48)), a)
+            for k in range(5):
+                await c.put(fat, [1000 * (k + 1) + i for i in range(48)], torch.zeros(2, 4, 4, 48, 64))
+            async with await c.acquire(fat, list(range(48))) as lease:
+                assert torch.equal(lease.kv(), a)
+            s = await c.stats()
+            assert c.nvme_read == "promote" and s["counters"]["promotions"] >= 2
+            assert s["leases_active"] == 0
+
+    asyncio.run(main())
+
+
+def test_async_client_refuses_an_unknown_nvme_read_mode():
+    from kvcached_client import AsyncClient
+
+    with pytest.raises(ValueError, match="nvme_read"):
+        AsyncClient("/nonexistent.sock", nvme_read="sometimes")
