@@ -110,18 +110,11 @@ class PrefixIndex:
 
     def match(self, hashes: Sequence[ChunkHash]) -> list[Node]:
         """Nodes of the longest cached prefix of ``hashes``. Read-only."""
-        out: list[Node] = []
-        get = self._nodes.get
-        for h in hashes:
-            node = get(h)
-            if node is None:
-                break
-            out.append(node)
-        return out
+        return self.match_located(hashes)[0]
 
     def match_located(self, hashes: Sequence[ChunkHash]) -> tuple[list[Node], list[int]]:
-        """:meth:`match`, plus each matched node's pool offset (-1: no pool copy), in one pass
-        (the acquire hot path). Read-only."""
+        """:meth:`match`, plus each matched node's pool offset (-1: no pool copy), collected in
+        the same pass (the acquire hot path). Read-only."""
         out: list[Node] = []
         offsets: list[int] = []
         get = self._nodes.get

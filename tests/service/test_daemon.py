@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from kvcached.keys import KVLayout
 from kvcached_client import Client, FailedPreconditionError
 from tests.service.conftest import LAYOUT, run_py
 
@@ -205,112 +206,110 @@ def test_kvcachectl_against_a_daemon(daemon):
             c.acquire(LAYOUT, list(range(CT)))
 
 
-@pytest.mark.parametrize("mode", ["promote", "direct"])
-def test_nvme_only_chunks_reach_the_client_both_ways(make_daemon, mode):
-    from kvcached.keys import KVLayout
-
-    fat = KVLayout("test/fat@1", num_layers=4, num_kv_heads=4, head_dim=64, dtype="float32", chunk_tokens=16)  # 128 KiB
-    d = make_daemon(pool_bytes="2M", pool_block_bytes="128K")  # 16 blocks
-    a = torch.randn(2, 4, 4, 3 * 16, 64)
-    with Client(d.socket, nvme_read=mode) as c:
-        c.put(fat, list(range(48)), a)
-        for k in range(5):  # 15 more chunks push a out of the pool: write-back demotes it to NVMe
-            c.put(fat, [1000 * (k + 1) + i for i in range(48)], torch.zeros(2, 4, 4, 48, 64))
-        s = c.stats()
-        assert s["counters"]["demotions"] == 2  # a1 and a2 (leaf-first); a0 stays: a lease mixes both tiers
-        with c.acquire(fat, list(range(48))) as lease:
-            assert lease.matched_tokens == 48
-            assert torch.equal(lease.kv(), a)
-            out = torch.empty(fat.chunk_shape)
-            assert torch.equal(lease.copy_chunk(2, out), a[:, :, :, 32:48])  # one copy, into the caller's tensor
-        with Client(d.socket, nvme_read=mode) as c2:  # a second client in the same process shares the LMDB env
-            with c2.acquire(fat, list(range(48))) as lease:
-                assert torch.equal(lease.kv(), a)
-        s = c.stats()
-        if mode == "direct":
-            assert s["counters"]["promotions"] == 0  # read from the LMDB file by the client
-        else:
-            assert s["counters"]["promotions"] >= 1
-        assert s["leases_active"] == 0
+# -- NVMe-only chunks reaching a client ------------------------------------------------------
+#: 128 KiB chunks in a 2 MiB pool of 16 blocks: the 15 chunks of FILLERS push the last two chunks
+#: of PROMPT out of the pool, and write-back demotes them to NVMe (leaf-first: chunk 0 stays, so
+#: a lease of PROMPT mixes both tiers).
+FAT = KVLayout("test/fat@1", num_layers=4, num_kv_heads=4, head_dim=64, dtype="float32", chunk_tokens=16)
+PROMPT = list(range(48))
+FILLERS = [[1000 * (k + 1) + i for i in range(48)] for k in range(5)]
 
 
-@pytest.mark.parametrize("mode", ["promote", "direct"])
-def test_async_client_reads_nvme_only_chunks_both_ways(make_daemon, mode):
-    import asyncio
-
-    from kvcached.keys import KVLayout
-    from kvcached_client import AsyncClient
-
-    fat = KVLayout("test/fat@1", num_layers=4, num_kv_heads=4, head_dim=64, dtype="float32", chunk_tokens=16)
-    d = make_daemon(pool_bytes="2M", pool_block_bytes="128K")
-    a = torch.randn(2, 4, 4, 48, 64)
-
-    async def main() -> dict:
-        async with AsyncClient(d.socket, nvme_read=mode) as c:
-            assert await c.put(fat, list(range(48)), a) == 3
-            for k in range(5):  # push a1, a2 out of the pool onto NVMe (as in the sync test above)
-                await c.put(fat, [1000 * (k + 1) + i for i in range(48)], torch.zeros(2, 4, 4, 48, 64))
-            assert (await c.stats())["counters"]["demotions"] == 2
-            async with await c.acquire(fat, list(range(48))) as lease:
-                assert lease.matched_tokens == 48
-                assert torch.equal(lease.kv(), a)
-                out = torch.empty(fat.chunk_shape)
-                assert torch.equal(lease.copy_chunk(2, out), a[:, :, :, 32:48])
-            return await c.stats()
-
-    s = asyncio.run(main())
-    assert (s["counters"]["promotions"] == 0) == (mode == "direct")  # direct: read from the LMDB file
-    assert s["leases_active"] == 0
+@pytest.fixture
+def fat_daemon(make_daemon):
+    return make_daemon(pool_bytes="2M", pool_block_bytes="128K")
 
 
-def test_direct_nvme_read_falls_back_to_promotion_when_the_file_cannot_be_opened(make_daemon, monkeypatch):
-    # As root every file is readable, so the permission failure is simulated.
+@pytest.fixture
+def nvme_refused(monkeypatch):
+    """As root every file is readable, so a permission failure on the NVMe tier is simulated."""
     import kvcached_client.nvme as nv
-    from kvcached.keys import KVLayout
     from kvcached_client import PoolMappingError
-
-    fat = KVLayout("test/fat@1", num_layers=4, num_kv_heads=4, head_dim=64, dtype="float32", chunk_tokens=16)
-    d = make_daemon(pool_bytes="2M", pool_block_bytes="128K")
-    a = torch.randn(2, 4, 4, 48, 64)
 
     def refuse(path):
         raise PoolMappingError(f"cannot open the NVMe tier at {path}: Permission denied")
 
     monkeypatch.setattr(nv, "_acquire_env", refuse)
-    with Client(d.socket) as c:
+
+
+def demote_prompt(c: Client, a: torch.Tensor) -> None:
+    c.put(FAT, PROMPT, a)
+    for toks in FILLERS:
+        c.put(FAT, toks, torch.zeros(2, 4, 4, 48, 64))
+    assert c.stats()["counters"]["demotions"] == 2
+
+
+async def demote_prompt_async(c, a: torch.Tensor) -> None:
+    await c.put(FAT, PROMPT, a)
+    for toks in FILLERS:
+        await c.put(FAT, toks, torch.zeros(2, 4, 4, 48, 64))
+    assert (await c.stats())["counters"]["demotions"] == 2
+
+
+@pytest.mark.parametrize("mode", ["promote", "direct"])
+def test_nvme_only_chunks_reach_the_client_both_ways(fat_daemon, mode):
+    a = torch.randn(2, 4, 4, 48, 64)
+    with Client(fat_daemon.socket, nvme_read=mode) as c:
+        demote_prompt(c, a)
+        with c.acquire(FAT, PROMPT) as lease:
+            assert lease.matched_tokens == 48
+            assert torch.equal(lease.kv(), a)
+            out = torch.empty(FAT.chunk_shape)
+            assert torch.equal(lease.copy_chunk(2, out), a[:, :, :, 32:48])  # one copy, into the caller's tensor
+        with Client(fat_daemon.socket, nvme_read=mode) as c2:  # a second client in the same process shares the LMDB env
+            with c2.acquire(FAT, PROMPT) as lease:
+                assert torch.equal(lease.kv(), a)
+        s = c.stats()
+    assert (s["counters"]["promotions"] == 0) == (mode == "direct")  # direct: read from the LMDB file
+    assert s["leases_active"] == 0
+
+
+@pytest.mark.parametrize("mode", ["promote", "direct"])
+def test_async_client_reads_nvme_only_chunks_both_ways(fat_daemon, mode):
+    import asyncio
+
+    from kvcached_client import AsyncClient
+
+    a = torch.randn(2, 4, 4, 48, 64)
+
+    async def main() -> dict:
+        async with AsyncClient(fat_daemon.socket, nvme_read=mode) as c:
+            await demote_prompt_async(c, a)
+            async with await c.acquire(FAT, PROMPT) as lease:
+                assert lease.matched_tokens == 48
+                assert torch.equal(lease.kv(), a)
+                out = torch.empty(FAT.chunk_shape)
+                assert torch.equal(lease.copy_chunk(2, out), a[:, :, :, 32:48])
+            return await c.stats()
+
+    s = asyncio.run(main())
+    assert (s["counters"]["promotions"] == 0) == (mode == "direct")
+    assert s["leases_active"] == 0
+
+
+def test_direct_nvme_read_falls_back_to_promotion_when_the_file_cannot_be_opened(fat_daemon, nvme_refused):
+    a = torch.randn(2, 4, 4, 48, 64)
+    with Client(fat_daemon.socket) as c:
         assert c.nvme_read == "direct"  # the measured default
-        c.put(fat, list(range(48)), a)
-        for k in range(5):
-            c.put(fat, [1000 * (k + 1) + i for i in range(48)], torch.zeros(2, 4, 4, 48, 64))
-        with c.acquire(fat, list(range(48))) as lease:
+        demote_prompt(c, a)
+        with c.acquire(FAT, PROMPT) as lease:
             assert torch.equal(lease.kv(), a)
         assert c.nvme_read == "promote" and c.stats()["counters"]["promotions"] >= 2
         assert c.stats()["leases_active"] == 0
 
 
-def test_async_client_falls_back_to_promotion_when_the_nvme_file_cannot_be_opened(make_daemon, monkeypatch):
+def test_async_client_falls_back_to_promotion_when_the_nvme_file_cannot_be_opened(fat_daemon, nvme_refused):
     import asyncio
 
-    import kvcached_client.nvme as nv
-    from kvcached.keys import KVLayout
-    from kvcached_client import AsyncClient, PoolMappingError
+    from kvcached_client import AsyncClient
 
-    fat = KVLayout("test/fat@1", num_layers=4, num_kv_heads=4, head_dim=64, dtype="float32", chunk_tokens=16)
-    d = make_daemon(pool_bytes="2M", pool_block_bytes="128K")
     a = torch.randn(2, 4, 4, 48, 64)
 
-    def refuse(path):
-        raise PoolMappingError(f"cannot open the NVMe tier at {path}: Permission denied")
-
-    monkeypatch.setattr(nv, "_acquire_env", refuse)
-
     async def main() -> None:
-        async with AsyncClient(d.socket) as c:
+        async with AsyncClient(fat_daemon.socket) as c:
             assert c.nvme_read == "direct"  # the measured default, as for Client
-            await c.put(fat, list(range(48)), a)
-            for k in range(5):
-                await c.put(fat, [1000 * (k + 1) + i for i in range(48)], torch.zeros(2, 4, 4, 48, 64))
-            async with await c.acquire(fat, list(range(48))) as lease:
+            await demote_prompt_async(c, a)
+            async with await c.acquire(FAT, PROMPT) as lease:
                 assert torch.equal(lease.kv(), a)
             s = await c.stats()
             assert c.nvme_read == "promote" and s["counters"]["promotions"] >= 2
