@@ -196,6 +196,8 @@ def _stats(c: Any, args: argparse.Namespace) -> int:
         rows.append((f"nvme.{k}", v))
     for k, v in s["counters"].items():
         rows.append((f"counters.{k}", v))
+    for k, v in (s.get("hash_memo") or {}).items():
+        rows.append((f"hash_memo.{k}", v))
     for lid, lay in s["layouts_detail"].items():
         rows.append((f"layout {lid}", f"{lay['model']} layers={lay['num_layers']} kv_heads={lay['num_kv_heads']} "
                                       f"head_dim={lay['head_dim']} {lay['dtype']} chunk={lay['chunk_tokens']}"))

@@ -107,6 +107,11 @@ class StoreCollector:
         ev = counter("kvcached_evictions", "Evictions per tier", ("tier",))
         ev.add_metric([dom, "pool"], c.pool_evictions)
         ev.add_metric([dom, "nvme"], c.nvme_evictions)
+        if s.hash_memo is not None:
+            hm = counter("kvcached_chunk_hashes", "Chunk hashes by source: the hash memo or SHA-256", ("source",))
+            hm.add_metric([dom, "memo"], s.hash_memo.memo_chunks)
+            hm.add_metric([dom, "sha256"], s.hash_memo.hashed_chunks)
+            gauge("kvcached_hash_memo_bytes", "Memory held by the hash memo").add_metric([dom], s.hash_memo.bytes)
 
 
 class LatencyInterceptor(grpc.aio.ServerInterceptor):

@@ -31,6 +31,10 @@ def test_collector_reports_store_snapshot(store, lid):
     assert v("cache_memory_utilization", {**d, "tier": "pool"}) == 3 / store.pool.num_blocks
     assert v("kvcached_leases_active", d) == 1
     assert v("kvcached_lookup_tokens_total", d) == 6 * CT and v("kvcached_hit_tokens_total", d) == 5 * CT
+    # each of the 4 distinct chunks was hashed with SHA-256 once; lookup (3) and acquire (2) reused them
+    assert v("kvcached_chunk_hashes_total", {**d, "source": "sha256"}) == 4
+    assert v("kvcached_chunk_hashes_total", {**d, "source": "memo"}) >= 5
+    assert v("kvcached_hash_memo_bytes", d) > 0
     store.release(lease.lease_id)
     assert v("kvcached_leases_active", d) == 0 and v("kvcached_leases_released_total", d) == 1
     assert v("kvcached_lmdb_file_bytes", d) > 0

@@ -192,6 +192,9 @@ def test_kvcachectl_against_a_daemon(daemon):
     assert r.returncode == 0 and "3 indexed in 1 layouts" in r.stdout
     s = json.loads(ctl("stats", "--json").stdout)
     assert s["indexed_chunks"] == 3 and s["pool"]["blocks_cached"] == 3
+    assert s["hash_memo"]["hashed_chunks"] == 3 and s["hash_memo"]["runs"] == 1  # the put hashed its prompt once
+    r = ctl("stats")
+    assert "hash_memo.memo_chunks" in r.stdout and "pool.blocks_cached" in r.stdout
     r = ctl("lookup", "--json", stdin=" ".join(map(str, range(2 * CT + 3))))
     assert json.loads(r.stdout)["cached_tokens"] == 2 * CT
     lid = next(iter(s["layouts_detail"]))
