@@ -42,20 +42,21 @@ from typing import Callable
 
 from kvcached.keys import ChunkHash
 
-#: Per-run bookkeeping beyond the token bytes: the key tuple, the dict slot,
-#: the Run object, the hash list (16-byte bytes objects at ~49 B each).
-_RUN_OVERHEAD = 200
+#: Bytes a run costs beyond its token bytes and the key's first-chunk bytes: the Run, the key
+#: tuple, two bytes-object headers and the dict slot, plus per chunk a 16-byte hash object and
+#: its tuple slot. Calibrated with tracemalloc (tests/test_hashmemo.py checks it).
+_RUN_OVERHEAD = 280
 _HASH_OVERHEAD = 57
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Run:
     tokens: bytes  # the token bytes of every chunk of the run, in order
     hashes: tuple[ChunkHash, ...]  # one per chunk
 
-    @property
-    def cost(self) -> int:
-        return len(self.tokens) + _RUN_OVERHEAD + _HASH_OVERHEAD * len(self.hashes)
+
+def _cost(key: tuple[ChunkHash, bytes], run: Run) -> int:
+    return len(run.tokens) + len(key[1]) + _RUN_OVERHEAD + _HASH_OVERHEAD * len(run.hashes)
 
 
 HashRange = Callable[[ChunkHash, bytes, int, int, int], list[ChunkHash]]
@@ -113,12 +114,12 @@ class HashMemo:
         if run is None:
             run = self._old.pop(key, None)
             if run is not None:  # used again: keep it through the next swap
-                self._old_bytes -= run.cost
+                self._old_bytes -= _cost(key, run)
                 self._add(key, run)
         return run
 
     def _add(self, key: tuple[ChunkHash, bytes], run: Run) -> None:
-        cost = run.cost
+        cost = _cost(key, run)
         if cost > self.max_bytes // 2:
             return  # a single run larger than a generation would evict everything for itself
         if self._young_bytes + cost > self.max_bytes // 2:
@@ -126,7 +127,7 @@ class HashMemo:
             self._old_bytes, self._young_bytes = self._young_bytes, 0
         old = self._young.get(key)
         self._young[key] = run
-        self._young_bytes += cost - (old.cost if old is not None else 0)
+        self._young_bytes += cost - (_cost(key, old) if old is not None else 0)
 
 
 def _common_chunks(tokens: bytes, off: int, end: int, run_tokens: bytes, step: int) -> int:

@@ -180,3 +180,23 @@ def test_store_without_memo_hashes_everything(tmp_path):
 def test_store_config_refuses_a_negative_budget(tmp_path):
     with pytest.raises(ValueError, match="hash_memo_bytes"):
         StoreConfig(state_dir=str(tmp_path), hash_memo_bytes=-1)
+
+
+@pytest.mark.parametrize("n_chunks", [1, 8, 64])
+def test_the_byte_budget_counts_what_the_memo_really_holds(n_chunks):
+    import gc
+    import os
+    import tracemalloc
+
+    prompts = [bytearray(os.urandom(STEP * n_chunks + 12)) for _ in range(200)]  # + loose tokens
+    memo = HashMemo(1 << 40)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        for p in prompts:
+            memo_chain(memo, bytes(p))  # the only reference to the request's bytes is the memo's
+        gc.collect()
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held <= memo.bytes <= 1.2 * held  # never under-counted, and not far over
