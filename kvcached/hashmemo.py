@@ -30,6 +30,10 @@ dropped and the young one becomes old. A run used at least once per
 half-budget of new runs therefore stays; a flood of one-off prompts only
 costs the memo's own hit rate.
 
+What it keeps: the token ids of recently hashed prompts, in the daemon's memory only (never
+on disk; the index itself keeps only hashes). A deployment that must not hold prompt text in
+memory beyond a request sets ``hash_memo_bytes = 0``.
+
 Thread-safety: safe to share between threads without a lock. Values are a
 pure function of their keys, so a race can lose an entry or count its bytes
 twice (corrected at the next generation swap), never return a wrong hash.
