@@ -223,7 +223,8 @@ class Store:
             in_pool = not offsets or min(offsets) >= 0
             if self._inline and self.nvme is not None and promote and self.reads.needs_promotion(nodes, in_pool):
                 raise WouldBlock
-            self.index.pin_path(nodes, now)
+            self.index.pin(nodes, now)
+            self.index.note_path(nodes)
             try:
                 if promote or self.nvme is None:
                     matched = len(nodes)

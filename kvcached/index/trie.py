@@ -260,20 +260,6 @@ class PrefixIndex:
             if node.qflags & _QUEUED:
                 self._dequeue(node)
 
-    def pin_path(self, nodes: Sequence[Node], now: float) -> None:
-        """:meth:`pin` a matched prefix and :meth:`note_path` it, in one pass (the acquire hot path)."""
-        prev: Node | None = None
-        for node in nodes:
-            node.refcount += 1
-            node.last_use = now
-            if node.refcount == 1 and node.tiers & POOL:
-                self.pinned_in_pool += 1
-            if node.qflags & _QUEUED:
-                self._dequeue(node)
-            if prev is not None:
-                prev.hot_child = node
-            prev = node
-
     def unpin(self, nodes: Iterable[Node], now: float) -> list[Node]:
         """Release one pin on each node; a release counts as a use.
 
