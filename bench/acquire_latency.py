@@ -148,7 +148,7 @@ def breakdown_pieces(store: Store, lid: str, inputs: dict, hashes: list, lease) 
     internal("tier check reads.ensure_in_pool (64 chunks, all in pool)", lambda: lambda: store.reads.ensure_in_pool(nodes, 0.0))
     def receipt_maker():
         entry = store._leases.get(lease.lease_id)
-        return lambda: store.reads.receipt(entry, lid, layout)
+        return lambda: store.reads.receipt(entry, lid, layout, lease.chunk_hashes, lease.offsets)
 
     internal("lease receipt reads.receipt (64 chunks)", receipt_maker)
 

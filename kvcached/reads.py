@@ -97,14 +97,10 @@ class ReadPath:
                 self._unpin(targets, now)
 
     def receipt(self, entry: Entry[tuple[Node, ...]], layout_id: LayoutId, layout: KVLayout,
-                hashes: Sequence[ChunkHash] | None = None, offsets: Sequence[int] | None = None) -> LeaseReceipt:
-        """The receipt of a lease on ``entry.payload``; ``hashes`` and ``offsets`` (-1 for a chunk
-        left on NVMe), when the caller already has them, must be those of the pinned nodes."""
+                hashes: Sequence[ChunkHash], offsets: Sequence[int]) -> LeaseReceipt:
+        """The receipt of a lease on ``entry.payload``, whose nodes' hashes and pool offsets
+        (-1 for a chunk left on NVMe) the caller already collected while matching them."""
         nodes = entry.payload
-        if hashes is None:
-            hashes = [n.hash for n in nodes]
-        if offsets is None:
-            offsets = [n.pool_offset for n in nodes]
         return LeaseReceipt(
             LeaseId(entry.id),
             entry.session,

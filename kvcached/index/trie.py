@@ -134,7 +134,7 @@ class PrefixIndex:
     ) -> Node:
         """Add a chunk whose parent is already indexed (or a first chunk). A chunk with a pool
         copy comes with that copy's byte offset."""
-        if (tiers & POOL) != (pool_offset >= 0):
+        if bool(tiers & POOL) != (pool_offset >= 0):
             raise InternalInvariantError(f"chunk {h.hex()}: a pool offset goes with the pool tier, and only with it")
         if h in self._nodes:
             raise InternalInvariantError(f"chunk {h.hex()} is already indexed")
@@ -219,7 +219,7 @@ class PrefixIndex:
         """Record a new copy of ``node``; a pool copy comes with its byte offset."""
         if node.tiers & tier:
             return
-        if (tier & POOL) != (pool_offset >= 0):
+        if bool(tier & POOL) != (pool_offset >= 0):
             raise InternalInvariantError(f"{node!r}: a pool offset goes with the pool tier, and only with it")
         if tier & POOL:
             node.pool_offset = pool_offset

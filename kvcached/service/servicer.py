@@ -158,10 +158,15 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     def _framed(tokens: Any) -> bool:
         return all(len(t) % 4 == 0 for t in tokens)
 
-    async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
-        tokens = request.tokens  # each read of a bytes field copies it
+    async def _tokens(self, context: grpc.aio.ServicerContext, tokens: bytes) -> bytes:
+        """A request's packed token field, checked once. Read the field only through this: every
+        read of a protobuf bytes field copies it (32 KB for an 8k-token prompt)."""
         if len(tokens) % 4:
             await self._invalid(context, "tokens must be packed little-endian uint32 (a multiple of 4 bytes)")
+        return tokens
+
+    async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
+        tokens = await self._tokens(context, request.tokens)
         session = await self._session(context, request.session_id)
         ttl = await self._ttl(context, request.ttl_seconds)
         r = await self._run(context, self.store.acquire, request.layout_id, tokens, session, ttl=ttl,
@@ -184,11 +189,10 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         return pb.KeepAliveResponse(ttl_seconds=self._remaining(deadline) if deadline is not None else 0.0)
 
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
-        if not self._framed([request.tokens]):
-            await self._invalid(context, "tokens must be packed little-endian uint32 (a multiple of 4 bytes)")
+        tokens = await self._tokens(context, request.tokens)
         session = await self._session(context, request.session_id)
         ttl = await self._ttl(context, request.ttl_seconds)
-        r = await self._run(context, self.store.reserve, request.layout_id, request.tokens, session, ttl=ttl,
+        r = await self._run(context, self.store.reserve, request.layout_id, tokens, session, ttl=ttl,
                             store_nothing=self._bypass(request), inline=True)
         return convert.reservation_to_proto(r, self._remaining(r.expires_at), self.store.layout(r.layout_id).chunk_bytes)
 
@@ -229,25 +233,23 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         return convert.pool_handle_to_proto(self.store.pool_handle(), os.path.abspath(nvme.path) if nvme else "")
 
     async def PutBytes(self, request: pb.PutBytesRequest, context) -> pb.CommitResponse:
-        if not self._framed([request.tokens]):
-            await self._invalid(context, "tokens must be packed little-endian uint32 (a multiple of 4 bytes)")
+        tokens = await self._tokens(context, request.tokens)
         session = await self._session(context, request.session_id)
         if self._bypass(request):
-            await self._run(context, self.store.hashes, request.layout_id, request.tokens)  # still validated
+            await self._run(context, self.store.hashes, request.layout_id, tokens)  # still validated
             return pb.CommitResponse(committed_chunks=0)
-        c = await self._run(context, self.store.put, request.layout_id, request.tokens, list(request.chunks), session)
+        c = await self._run(context, self.store.put, request.layout_id, tokens, list(request.chunks), session)
         return pb.CommitResponse(committed_chunks=c.committed_chunks, cached_tokens=c.cached_tokens)
 
     async def GetBytes(self, request: pb.GetBytesRequest, context) -> pb.GetBytesResponse:
-        if not self._framed([request.tokens]):
-            await self._invalid(context, "tokens must be packed little-endian uint32 (a multiple of 4 bytes)")
+        tokens = await self._tokens(context, request.tokens)
         session = await self._session(context, request.session_id)
 
         def read() -> tuple[int, list[bytes]]:
             # The reply must fit in one message: return the longest cached prefix that does
             # (matched_tokens says how much), rather than fail in the transport after the work.
             fits = (self.max_message_bytes - 4096) // (self.store.layout(request.layout_id).chunk_bytes + 16)
-            r = self.store.acquire(request.layout_id, request.tokens, session, max_chunks=max(fits, 0))
+            r = self.store.acquire(request.layout_id, tokens, session, max_chunks=max(fits, 0))
             try:
                 return r.matched_tokens, [bytes(self.store.read_chunk(r, i)) for i in range(len(r.offsets))]
             finally:

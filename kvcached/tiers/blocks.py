@@ -157,16 +157,6 @@ class BlockPool(Tier):
         """(block, nbytes) of a committed chunk; KeyError if absent. The fast path of slot_of."""
         return self._committed[h]
 
-    def offsets_of(self, hashes: list[ChunkHash]) -> list[int]:
-        """Byte offset of each committed chunk, for lease receipts (the hot path)."""
-        committed, bb = self._committed, self.block_bytes
-        return [committed[h][0] * bb for h in hashes]
-
-    def locate_many(self, hashes: list[ChunkHash]) -> list[tuple[int, int, int]]:
-        """(block, offset, nbytes) of each committed chunk, for lease receipts."""
-        committed, bb = self._committed, self.block_bytes
-        return [(b, b * bb, n) for b, n in map(committed.__getitem__, hashes)]
-
     @property
     def free_blocks(self) -> int:
         return len(self._free)
