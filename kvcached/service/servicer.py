@@ -139,9 +139,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         return pb.RegisterLayoutResponse(layout_id=lid, chunk_bytes=layout.chunk_bytes)
 
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
-        prompts = [convert.tokens_from_proto(t) for t in request.tokens] if self._framed(request.tokens) else None
-        if prompts is None:
-            await self._invalid(context, "every tokens entry must be packed little-endian uint32 (a multiple of 4 bytes)")
+        prompts = [await self._tokens(context, t) for t in request.tokens]
         if len(prompts) > MAX_IDS_PER_CALL:
             await self._invalid(context, f"at most {MAX_IDS_PER_CALL} prompts per Lookup")
 
@@ -154,16 +152,14 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         """Per-request policy: no-store, or a long generation (degrade to plain compute)."""
         return bool(request.no_store) or request.expected_output_tokens > self.bypass_generation_tokens
 
-    @staticmethod
-    def _framed(tokens: Any) -> bool:
-        return all(len(t) % 4 == 0 for t in tokens)
-
     async def _tokens(self, context: grpc.aio.ServicerContext, tokens: bytes) -> bytes:
         """A request's packed token field, checked once. Read the field only through this: every
         read of a protobuf bytes field copies it (32 KB for an 8k-token prompt)."""
-        if len(tokens) % 4:
-            await self._invalid(context, "tokens must be packed little-endian uint32 (a multiple of 4 bytes)")
-        return tokens
+        try:
+            return convert.tokens_from_proto(tokens)
+        except KvcacheError as e:
+            await context.abort(STATUS_OF[e.kind], str(e))
+        raise AssertionError("unreachable")  # pragma: no cover - abort() raises
 
     async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
         tokens = await self._tokens(context, request.tokens)
@@ -275,7 +271,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
 
     async def Evict(self, request: pb.EvictRequest, context) -> pb.EvictResponse:
         if request.prefix_tokens:
-            if not request.layout_id or not self._framed([request.prefix_tokens]):
+            if not request.layout_id or len(request.prefix_tokens) % 4:
                 await self._invalid(context, "evict by prefix needs a layout_id and packed uint32 prefix_tokens")
             r = await self._run(context, self.store.evict_prefix, request.layout_id, request.prefix_tokens)
         else:
