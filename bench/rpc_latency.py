@@ -33,9 +33,15 @@ same ``timeout`` the client library passes.
 
 Attribution: an in-process breakdown (no RPC) of what an Acquire adds to an empty RPC (store
 work, response building, protobuf, the client's per-chunk objects, the servicer's hop to a worker
-thread); and a comparison daemon (``--what-if no-memo``, on by default in full runs) that is the
-same kvcached with ``hash_memo_bytes = 0``, so every Acquire hashes its 32 KB of tokens afresh:
-the memo's effect end to end, measured with the raw rows, shared channel, in the same run.
+thread); and two comparison daemons (``--what-if``, both on by default in full runs), measured
+with the raw rows, shared channel, in the same run:
+
+* ``no-memo``  the same kvcached with ``hash_memo_bytes = 0``, so every Acquire hashes its 32 KB
+               of tokens afresh: the memo's effect end to end
+* ``floor``    the transport floor: Acquire carries the same 32 KB request and gets the same
+               response bytes back, but the handler does no store work (it replays the session's
+               first answer). ``acquire`` vs ``ping`` there is what gRPC alone charges for the
+               request's size; the main daemon's gap beyond it is kvcached's own work
 
 Targets from the issue: acquire p50 <= 1.3x the empty RPC's p50, and acquire throughput >= 0.8x
 the empty RPC's. They are checked for ``acquire`` (one RPC) vs ``ping`` and, as the stricter
@@ -506,7 +512,37 @@ def breakdown(tokens: bytes, args: argparse.Namespace) -> dict:
 #: Comparison daemons, measured with the raw rows over one shared channel in the same run:
 #: name -> (settings that differ from the main daemon's, Python run in the daemon before it starts).
 #: ``no-memo``: hash_memo_bytes = 0, so every request hashes its tokens afresh (SHA-256 chain).
-WHAT_IFS: dict[str, tuple[dict, str | None]] = {"no-memo": ({"hash_memo_bytes": 0}, None)}
+#: ``floor``: the transport floor. Acquire still travels with its 32 KB of packed tokens, is parsed,
+#: and its tokens are read once (the copy the real handler makes), but the handler answers with the
+#: response of the first real Acquire of that session, kept: the same bytes back, no store work and
+#: no response building. What is left between this daemon's ``acquire`` and ``ping`` is what gRPC
+#: charges for carrying the request and the response; the rest of the real daemon's gap is kvcached.
+FLOOR_PRELUDE = """
+from kvcached.service import servicer as _servicer
+from kvcached.v1 import kvcached_pb2 as _pb
+_real_acquire = _servicer.KVCacheServicer.Acquire
+_real_release = _servicer.KVCacheServicer.Release
+_answers = {}
+_replayed = set()
+async def _floor_acquire(self, request, context):
+    request.tokens
+    key = (request.layout_id, request.session_id)
+    answer = _answers.get(key)
+    if answer is None:
+        answer = _answers[key] = await _real_acquire(self, request, context)
+        _replayed.add(answer.lease_id)
+    return answer
+async def _floor_release(self, request, context):
+    if _replayed.issuperset(request.lease_ids):
+        return _pb.ReleaseResponse(released=len(request.lease_ids))
+    return await _real_release(self, request, context)
+_servicer.KVCacheServicer.Acquire = _floor_acquire
+_servicer.KVCacheServicer.Release = _floor_release
+"""
+WHAT_IFS: dict[str, tuple[dict, str | None]] = {
+    "no-memo": ({"hash_memo_bytes": 0}, None),
+    "floor": ({}, FLOOR_PRELUDE),
+}
 
 
 def measure_daemon(settings: dict, prelude: str | None, tokens: bytes, tokens_np: np.ndarray, args,
@@ -589,6 +625,8 @@ def run(args: argparse.Namespace) -> dict:
                            sync=False)
         w["settings_changed"], w["prelude"] = changed, prelude
         out["what_if"][name] = w
+    if "floor" in out["what_if"]:
+        out["attribution"] = attribution(out["results"], out["what_if"]["floor"]["results"])
     out["targets"] = {"acquire_p50_over_ping_p50_max": TARGET_P50_RATIO,
                       "acquire_throughput_over_ping_min": TARGET_THROUGHPUT_RATIO}
     return out
@@ -618,6 +656,33 @@ def verdicts(results: dict) -> dict:
                 "throughput_target_met": tp >= TARGET_THROUGHPUT_RATIO,
             }
         out[key] = rows
+    return out
+
+
+def attribution(main: dict, floor: dict) -> dict:
+    """Per concurrency (shared channel): the daemon CPU an Acquire costs beyond a Ping, split into
+    what the transport floor daemon also pays (gRPC carrying 32 KB in and the response out) and
+    the rest (kvcached's own work), and the throughput ratio each daemon reaches."""
+    out = {}
+    for key, level in main.items():
+        if not key.startswith("shared/") or key not in floor:
+            continue
+        m, f = level, floor[key]
+        gap = m["acquire"]["daemon_cpu_us_per_op"] - m["ping"]["daemon_cpu_us_per_op"]
+        transport = f["acquire"]["daemon_cpu_us_per_op"] - f["ping"]["daemon_cpu_us_per_op"]
+        out[key] = {
+            "daemon_cpu_us_acquire_minus_ping": gap,
+            "of_which_transport_us": transport,
+            "of_which_kvcached_us": gap - transport,
+            "throughput_ratio": ratio(m["acquire"]["throughput_ops_s_median"], m["ping"]["throughput_ops_s_median"]),
+            "floor_throughput_ratio": ratio(f["acquire"]["throughput_ops_s_median"],
+                                            f["ping"]["throughput_ops_s_median"]),
+            "floor_p50_ratio": ratio(f["acquire"]["p50_us"], f["ping"]["p50_us"]),
+            # Daemon CPU per Acquire that would give 0.8x the Ping's throughput, if the daemon's
+            # CPU sets the pace (it does at 16 and 64 callers: one core stays busy for both).
+            "kvcached_budget_us_at_target": m["ping"]["daemon_cpu_us_per_op"] / TARGET_THROUGHPUT_RATIO
+            - m["ping"]["daemon_cpu_us_per_op"] - transport,
+        }
     return out
 
 
@@ -662,6 +727,15 @@ def print_report(res: dict) -> None:
     for name, w in res["what_if"].items():
         print(f"comparison ({name}):")
         _print_verdicts(w["ratios"])
+    if res.get("attribution"):
+        print("\nwhere an Acquire's extra daemon CPU goes (shared channel; us per op, main daemon's acquire - ping,"
+              " split by the floor daemon):")
+        print(format_table(
+            ["concurrency", "acquire - ping", "transport (floor)", "kvcached", "budget at 0.8x", "ops/s / ping",
+             "floor ops/s / ping", "floor p50/ping"],
+            [[k, a["daemon_cpu_us_acquire_minus_ping"], a["of_which_transport_us"], a["of_which_kvcached_us"],
+              a["kvcached_budget_us_at_target"], a["throughput_ratio"], a["floor_throughput_ratio"],
+              a["floor_p50_ratio"]] for k, a in res["attribution"].items()]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -675,7 +749,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,16,64", help="comma-separated caller counts (default 1,16,64)")
     p.add_argument("--channels", default=None, help="shared,per-caller (default both; quick: shared)")
     p.add_argument("--what-if", default=None,
-                   help="comparison daemons to measure too: 'no-memo' or 'none' (default no-memo; quick none)")
+                   help="comparison daemons to measure too, comma-separated: no-memo, floor, or 'none' "
+                        "(default no-memo,floor; quick none)")
     p.add_argument("--workers", type=int, default=4, help="daemon worker_threads (default 4, the daemon's default)")
     p.add_argument("--breakdown-iterations", type=int, default=None,
                    help="samples per in-process breakdown piece (default 3000; quick 300)")
@@ -688,10 +763,11 @@ def main(argv: list[str] | None = None) -> int:
     args.breakdown_iterations = args.breakdown_iterations or (300 if args.quick else 3000)
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
     args.channels = (args.channels or ("shared" if args.quick else "shared,per-caller")).split(",")
-    wi = args.what_if or ("none" if args.quick else "no-memo")
-    args.what_if = [] if wi == "none" else [k for k in WHAT_IFS if k == wi]
-    if wi != "none" and not args.what_if:
-        p.error(f"unknown --what-if {wi!r} (known: {', '.join(WHAT_IFS)}, none)")
+    wi = args.what_if or ("none" if args.quick else ",".join(WHAT_IFS))
+    args.what_if = [] if wi == "none" else wi.split(",")
+    unknown = [k for k in args.what_if if k not in WHAT_IFS]
+    if unknown:
+        p.error(f"unknown --what-if {', '.join(unknown)} (known: {', '.join(WHAT_IFS)}, none)")
     bad = set(args.channels) - {"shared", "per-caller"}
     if bad:
         p.error(f"unknown --channels {sorted(bad)}")
