@@ -7,7 +7,8 @@ but unused), one small layout (1 layer, 1 KV head, head_dim 8, float16: 4 KiB ch
 is tiny; the RPCs carry ids and offsets only, so their cost does not depend on chunk bytes), and
 one 8,192-token prompt put once, so every acquire is a full 64-chunk hit in the pool. The client
 is this process: Python, grpc.aio, on the same box as the daemon (2 cores here), so a large part
-of every figure is the client's own CPU; the table shows CPU per op on each side.
+of every figure is the client's own CPU; the table shows CPU per op on each side, and the
+daemon's context switches per op (from /proc/PID/task/*/schedstat).
 
 Concurrency N = N asyncio tasks (callers) issuing ops back to back. Channels:
 
@@ -23,6 +24,8 @@ Contenders, interleaved round by round (order rotated) so the box's noise hits t
 * ``acquire``          one Acquire RPC; the leases are released after the timed window, in
                        batched Release calls (timed apart, reported per lease)
 * ``acquire+release``  Acquire then Release of that lease: one request's control cost, 2 RPCs
+* ``acquire 1 chunk``  Acquire of the prompt's first 128 tokens (shared channel): the cost every
+                       Acquire pays before its length counts, with next to no transport
 * ``api acquire``, ``api acquire+release``, ``api ping``: the same through the public
                        ``AsyncClient`` (lease objects, session and layout handling); shared
                        channel only
@@ -47,7 +50,7 @@ Targets from the issue: acquire p50 <= 1.3x the empty RPC's p50, and acquire thr
 the empty RPC's. They are checked for ``acquire`` (one RPC) vs ``ping`` and, as the stricter
 per-request reading, ``acquire+release`` (2 RPCs) vs ``ping`` and vs ``ping x2``.
 
-Run:   .venv/bin/python bench/rpc_latency.py            (~4-5 min on a 2-core box)
+Run:   .venv/bin/python bench/rpc_latency.py            (~7 min on a 2-core box)
        .venv/bin/python bench/rpc_latency.py --quick    (a few seconds; writes *.quick.json)
 Output: bench/results/rpc_latency.json
 """
@@ -61,7 +64,7 @@ import glob
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -101,6 +104,7 @@ TARGET_P50_RATIO = 1.3
 TARGET_THROUGHPUT_RATIO = 0.8
 
 RAW = ("ping", "ping x2", "acquire", "acquire+release")
+ONE = "acquire 1 chunk"  # the prompt's first 128 tokens: an acquire's per-call cost, whatever its length
 API = ("api ping", "api acquire", "api acquire+release")
 SYNC = ("sync api ping", "sync api acquire", "sync api acquire+release")
 
@@ -111,16 +115,27 @@ LAYOUT = KVLayout(model="bench/rpc-latency@1", num_layers=1, num_kv_heads=1, hea
 # -- CPU accounting -----------------------------------------------------------------------------
 
 
-def daemon_cpu_ns(pid: int) -> int:
-    """CPU time of every thread of ``pid`` so far (ns), from /proc/PID/task/*/schedstat."""
-    total = 0
+class DaemonUsage(NamedTuple):
+    """Totals over every thread of the daemon, from /proc/PID/task/*/schedstat."""
+
+    cpu_ns: int  # time on a CPU
+    wait_ns: int  # time runnable but waiting for a CPU (the box has 2 cores for client and daemon)
+    slices: int  # times a thread was switched in: the daemon's context switches
+
+    def __sub__(self, other: "DaemonUsage") -> "DaemonUsage":  # type: ignore[override]
+        return DaemonUsage(self.cpu_ns - other.cpu_ns, self.wait_ns - other.wait_ns, self.slices - other.slices)
+
+
+def daemon_usage(pid: int) -> DaemonUsage:
+    cpu = wait = slices = 0
     for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
         try:
             with open(path) as f:
-                total += int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            pass  # a thread that just exited
-    return total
+                a, b, c = (int(x) for x in f.read().split()[:3])
+        except (OSError, ValueError):
+            continue  # a thread that just exited
+        cpu, wait, slices = cpu + a, wait + b, slices + c
+    return DaemonUsage(cpu, wait, slices)
 
 
 # -- callers ------------------------------------------------------------------------------------
@@ -132,6 +147,9 @@ class Caller:
     def __init__(self, stub: pb_grpc.KVCacheStub, acquire_req: pb.AcquireRequest) -> None:
         self.stub = stub
         self.acquire_req = acquire_req
+        self.acquire_one_req = pb.AcquireRequest()
+        self.acquire_one_req.CopyFrom(acquire_req)
+        self.acquire_one_req.tokens = acquire_req.tokens[:CHUNK_TOKENS * 4]
         self.leases: list[str] = []
         self.misses = 0
 
@@ -152,6 +170,13 @@ async def op_acquire(c: Caller) -> None:
     r = await c.stub.Acquire(c.acquire_req, timeout=TIMEOUT)
     c.leases.append(r.lease_id)
     if r.matched_tokens != PROMPT_TOKENS:
+        c.misses += 1
+
+
+async def op_acquire_one(c: Caller) -> None:
+    r = await c.stub.Acquire(c.acquire_one_req, timeout=TIMEOUT)
+    c.leases.append(r.lease_id)
+    if r.matched_tokens != CHUNK_TOKENS:
         c.misses += 1
 
 
@@ -191,6 +216,7 @@ async def api_acquire_release(c: ApiCaller) -> None:
 
 OPS = {
     "ping": op_ping, "ping x2": op_ping2, "acquire": op_acquire, "acquire+release": op_acquire_release,
+    ONE: op_acquire_one,
     "api ping": api_ping, "api acquire": api_acquire, "api acquire+release": api_acquire_release,
 }
 
@@ -230,19 +256,19 @@ class Tally:
         self.ops = 0
         self.wall = 0.0
         self.client_cpu_ns = 0
-        self.daemon_cpu_ns = 0
+        self.daemon = DaemonUsage(0, 0, 0)
         self.release_ns = 0
         self.released = 0
         self.misses = 0
 
-    def record(self, lat: list[int], wall: float, client_cpu_ns: int, daemon_cpu_ns: int) -> None:
+    def record(self, lat: list[int], wall: float, client_cpu_ns: int, daemon: DaemonUsage) -> None:
         """One measured round of one contender."""
         self.lat.extend(lat)
         self.ops += len(lat)
         self.wall += wall
         self.throughput.append(len(lat) / wall)
         self.client_cpu_ns += client_cpu_ns
-        self.daemon_cpu_ns += daemon_cpu_ns
+        self.daemon = DaemonUsage(*(a + b for a, b in zip(self.daemon, daemon)))
 
     def summary(self) -> dict:
         s = summarize_ns(self.lat)
@@ -254,7 +280,9 @@ class Tally:
             throughput_ops_s_max=tp[-1] if tp else float("nan"),
             throughput_ops_s_overall=self.ops / self.wall if self.wall else float("nan"),
             client_cpu_us_per_op=self.client_cpu_ns / self.ops / 1e3 if self.ops else float("nan"),
-            daemon_cpu_us_per_op=self.daemon_cpu_ns / self.ops / 1e3 if self.ops else float("nan"),
+            daemon_cpu_us_per_op=self.daemon.cpu_ns / self.ops / 1e3 if self.ops else float("nan"),
+            daemon_wait_us_per_op=self.daemon.wait_ns / self.ops / 1e3 if self.ops else float("nan"),
+            daemon_switches_per_op=self.daemon.slices / self.ops if self.ops else float("nan"),
             misses=self.misses,
         )
         if self.released:
@@ -293,7 +321,7 @@ async def measure_async(sock: str, pid: int, tokens: bytes, tokens_np: np.ndarra
                     api_client = AsyncClient(sock)
                     await api_client.register(LAYOUT)
                     api_pool = [ApiCaller(api_client, tokens_np) for _ in range(max_n)]
-                    names = RAW + API
+                    names = RAW + (ONE,) + API
                 else:
                     api_pool, names = [], RAW
             else:
@@ -330,9 +358,9 @@ async def measure_async(sock: str, pid: int, tokens: bytes, tokens_np: np.ndarra
                         gc.collect()
                         gc.disable()
                         try:
-                            c0, d0 = time.process_time_ns(), daemon_cpu_ns(pid)
+                            c0, d0 = time.process_time_ns(), daemon_usage(pid)
                             wall = await run_callers(callers, OPS[name], k, lat)
-                            c1, d1 = time.process_time_ns(), daemon_cpu_ns(pid)
+                            c1, d1 = time.process_time_ns(), daemon_usage(pid)
                         finally:
                             gc.enable()
                         ids = [x for c in callers for x in c.leases]
@@ -396,14 +424,14 @@ def measure_sync(sock: str, pid: int, tokens_np: np.ndarray, args) -> dict:
                 gc.collect()
                 gc.disable()
                 try:
-                    c0, d0 = time.process_time_ns(), daemon_cpu_ns(pid)
+                    c0, d0 = time.process_time_ns(), daemon_usage(pid)
                     w0 = time.perf_counter()
                     for _ in range(k):
                         t0 = pc()
                         fn()
                         lat.append(pc() - t0)
                     wall = time.perf_counter() - w0
-                    c1, d1 = time.process_time_ns(), daemon_cpu_ns(pid)
+                    c1, d1 = time.process_time_ns(), daemon_usage(pid)
                 finally:
                     gc.enable()
                 t = tallies[name]
@@ -526,7 +554,7 @@ _answers = {}
 _replayed = set()
 async def _floor_acquire(self, request, context):
     request.tokens
-    key = (request.layout_id, request.session_id)
+    key = (request.layout_id, request.session_id, len(request.tokens))
     answer = _answers.get(key)
     if answer is None:
         answer = _answers[key] = await _real_acquire(self, request, context)
@@ -678,6 +706,12 @@ def attribution(main: dict, floor: dict) -> dict:
             "floor_throughput_ratio": ratio(f["acquire"]["throughput_ops_s_median"],
                                             f["ping"]["throughput_ops_s_median"]),
             "floor_p50_ratio": ratio(f["acquire"]["p50_us"], f["ping"]["p50_us"]),
+            # An acquire of one chunk (512 B of tokens): what every Acquire costs before its length
+            # counts (servicer, store call, lease, response), with next to no transport on top.
+            "one_chunk_acquire_minus_ping_us": m[ONE]["daemon_cpu_us_per_op"] - m["ping"]["daemon_cpu_us_per_op"]
+            if ONE in m else float("nan"),
+            "one_chunk_throughput_ratio": ratio(m[ONE]["throughput_ops_s_median"], m["ping"]["throughput_ops_s_median"])
+            if ONE in m else float("nan"),
             # Daemon CPU per Acquire that would give 0.8x the Ping's throughput, if the daemon's
             # CPU sets the pace (it does at 16 and 64 callers: one core stays busy for both).
             "kvcached_budget_us_at_target": m["ping"]["daemon_cpu_us_per_op"] / TARGET_THROUGHPUT_RATIO
@@ -688,7 +722,7 @@ def attribution(main: dict, floor: dict) -> dict:
 
 def _print_results(results: dict) -> None:
     headers = ["channels/conc  op", "p50 us", "p99 us", "ops/s (median)", "p50/ping", "ops/s / ping",
-               "client cpu us/op", "daemon cpu us/op", "release us/lease"]
+               "client cpu us/op", "daemon cpu us/op", "daemon switches/op", "release us/lease"]
     rows = []
     for key, level in results.items():
         base = level["sync api ping"] if key.startswith("sync") else level["ping"]
@@ -696,7 +730,7 @@ def _print_results(results: dict) -> None:
             rows.append([f"{key:13s} {name}", s["p50_us"], s["p99_us"], s["throughput_ops_s_median"],
                          ratio(s["p50_us"], base["p50_us"]),
                          ratio(s["throughput_ops_s_median"], base["throughput_ops_s_median"]),
-                         s["client_cpu_us_per_op"], s["daemon_cpu_us_per_op"],
+                         s["client_cpu_us_per_op"], s["daemon_cpu_us_per_op"], s["daemon_switches_per_op"],
                          s.get("batched_release_us_per_lease", float("nan"))])
     print(format_table(headers, rows))
 
@@ -731,11 +765,12 @@ def print_report(res: dict) -> None:
         print("\nwhere an Acquire's extra daemon CPU goes (shared channel; us per op, main daemon's acquire - ping,"
               " split by the floor daemon):")
         print(format_table(
-            ["concurrency", "acquire - ping", "transport (floor)", "kvcached", "budget at 0.8x", "ops/s / ping",
-             "floor ops/s / ping", "floor p50/ping"],
+            ["concurrency", "acquire - ping", "transport (floor)", "kvcached", "budget at 0.8x", "1 chunk - ping",
+             "ops/s / ping", "floor ops/s / ping", "1 chunk ops/s / ping", "floor p50/ping"],
             [[k, a["daemon_cpu_us_acquire_minus_ping"], a["of_which_transport_us"], a["of_which_kvcached_us"],
-              a["kvcached_budget_us_at_target"], a["throughput_ratio"], a["floor_throughput_ratio"],
-              a["floor_p50_ratio"]] for k, a in res["attribution"].items()]))
+              a["kvcached_budget_us_at_target"], a["one_chunk_acquire_minus_ping_us"], a["throughput_ratio"],
+              a["floor_throughput_ratio"], a["one_chunk_throughput_ratio"], a["floor_p50_ratio"]]
+             for k, a in res["attribution"].items()]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,8 +19,10 @@ def test_benchmark_runs_quick(name, tmp_path):
     env = dict(os.environ)
     if name == "trace_replay" and not os.path.isdir(TRACES):
         env["KVCACHED_TRACES"] = EXCERPT  # the committed first requests of both traces
+    # rpc_latency: also the transport-floor daemon, whose prelude patches the servicer by name
+    extra = ["--what-if", "floor", "--channels", "shared"] if name == "rpc_latency" else []
     r = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", f"{name}.py"), "--quick", "--out", str(tmp_path)],
+        [sys.executable, os.path.join(ROOT, "bench", f"{name}.py"), "--quick", "--out", str(tmp_path), *extra],
         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -28,3 +30,6 @@ def test_benchmark_runs_quick(name, tmp_path):
     assert len(files) == 1, files
     data = json.load(open(tmp_path / files[0]))
     assert data["machine"]["nproc"] >= 1
+    if name == "rpc_latency":
+        for level in data["attribution"].values():  # the floor daemon answered every acquire as a full hit
+            assert level["floor_throughput_ratio"] > 0 and level["one_chunk_throughput_ratio"] > 0
