@@ -221,7 +221,10 @@ class Store:
             now = self._clock()
             nodes, offsets = self.index.match_located(hashes if max_chunks is None else hashes[:max_chunks])
             in_pool = not offsets or min(offsets) >= 0
-            if self._inline and self.nvme is not None and promote and self.reads.needs_promotion(nodes, in_pool):
+            # On the event loop, disk I/O (promotion, prefetch) must go to a worker thread; once
+            # checked, nothing below the match needs promoting, so prefetch need not look again.
+            checked = self._inline and self.nvme is not None and promote
+            if checked and self.reads.needs_promotion(nodes, in_pool):
                 raise WouldBlock
             self.index.pin(nodes, now)
             self.index.note_path(nodes)
@@ -231,7 +234,8 @@ class Store:
                     if not in_pool:
                         nodes = self.reads.ensure_in_pool(nodes, now)
                         offsets = [n.pool_offset for n in nodes]
-                    if nodes and len(nodes) == matched and self.nvme is not None and self.config.prefetch_distance:
+                    if (nodes and len(nodes) == matched and self.nvme is not None and self.config.prefetch_distance
+                            and not checked):
                         self.reads.prefetch(nodes[-1], now)
             except BaseException:
                 self._unpin(nodes, now)  # an I/O error must not leave pins behind
