@@ -542,8 +542,8 @@ def breakdown(tokens: bytes, args: argparse.Namespace) -> dict:
 #: ``no-memo``: hash_memo_bytes = 0, so every request hashes its tokens afresh (SHA-256 chain).
 #: ``floor``: the transport floor. Acquire still travels with its 32 KB of packed tokens, is parsed,
 #: and its tokens are read once (the copy the real handler makes), but the handler answers with the
-#: response of the first real Acquire of that session, kept: the same bytes back, no store work and
-#: no response building. What is left between this daemon's ``acquire`` and ``ping`` is what gRPC
+#: response of the first real Acquire of that session and prompt length, kept: the same bytes back,
+#: no store work and no response building. What is left between this daemon's ``acquire`` and ``ping`` is what gRPC
 #: charges for carrying the request and the response; the rest of the real daemon's gap is kvcached.
 FLOOR_PRELUDE = """
 from kvcached.service import servicer as _servicer
@@ -553,8 +553,8 @@ _real_release = _servicer.KVCacheServicer.Release
 _answers = {}
 _replayed = set()
 async def _floor_acquire(self, request, context):
-    request.tokens
-    key = (request.layout_id, request.session_id, len(request.tokens))
+    tokens = request.tokens  # the one read (a 32 KB copy) the real handler makes too
+    key = (request.layout_id, request.session_id, len(tokens))
     answer = _answers.get(key)
     if answer is None:
         answer = _answers[key] = await _real_acquire(self, request, context)
