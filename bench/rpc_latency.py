@@ -500,6 +500,14 @@ def breakdown(tokens: bytes, args: argparse.Namespace) -> dict:
                 for k, fn in fns.items():
                     time_calls(fn, n // 3, samples[k] if rnd or n < 30 else [])
             out = {k: summarize_ns(v) for k, v in samples.items()}
+            # The same store call run cold: after a pause, as a request reaches a daemon between
+            # other work. Back to back, the loop above keeps caches and branch predictors warm.
+            for pause_ms in (0.1, 1.0):
+                lat: list[int] = []
+                for _ in range(min(n, 600)):
+                    time.sleep(pause_ms / 1e3)
+                    time_calls(lambda: store.release(store.acquire(lid, tokens).lease_id), 1, lat)
+                out[f"store.acquire + store.release, {pause_ms:g} ms apart (cold)"] = summarize_ns(lat)
             store.release(r.lease_id)
             out["_sizes"] = {"acquire_response_wire_bytes": len(wire), "acquire_request_tokens_bytes": len(tokens)}
     finally:
