@@ -139,9 +139,9 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         return pb.RegisterLayoutResponse(layout_id=lid, chunk_bytes=layout.chunk_bytes)
 
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
-        prompts = [await self._tokens(context, t) for t in request.tokens]
-        if len(prompts) > MAX_IDS_PER_CALL:
+        if len(request.tokens) > MAX_IDS_PER_CALL:  # counted before any prompt is copied out
             await self._invalid(context, f"at most {MAX_IDS_PER_CALL} prompts per Lookup")
+        prompts = [await self._tokens(context, t) for t in request.tokens]
 
         def lookup_all() -> list[int]:
             return [self.store.lookup(request.layout_id, t) for t in prompts]
@@ -271,9 +271,10 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
 
     async def Evict(self, request: pb.EvictRequest, context) -> pb.EvictResponse:
         if request.prefix_tokens:
-            if not request.layout_id or len(request.prefix_tokens) % 4:
-                await self._invalid(context, "evict by prefix needs a layout_id and packed uint32 prefix_tokens")
-            r = await self._run(context, self.store.evict_prefix, request.layout_id, request.prefix_tokens)
+            if not request.layout_id:
+                await self._invalid(context, "evict by prefix needs a layout_id")
+            prefix = await self._tokens(context, request.prefix_tokens)
+            r = await self._run(context, self.store.evict_prefix, request.layout_id, prefix)
         else:
             r = await self._run(context, self.store.evict, request.layout_id or None)
         return pb.EvictResponse(chunks=r.chunks, bytes=r.bytes)
