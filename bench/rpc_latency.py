@@ -36,7 +36,7 @@ same ``timeout`` the client library passes.
 
 Attribution: an in-process breakdown (no RPC) of what an Acquire adds to an empty RPC (store
 work, response building, protobuf, the client's per-chunk objects, the servicer's hop to a worker
-thread); and two comparison daemons (``--what-if``, both on by default in full runs), measured
+thread); and three comparison daemons (``--what-if``, all on by default in full runs), measured
 with the raw rows, shared channel, in the same run:
 
 * ``no-memo``  the same kvcached with ``hash_memo_bytes = 0``, so every Acquire hashes its 32 KB
@@ -45,12 +45,15 @@ with the raw rows, shared channel, in the same run:
                response bytes back, but the handler does no store work (it replays the session's
                first answer). ``acquire`` vs ``ping`` there is what gRPC alone charges for the
                request's size; the main daemon's gap beyond it is kvcached's own work
+* ``handlers`` the main daemon with each unary handler timed on the event-loop thread (thread
+               CPU and wall time per call, by RPC and size): what one call's Python costs inside
+               the daemon, next to the in-process breakdown's hot and cold rows
 
 Targets from the issue: acquire p50 <= 1.3x the empty RPC's p50, and acquire throughput >= 0.8x
 the empty RPC's. They are checked for ``acquire`` (one RPC) vs ``ping`` and, as the stricter
 per-request reading, ``acquire+release`` (2 RPCs) vs ``ping`` and vs ``ping x2``.
 
-Run:   .venv/bin/python bench/rpc_latency.py            (~7 min on a 2-core box)
+Run:   .venv/bin/python bench/rpc_latency.py            (~8 min on a 2-core box)
        .venv/bin/python bench/rpc_latency.py --quick    (a few seconds; writes *.quick.json)
 Output: bench/results/rpc_latency.json
 """
@@ -61,6 +64,7 @@ import argparse
 import asyncio
 import gc
 import glob
+import json
 import os
 import sys
 import time
@@ -575,9 +579,44 @@ async def _floor_release(self, request, context):
 _servicer.KVCacheServicer.Acquire = _floor_acquire
 _servicer.KVCacheServicer.Release = _floor_release
 """
+#: ``handlers``: the main daemon, with each unary handler timed on the event-loop thread (thread CPU
+#: and wall time per call, by RPC and request size), written at exit to ``handler_times.json`` next to
+#: its state dir. It measures what the Python of one call costs *inside* the daemon, between gRPC's
+#: thread hops, next to the same store calls in process (the breakdown's hot and cold rows). The
+#: wrapper adds about a microsecond per call, so this daemon's ratios are not the main ones.
+HANDLERS_PRELUDE = """
+import atexit as _atexit, json as _json, os as _os, sys as _sys, time as _time
+from kvcached.service import servicer as _servicer
+_times = {}
+def _timed(rpc, size):
+    real = getattr(_servicer.KVCacheServicer, rpc)
+    async def handler(self, request, context):
+        c0, w0 = _time.thread_time_ns(), _time.perf_counter_ns()
+        try:
+            return await real(self, request, context)
+        finally:
+            key = f"{rpc} {size(request)}"
+            t = _times.get(key)
+            if t is None:
+                t = _times[key] = [0, 0, 0]
+            t[0] += 1
+            t[1] += _time.thread_time_ns() - c0
+            t[2] += _time.perf_counter_ns() - w0
+    setattr(_servicer.KVCacheServicer, rpc, handler)
+_timed("Ping", lambda r: "")
+_timed("Acquire", lambda r: f"{len(r.tokens) // 4} tokens")
+_timed("Release", lambda r: f"{len(r.lease_ids)} leases")
+def _dump():
+    state_dir = _sys.argv[_sys.argv.index("--state-dir") + 1]
+    with open(_os.path.join(_os.path.dirname(state_dir), "handler_times.json"), "w") as f:
+        _json.dump({k: {"calls": n, "cpu_us_per_call": c / n / 1e3, "wall_us_per_call": w / n / 1e3}
+                    for k, (n, c, w) in sorted(_times.items())}, f)
+_atexit.register(_dump)
+"""
 WHAT_IFS: dict[str, tuple[dict, str | None]] = {
     "no-memo": ({"hash_memo_bytes": 0}, None),
     "floor": ({}, FLOOR_PRELUDE),
+    "handlers": ({}, HANDLERS_PRELUDE),
 }
 
 
@@ -601,6 +640,11 @@ def measure_daemon(settings: dict, prelude: str | None, tokens: bytes, tokens_np
             st1 = c.stats()
         d.stop()
         exit_code = d.exit_code
+        times_path = os.path.join(d.dir, "handler_times.json")
+        handler_times = None
+        if os.path.exists(times_path):
+            with open(times_path) as f:
+                handler_times = json.load(f)
     for level in res.values():
         for name, s in level.items():
             if s["misses"]:
@@ -614,6 +658,7 @@ def measure_daemon(settings: dict, prelude: str | None, tokens: bytes, tokens_np
         "timed_wall_seconds": wall,
         "results": res,
         "ratios": verdicts(res),
+        **({"handler_times": handler_times} if handler_times else {}),
     }
 
 
@@ -779,6 +824,12 @@ def print_report(res: dict) -> None:
               a["kvcached_budget_us_at_target"], a["one_chunk_acquire_minus_ping_us"], a["throughput_ratio"],
               a["floor_throughput_ratio"], a["one_chunk_throughput_ratio"], a["floor_p50_ratio"]]
              for k, a in res["attribution"].items()]))
+    times = res["what_if"].get("handlers", {}).get("handler_times")
+    if times:
+        print("\nin the daemon: each handler's own time on the event-loop thread (the handlers comparison daemon;"
+              " us per call, all concurrencies):")
+        print(format_table(["rpc", "calls", "thread cpu us", "wall us"],
+                           [[k, t["calls"], t["cpu_us_per_call"], t["wall_us_per_call"]] for k, t in times.items()]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -792,8 +843,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,16,64", help="comma-separated caller counts (default 1,16,64)")
     p.add_argument("--channels", default=None, help="shared,per-caller (default both; quick: shared)")
     p.add_argument("--what-if", default=None,
-                   help="comparison daemons to measure too, comma-separated: no-memo, floor, or 'none' "
-                        "(default no-memo,floor; quick none)")
+                   help="comparison daemons to measure too, comma-separated: no-memo, floor, handlers, or 'none' "
+                        "(default all of them; quick none)")
     p.add_argument("--workers", type=int, default=4, help="daemon worker_threads (default 4, the daemon's default)")
     p.add_argument("--breakdown-iterations", type=int, default=None,
                    help="samples per in-process breakdown piece (default 3000; quick 300)")
