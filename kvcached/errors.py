@@ -90,6 +90,10 @@ class LeaseExpired(FailedPrecondition):
     """Keep-alive of a lease whose TTL already ran out (its pins are gone)."""
 
 
+class SessionNotOpen(FailedPrecondition):
+    """A call names a session that ended (or one of a daemon that has since restarted)."""
+
+
 # -- resource exhausted ----------------------------------------------------------
 
 

@@ -1,10 +1,12 @@
 """KVCache servicer: protobuf in, store call, protobuf out.
 
-Every store call runs on a worker thread (the store may do LMDB I/O under its
-lock; see :mod:`kvcached.store`), so the event loop only parses, dispatches
-and answers. Domain errors become status codes here and only here
-(:data:`STATUS_OF`); a bad request never changes state (the store validates
-before it mutates) and never takes the daemon down.
+Each handler hands one plain function (the request's checks and its store
+call) to ``_run``. That runs it on the event loop's thread when it needs
+neither the store lock held elsewhere nor disk I/O (most acquires, releases
+and lookups), and on a worker thread otherwise, so LMDB I/O never stalls the
+loop (see :mod:`kvcached.store`). Domain errors become status codes here and
+only here (:data:`STATUS_OF`); a bad request never changes state (it is
+checked before the store mutates anything) and never takes the daemon down.
 
 Sessions: a client opens the ``Session`` stream and gets a random session id.
 Leases and reservations made under that id are released when the stream ends
@@ -27,8 +29,10 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 import grpc
 
 from kvcached import __version__
-from kvcached.errors import ErrorKind, KvcacheError, WouldBlock, shown
+from kvcached.errors import ErrorKind, InvalidArgument, KvcacheError, SessionNotOpen, WouldBlock, shown
+from kvcached.keys import LayoutId
 from kvcached.leases import ReservationId, SessionId
+from kvcached.receipts import CommitReceipt, EvictReceipt, LeaseReceipt, ReservationReceipt
 from kvcached.service import convert
 from kvcached.store import DEFAULT_SESSION, Store
 from kvcached.v1 import kvcached_pb2 as pb
@@ -50,6 +54,21 @@ STATUS_OF: dict[ErrorKind, grpc.StatusCode] = {
 
 MAX_TTL = 24 * 3600.0
 MAX_IDS_PER_CALL = 4096
+
+
+def _ttl(ttl: float) -> float | None:
+    """A request's ttl_seconds: 0 means the daemon's default (None)."""
+    if ttl == 0:
+        return None
+    if not (0 < ttl <= MAX_TTL) or math.isnan(ttl):
+        raise InvalidArgument(f"ttl_seconds must be in (0, {MAX_TTL:.0f}], got {ttl}")
+    return ttl
+
+
+def _ids(ids: Any, what: str) -> list[str]:
+    if len(ids) > MAX_IDS_PER_CALL:
+        raise InvalidArgument(f"at most {MAX_IDS_PER_CALL} {what} per call, got {len(ids)}")
+    return list(ids)
 
 
 class KVCacheServicer(pb_grpc.KVCacheServicer):
@@ -79,8 +98,9 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     async def _run(
         self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any, inline: bool = False, **kw: Any
     ) -> T:
-        """Call the store. ``inline`` tries the event loop's thread first (Store.run_inline):
-        it succeeds when the call needs neither the lock held elsewhere nor disk I/O, and
+        """Call ``fn`` (a request's checks and its store call) and map its domain errors to
+        statuses. ``inline`` tries the event loop's thread first (Store.run_inline): it
+        succeeds when the call needs neither the lock held elsewhere nor disk I/O, and
         otherwise falls back, with nothing changed, to a worker thread."""
         try:
             if inline:
@@ -100,50 +120,40 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the store did not answer within {self.call_timeout} s")
         raise AssertionError("unreachable")  # pragma: no cover - abort() raises
 
-    async def _invalid(self, context: grpc.aio.ServicerContext, message: str) -> None:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-
-    async def _session(self, context: grpc.aio.ServicerContext, session_id: str) -> SessionId:
+    def _session(self, session_id: str) -> SessionId:
+        """The session a call names. Also runs on worker threads: a dict lookup, safe under the GIL."""
         if not session_id:
             return DEFAULT_SESSION
         if session_id not in self._sessions:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"session {shown(session_id)} is not open (it ended, or the daemon restarted); open a new Session",
+            raise SessionNotOpen(
+                f"session {shown(session_id)} is not open (it ended, or the daemon restarted); open a new Session"
             )
         return SessionId(session_id)
-
-    async def _ttl(self, context: grpc.aio.ServicerContext, ttl: float) -> float | None:
-        if ttl == 0:
-            return None
-        if not (0 < ttl <= MAX_TTL) or math.isnan(ttl):
-            await self._invalid(context, f"ttl_seconds must be in (0, {MAX_TTL:.0f}], got {ttl}")
-        return ttl
-
-    async def _ids(self, context: grpc.aio.ServicerContext, ids: Any, what: str) -> list[str]:
-        if len(ids) > MAX_IDS_PER_CALL:
-            await self._invalid(context, f"at most {MAX_IDS_PER_CALL} {what} per call, got {len(ids)}")
-        return list(ids)
 
     def _remaining(self, expires_at: float) -> float:
         return max(0.0, expires_at - time.monotonic())
 
     # -- RPCs --------------------------------------------------------------------------
+    #
+    # Each handler makes one ``_run`` call of a plain function that checks the request and calls
+    # the store, so a bad request fails inside ``_run`` like a store error does, and the status
+    # comes from STATUS_OF. Read a packed token field once (every read of a protobuf bytes field
+    # copies it: 32 KB for an 8k-token prompt), outside the function, which may run twice (inline,
+    # then on a worker thread).
 
     async def RegisterLayout(self, request: pb.RegisterLayoutRequest, context) -> pb.RegisterLayoutResponse:
-        try:
+        def register() -> tuple[LayoutId, int]:
             layout = convert.layout_from_proto(request.layout)
-        except KvcacheError as e:
-            await context.abort(STATUS_OF[e.kind], str(e))
-        lid = await self._run(context, self.store.register_layout, layout)
-        return pb.RegisterLayoutResponse(layout_id=lid, chunk_bytes=layout.chunk_bytes)
+            return self.store.register_layout(layout), layout.chunk_bytes
+
+        lid, chunk_bytes = await self._run(context, register)
+        return pb.RegisterLayoutResponse(layout_id=lid, chunk_bytes=chunk_bytes)
 
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
-        if len(request.tokens) > MAX_IDS_PER_CALL:  # counted before any prompt is copied out
-            await self._invalid(context, f"at most {MAX_IDS_PER_CALL} prompts per Lookup")
-        prompts = [await self._tokens(context, t) for t in request.tokens]
-
         def lookup_all() -> list[int]:
+            if len(request.tokens) > MAX_IDS_PER_CALL:  # counted before any prompt is copied out
+                raise InvalidArgument(f"at most {MAX_IDS_PER_CALL} prompts per Lookup")
+            prompts = [convert.tokens_from_proto(t) for t in request.tokens]  # all checked before any lookup
             return [self.store.lookup(request.layout_id, t) for t in prompts]
 
         return pb.LookupResponse(cached_tokens=await self._run(context, lookup_all, inline=True))
@@ -152,57 +162,59 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         """Per-request policy: no-store, or a long generation (degrade to plain compute)."""
         return bool(request.no_store) or request.expected_output_tokens > self.bypass_generation_tokens
 
-    async def _tokens(self, context: grpc.aio.ServicerContext, tokens: bytes) -> bytes:
-        """A request's packed token field, checked once. Read the field only through this: every
-        read of a protobuf bytes field copies it (32 KB for an 8k-token prompt)."""
-        try:
-            return convert.tokens_from_proto(tokens)
-        except KvcacheError as e:
-            await context.abort(STATUS_OF[e.kind], str(e))
-        raise AssertionError("unreachable")  # pragma: no cover - abort() raises
-
     async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
-        tokens = await self._tokens(context, request.tokens)
-        session = await self._session(context, request.session_id)
-        ttl = await self._ttl(context, request.ttl_seconds)
-        r = await self._run(context, self.store.acquire, request.layout_id, tokens, session, ttl=ttl,
-                            promote=not request.read_nvme_directly, max_chunks=0 if request.no_cache else None,
-                            inline=True)
+        tokens = request.tokens
+
+        def acquire() -> LeaseReceipt:
+            return self.store.acquire(request.layout_id, convert.tokens_from_proto(tokens),
+                                      self._session(request.session_id), ttl=_ttl(request.ttl_seconds),
+                                      promote=not request.read_nvme_directly,
+                                      max_chunks=0 if request.no_cache else None)
+
+        r = await self._run(context, acquire, inline=True)
         return convert.lease_to_proto(r, self._remaining(r.expires_at))
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
-        ids = await self._ids(context, request.lease_ids, "lease ids")
-        session = await self._session(context, request.session_id)  # ids are bound to their session
+        def release() -> int:  # ids are bound to their session
+            return self.store.release_many(_ids(request.lease_ids, "lease ids"), self._session(request.session_id))
 
-        return pb.ReleaseResponse(released=await self._run(context, self.store.release_many, ids, session, inline=True))
+        return pb.ReleaseResponse(released=await self._run(context, release, inline=True))
 
     async def KeepAlive(self, request: pb.KeepAliveRequest, context) -> pb.KeepAliveResponse:
-        ids = await self._ids(context, request.lease_ids, "lease ids")
-        session = await self._session(context, request.session_id)
-        ttl = await self._ttl(context, request.ttl_seconds)
+        def renew() -> float | None:
+            return self.store.renew_many(_ids(request.lease_ids, "lease ids"), self._session(request.session_id),
+                                         ttl=_ttl(request.ttl_seconds))
 
-        deadline = await self._run(context, self.store.renew_many, ids, session, ttl=ttl, inline=True)
+        deadline = await self._run(context, renew, inline=True)
         return pb.KeepAliveResponse(ttl_seconds=self._remaining(deadline) if deadline is not None else 0.0)
 
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
-        tokens = await self._tokens(context, request.tokens)
-        session = await self._session(context, request.session_id)
-        ttl = await self._ttl(context, request.ttl_seconds)
-        r = await self._run(context, self.store.reserve, request.layout_id, tokens, session, ttl=ttl,
-                            store_nothing=self._bypass(request), inline=True)
+        tokens = request.tokens
+
+        def reserve() -> ReservationReceipt:
+            return self.store.reserve(request.layout_id, convert.tokens_from_proto(tokens),
+                                      self._session(request.session_id), ttl=_ttl(request.ttl_seconds),
+                                      store_nothing=self._bypass(request))
+
+        r = await self._run(context, reserve, inline=True)
         return convert.reservation_to_proto(r, self._remaining(r.expires_at), self.store.layout(r.layout_id).chunk_bytes)
 
     async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
         chunks = request.chunks if request.HasField("chunks") else None
-        session = await self._session(context, request.session_id)
-        c = await self._run(context, self.store.commit, ReservationId(request.reservation_id), session, chunks=chunks,
-                            inline=True)
+
+        def commit() -> CommitReceipt:
+            return self.store.commit(ReservationId(request.reservation_id), self._session(request.session_id),
+                                     chunks=chunks)
+
+        c = await self._run(context, commit, inline=True)
         return pb.CommitResponse(committed_chunks=c.committed_chunks, cached_tokens=c.cached_tokens)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        ids = await self._ids(context, request.reservation_ids, "reservation ids")
-        session = await self._session(context, request.session_id)
-        return pb.AbortResponse(aborted=await self._run(context, self.store.abort_many, ids, session, inline=True))
+        def abort() -> int:
+            return self.store.abort_many(_ids(request.reservation_ids, "reservation ids"),
+                                         self._session(request.session_id))
+
+        return pb.AbortResponse(aborted=await self._run(context, abort, inline=True))
 
     async def Session(self, request_iterator: AsyncIterator[pb.SessionRequest], context) -> AsyncIterator[pb.SessionEvent]:
         if len(self._sessions) >= self.max_sessions:
@@ -229,23 +241,29 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         return convert.pool_handle_to_proto(self.store.pool_handle(), os.path.abspath(nvme.path) if nvme else "")
 
     async def PutBytes(self, request: pb.PutBytesRequest, context) -> pb.CommitResponse:
-        tokens = await self._tokens(context, request.tokens)
-        session = await self._session(context, request.session_id)
-        if self._bypass(request):
-            await self._run(context, self.store.hashes, request.layout_id, tokens)  # still validated
+        tokens = request.tokens
+
+        def put() -> CommitReceipt | None:
+            checked, session = convert.tokens_from_proto(tokens), self._session(request.session_id)
+            if self._bypass(request):
+                self.store.hashes(request.layout_id, checked)  # still validated
+                return None
+            return self.store.put(request.layout_id, checked, list(request.chunks), session)
+
+        c = await self._run(context, put)
+        if c is None:
             return pb.CommitResponse(committed_chunks=0)
-        c = await self._run(context, self.store.put, request.layout_id, tokens, list(request.chunks), session)
         return pb.CommitResponse(committed_chunks=c.committed_chunks, cached_tokens=c.cached_tokens)
 
     async def GetBytes(self, request: pb.GetBytesRequest, context) -> pb.GetBytesResponse:
-        tokens = await self._tokens(context, request.tokens)
-        session = await self._session(context, request.session_id)
+        tokens = request.tokens
 
         def read() -> tuple[int, list[bytes]]:
+            checked, session = convert.tokens_from_proto(tokens), self._session(request.session_id)
             # The reply must fit in one message: return the longest cached prefix that does
             # (matched_tokens says how much), rather than fail in the transport after the work.
             fits = (self.max_message_bytes - 4096) // (self.store.layout(request.layout_id).chunk_bytes + 16)
-            r = self.store.acquire(request.layout_id, tokens, session, max_chunks=max(fits, 0))
+            r = self.store.acquire(request.layout_id, checked, session, max_chunks=max(fits, 0))
             try:
                 return r.matched_tokens, [bytes(self.store.read_chunk(r, i)) for i in range(len(r.offsets))]
             finally:
@@ -270,13 +288,16 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                                 uptime_seconds=time.monotonic() - self._started, listen=self.listen)
 
     async def Evict(self, request: pb.EvictRequest, context) -> pb.EvictResponse:
-        if request.prefix_tokens:
-            if not request.layout_id:
-                await self._invalid(context, "evict by prefix needs a layout_id")
-            prefix = await self._tokens(context, request.prefix_tokens)
-            r = await self._run(context, self.store.evict_prefix, request.layout_id, prefix)
-        else:
-            r = await self._run(context, self.store.evict, request.layout_id or None)
+        prefix = request.prefix_tokens
+
+        def evict() -> EvictReceipt:
+            if prefix:
+                if not request.layout_id:
+                    raise InvalidArgument("evict by prefix needs a layout_id")
+                return self.store.evict_prefix(request.layout_id, convert.tokens_from_proto(prefix))
+            return self.store.evict(request.layout_id or None)
+
+        r = await self._run(context, evict)
         return pb.EvictResponse(chunks=r.chunks, bytes=r.bytes)
 
     async def Flush(self, request: pb.FlushRequest, context) -> pb.FlushResponse:

@@ -19,8 +19,9 @@ def test_benchmark_runs_quick(name, tmp_path):
     env = dict(os.environ)
     if name == "trace_replay" and not os.path.isdir(TRACES):
         env["KVCACHED_TRACES"] = EXCERPT  # the committed first requests of both traces
-    # rpc_latency: also the transport-floor daemon, whose prelude patches the servicer by name
-    extra = ["--what-if", "floor", "--channels", "shared"] if name == "rpc_latency" else []
+    # rpc_latency: also the transport-floor and handler-timing daemons, whose preludes patch the
+    # servicer by name
+    extra = ["--what-if", "floor,handlers", "--channels", "shared"] if name == "rpc_latency" else []
     r = subprocess.run(
         [sys.executable, os.path.join(ROOT, "bench", f"{name}.py"), "--quick", "--out", str(tmp_path), *extra],
         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
@@ -33,3 +34,6 @@ def test_benchmark_runs_quick(name, tmp_path):
     if name == "rpc_latency":
         for level in data["attribution"].values():  # the floor daemon answered every acquire as a full hit
             assert level["floor_throughput_ratio"] > 0 and level["one_chunk_throughput_ratio"] > 0
+        times = data["what_if"]["handlers"]["handler_times"]  # written by the daemon at exit
+        for rpc in ("Ping", "Acquire 8192 tokens", "Release 1 leases"):
+            assert times[rpc]["calls"] > 0 and times[rpc]["cpu_us_per_call"] > 0, times
