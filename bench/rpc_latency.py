@@ -595,7 +595,7 @@ def _timed(rpc, size):
         try:
             return await real(self, request, context)
         finally:
-            key = f"{rpc} {size(request)}"
+            key = f"{rpc} {size(request)}".strip()
             t = _times.get(key)
             if t is None:
                 t = _times[key] = [0, 0, 0]
