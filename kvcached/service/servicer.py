@@ -95,9 +95,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
 
     # -- plumbing --------------------------------------------------------------------
 
-    async def _run(
-        self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any, inline: bool = False, **kw: Any
-    ) -> T:
+    async def _run(self, context: grpc.aio.ServicerContext, fn: Callable[[], T], *, inline: bool = False) -> T:
         """Call ``fn`` (a request's checks and its store call) and map its domain errors to
         statuses. ``inline`` tries the event loop's thread first (Store.run_inline): it
         succeeds when the call needs neither the lock held elsewhere nor disk I/O, and
@@ -105,11 +103,11 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         try:
             if inline:
                 try:
-                    return self.store.run_inline(fn, *args, **kw)
+                    return self.store.run_inline(fn)
                 except WouldBlock:
                     self.fallbacks += 1
             loop = asyncio.get_running_loop()
-            fut = loop.run_in_executor(self._pool, lambda: fn(*args, **kw))
+            fut = loop.run_in_executor(self._pool, fn)
             return await asyncio.wait_for(fut, self.call_timeout)
         except KvcacheError as e:
             if e.kind is ErrorKind.INTERNAL:
