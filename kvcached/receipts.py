@@ -75,13 +75,27 @@ class ReservationReceipt:
     slots: tuple[ChunkLocation, ...]
     expires_at: float
     pool_generation: str
+    durable_tokens: int = 0  # of cached_tokens, the prefix with an NVMe copy
+    write_through: bool = False  # the commit will write NVMe before it returns
 
 
 @dataclass(frozen=True)
 class CommitReceipt:
+    """What a commit made true. ``durable_tokens`` is the prompt's prefix (from its first
+    token) whose chunks all have a committed NVMe copy, so a restart of the daemon keeps them.
+    In a write-through domain that should equal ``cached_tokens``; when it does not (full disk,
+    full LMDB map), :attr:`durable` is False and the chunks past it live in the pool only."""
+
     reservation_id: ReservationId
     committed_chunks: int
     cached_tokens: int  # of the prompt, after this commit
+    durable_tokens: int = 0
+    write_through: bool = False
+
+    @property
+    def durable(self) -> bool:
+        """Everything cached of the prompt would survive a restart."""
+        return self.durable_tokens >= self.cached_tokens
 
 
 @dataclass(frozen=True)

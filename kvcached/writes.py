@@ -29,7 +29,7 @@ from kvcached.errors import InvalidKV, ReservationClosed, TierFull, UnknownReser
 from kvcached.index import Node, PrefixIndex
 from kvcached.keys import ChunkHash, KVLayout, LayoutId
 from kvcached.leases import Entry, ReservationId, SessionId, TimedTable
-from kvcached.locations import POOL
+from kvcached.locations import NVME, POOL
 from kvcached.movement import Mover
 from kvcached.receipts import ChunkLocation, CommitReceipt, ReservationReceipt
 from kvcached.stats import Counters
@@ -117,10 +117,16 @@ class WritePath:
             self.in_flight[h] = ReservationId(entry.id)
         self.counters.reservations += 1
         locs = tuple(ChunkLocation(k + i, h, s.slot_id, s.offset, s.nbytes) for i, (h, s) in enumerate(zip(todo, slots)))
+        durable = next((i for i, node in enumerate(cached) if not node.tiers & NVME), k)
         return ReservationReceipt(
             ReservationId(entry.id), session, layout_id, k * layout.chunk_tokens, in_flight * layout.chunk_tokens,
-            locs, entry.expires_at, self.pool.generation,
+            locs, entry.expires_at, self.pool.generation, durable * layout.chunk_tokens, self.write_through,
         )
+
+    @property
+    def write_through(self) -> bool:
+        """Commits write NVMe before they return (configured, and there is an NVMe tier)."""
+        return self.config.write_through and self.mover.nvme is not None
 
     def write(self, reservation_id: ReservationId, position: int, data: bytes | memoryview) -> None:
         pending = self.pending(reservation_id).payload
@@ -132,7 +138,7 @@ class WritePath:
     def commit(self, reservation_id: ReservationId, chunks: int | None, now: float,
                session: SessionId | None = None) -> CommitReceipt:
         pending = self.pending(reservation_id, session).payload
-        if self.config.write_through and self.mover.nvme is not None:
+        if self.write_through:
             self._io_check()
         n = len(pending.slots) if chunks is None else chunks
         if not 0 <= n <= len(pending.slots):
@@ -151,7 +157,7 @@ class WritePath:
             prev_hash = h
         nodes = self.index.insert_chain(pending.hashes[:n], parent, pending.layout_id, POOL, now,
                                         [slot.offset for slot in pending.slots[:n]])
-        if self.config.write_through and self.mover.nvme is not None:
+        if self.write_through:
             for node in nodes:
                 if self.mover.write_nvme(node, self.pool.read(node.hash)):
                     self.counters.write_through_writes += 1
@@ -160,7 +166,10 @@ class WritePath:
         self.close(pending, now, committed=n)
         self.counters.commits += 1
         self.counters.committed_chunks += n
-        return CommitReceipt(reservation_id, n, (pending.first_position + n) * layout.chunk_tokens)
+        last = nodes[-1] if nodes else parent
+        durable = _durable_chunks(last) if self.mover.nvme is not None else 0
+        return CommitReceipt(reservation_id, n, (pending.first_position + n) * layout.chunk_tokens,
+                             durable * layout.chunk_tokens, self.write_through)
 
     def abort(self, reservation_id: ReservationId, now: float, session: SessionId | None = None) -> bool:
         live = self.reservations.get(reservation_id)
@@ -210,3 +219,19 @@ class WritePath:
             self.in_flight.pop(h, None)
         if pending.parent is not None:
             self._unpin([pending.parent], now)
+
+
+def _durable_chunks(last: Node | None) -> int:
+    """How many chunks, from the prompt's first, have an NVMe copy, on the path ending at ``last``.
+
+    One walk up the parent links: the shallowest chunk without an NVMe copy ends the durable
+    prefix (a restart rebuilds the index from NVMe, so nothing below a gap is reachable)."""
+    if last is None:
+        return 0
+    durable = last.depth + 1
+    node: Node | None = last
+    while node is not None:
+        if not node.tiers & NVME:
+            durable = node.depth
+        node = node.parent
+    return durable

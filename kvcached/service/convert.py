@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvcached.errors import InvalidLayout, InvalidTokens
 from kvcached.keys import KVLayout
 from kvcached.locations import POOL
-from kvcached.receipts import ChunkLocation, LeaseReceipt, ReservationReceipt
+from kvcached.receipts import ChunkLocation, CommitReceipt, LeaseReceipt, ReservationReceipt
 from kvcached.tiers.blocks import CudaIpc, PoolHandle
 from kvcached.v1 import kvcached_pb2 as pb
 
@@ -85,7 +85,14 @@ def reservation_to_proto(r: ReservationReceipt, ttl: float, chunk_bytes: int) ->
         slots=locations_to_proto(r.slots, chunk_bytes, first),
         ttl_seconds=ttl,
         pool_generation=r.pool_generation,
+        durable_tokens=r.durable_tokens,
+        write_through=r.write_through,
     )
+
+
+def commit_to_proto(c: CommitReceipt) -> pb.CommitResponse:
+    return pb.CommitResponse(committed_chunks=c.committed_chunks, cached_tokens=c.cached_tokens,
+                             durable_tokens=c.durable_tokens, write_through=c.write_through)
 
 
 def pool_handle_to_proto(h: PoolHandle, nvme_path: str = "") -> pb.PoolHandle:

@@ -204,8 +204,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             return self.store.commit(ReservationId(request.reservation_id), self._session(request.session_id),
                                      chunks=chunks)
 
-        c = await self._run(context, commit, inline=True)
-        return pb.CommitResponse(committed_chunks=c.committed_chunks, cached_tokens=c.cached_tokens)
+        return convert.commit_to_proto(await self._run(context, commit, inline=True))
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         def abort() -> int:
@@ -249,9 +248,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             return self.store.put(request.layout_id, checked, list(request.chunks), session)
 
         c = await self._run(context, put)
-        if c is None:
-            return pb.CommitResponse(committed_chunks=0)
-        return pb.CommitResponse(committed_chunks=c.committed_chunks, cached_tokens=c.cached_tokens)
+        return pb.CommitResponse(committed_chunks=0) if c is None else convert.commit_to_proto(c)
 
     async def GetBytes(self, request: pb.GetBytesRequest, context) -> pb.GetBytesResponse:
         tokens = request.tokens

@@ -154,20 +154,24 @@ class ReserveRequest(_message.Message):
     def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., session_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., no_store: _Optional[bool] = ..., expected_output_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation_id", "cached_tokens", "in_flight_tokens", "slots", "ttl_seconds", "pool_generation")
+    __slots__ = ("reservation_id", "cached_tokens", "in_flight_tokens", "slots", "ttl_seconds", "pool_generation", "durable_tokens", "write_through")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_THROUGH_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     cached_tokens: int
     in_flight_tokens: int
     slots: ChunkLocations
     ttl_seconds: float
     pool_generation: str
-    def __init__(self, reservation_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., slots: _Optional[_Union[ChunkLocations, _Mapping]] = ..., ttl_seconds: _Optional[float] = ..., pool_generation: _Optional[str] = ...) -> None: ...
+    durable_tokens: int
+    write_through: bool
+    def __init__(self, reservation_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., slots: _Optional[_Union[ChunkLocations, _Mapping]] = ..., ttl_seconds: _Optional[float] = ..., pool_generation: _Optional[str] = ..., durable_tokens: _Optional[int] = ..., write_through: _Optional[bool] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("reservation_id", "chunks", "session_id")
@@ -180,12 +184,16 @@ class CommitRequest(_message.Message):
     def __init__(self, reservation_id: _Optional[str] = ..., chunks: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
-    __slots__ = ("committed_chunks", "cached_tokens")
+    __slots__ = ("committed_chunks", "cached_tokens", "durable_tokens", "write_through")
     COMMITTED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_THROUGH_FIELD_NUMBER: _ClassVar[int]
     committed_chunks: int
     cached_tokens: int
-    def __init__(self, committed_chunks: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    durable_tokens: int
+    write_through: bool
+    def __init__(self, committed_chunks: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., durable_tokens: _Optional[int] = ..., write_through: _Optional[bool] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("reservation_ids", "session_id")
