@@ -6,7 +6,7 @@ chunks (target <= 300 B), and how fast is a 64-chunk longest-prefix match: the f
 Shape (deterministic, ``--seed``): prompts of 64 chunks. The first prompt is all new; each later
 prompt, with probability 0.75, shares a prefix of uniform random length 1..63 chunks with a
 uniformly chosen earlier prompt, else starts a fresh root (a new system prompt). New chunks
-get random 16-byte hashes (what the BLAKE2b-128 chain yields). Prompts are added until the
+get random 16-byte hashes (what the SHA-256/128 chain yields). Prompts are added until the
 index holds exactly N distinct chunks (N = 1,000,000; ``--quick``: 50,000). Chunks are
 inserted with ``PrefixIndex.insert(h, parent, layout_id, TierId.POOL, now, pool_offset)``, each
 with its own 16 MiB-block byte offset (an int object per chunk, as in the daemon).

@@ -13,14 +13,41 @@ itself from token ids; it never accepts a hash from a caller. Truncation to
 128 of 256 bits is what makes the secret-prefix construction safe: the
 output does not reveal the internal state, so no length extension.
 
+Exactly (``||`` concatenates; ``u64le`` is an 8-byte little-endian unsigned)::
+
+    lp(b)       = u64le(len(b)) || b
+    str(s)      = lp(UTF-8 of s)
+    int(v)      = lp(v as little-endian two's complement in max(1, (v.bit_length() + 8) // 8)
+                     bytes)                       # 4 -> 04, 128 -> 80 00, 0 -> 00
+    layout      = str("kvcached.layout.v1") || str(model) || int(num_layers)
+                  || int(num_kv_heads) || int(head_dim) || str(dtype) || int(chunk_tokens)
+                  || str(lora_name) || str(lora_version) || int(len(extra))
+                  || str(k) || str(v) for each (k, v) of extra, sorted
+                  || int(vocab_size)
+    layout id   = hex(BLAKE2b(layout, digest_size=16, person=b"kvc-layout"))   # not keyed
+    namespace   = str("kvcached.namespace.v1") || str(domain) || lp(layout)
+    h_{-1}      = SHA-256(b"kvcached.namespace.v1\\x00" || key || namespace)[:16]
+    h_i         = SHA-256(b"kvcached.chunk.v1\\x00" || key || h_{i-1} || tokens_i)[:16]
+
+``key`` is the 32 raw bytes of ``hash.key``; ``tokens_i`` is token ids
+``i * chunk_tokens`` .. ``(i + 1) * chunk_tokens - 1`` as little-endian
+uint32, fixed width, so it needs no length prefix (``chunk_tokens`` is in
+the namespace; the parent is always 16 bytes). Chunk hashes and layout ids
+are what the NVMe tier is keyed and stamped with (:mod:`kvcached.tiers.record`):
+changing any byte of this encoding orphans every existing tier.
+``tests/test_keys.py`` recomputes it with plain ``hashlib`` and pins golden
+values.
+
 Why not BLAKE2b-128 (the design card's suggestion): ``bench/acquire_latency.py``
 hashes an 8k-token prompt (64 chunks) in ~72 µs with keyed BLAKE2b and
 ~50 µs with SHA-256, which uses the CPU's SHA extensions through OpenSSL;
 hashing was most of an in-process acquire (target ≤ 100 µs), so the faster,
-equally collision-resistant function wins. The store also keeps a
-:mod:`kvcached.hashmemo` of runs it has hashed, so a prefix it has seen
-costs a byte comparison instead (same hashes, by construction). Every identity field is length-prefixed, so two different identities
-can never produce the same encoded bytes (``("ab", "c")`` vs ``("a", "bc")``).
+equally collision-resistant function wins. (The layout id, computed once per
+layout, is still BLAKE2b.) The store also keeps a :mod:`kvcached.hashmemo` of
+runs it has hashed, so a prefix it has seen costs a byte comparison instead
+(same hashes, by construction). Every identity field is length-prefixed, so
+two different identities can never produce the same encoded bytes
+(``("ab", "c")`` vs ``("a", "bc")``).
 
 Only full chunks are hashed: a prompt of 300 tokens with ``chunk_tokens=128``
 has two chunks; the trailing 44 tokens are never cached.

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import os
 import stat
+import struct
 from array import array
 
 import numpy as np
@@ -165,3 +167,100 @@ def test_no_collisions_among_many_prompts():
             key = tuple(toks[: 2 * (i + 1)])
             assert seen.setdefault(h, key) == key
     assert len(seen) == 25 + 625
+
+
+# -- known answers ---------------------------------------------------------------------------
+# Every test above compares the code with itself. These pin the bytes: chunks on NVMe are found
+# again only by these hashes, and stamped with this layout id.
+
+ORPHANS = ("changed: this orphans every existing NVMe tier (its chunks are found again only by these hashes, "
+           "and rebuilt under this layout id). Restore the encoding; change the golden values only for a "
+           "deliberate, announced format break")
+
+GOLDEN_LAYOUT = KVLayout(
+    "meta-llama/Llama-3-8B@abc123", num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", chunk_tokens=4,
+    lora_name="sql-adapter", lora_version="2", extra=(("rope_scaling", "yarn"),), vocab_size=128256,
+)
+GOLDEN_DOMAIN = "tenant-a"
+GOLDEN_TOKENS = [0, 1, 128255, 7, 42, 42, 42, 42, 100000, 3, 2, 1, 9]  # 3 full chunks + 1 token, ignored
+# Computed once with hashlib from the formula in kvcached/keys.py's docstring (as _reference_* below
+# does), key bytes(range(32)); pasted here so that the formula itself cannot drift.
+GOLDEN_LAYOUT_ID = "719e74a430f4380b6388bdaba99f0c8b"
+GOLDEN_ROOT = "43bf52f2ce3b661f6f42c8e3d006dd21"
+GOLDEN_CHAIN = [
+    "a0a53ab5bcd8473926e90f5cdd012bd5",
+    "23ddf6ef24b18fcda06f3397941cd12f",
+    "ef7e9b6b39982e216ffccac5ee599d3b",
+]
+
+
+def _reference_lp(b: bytes) -> bytes:
+    return struct.pack("<Q", len(b)) + b
+
+
+def _reference_str(s: str) -> bytes:
+    return _reference_lp(s.encode("utf-8"))
+
+
+def _reference_int(v: int) -> bytes:
+    return _reference_lp(v.to_bytes(max(1, (v.bit_length() + 8) // 8), "little", signed=True))
+
+
+def _reference_layout(lay: KVLayout) -> bytes:
+    parts = [_reference_str("kvcached.layout.v1"), _reference_str(lay.model), _reference_int(lay.num_layers),
+             _reference_int(lay.num_kv_heads), _reference_int(lay.head_dim), _reference_str(lay.dtype),
+             _reference_int(lay.chunk_tokens), _reference_str(lay.lora_name), _reference_str(lay.lora_version),
+             _reference_int(len(lay.extra))]
+    parts += [_reference_str(k) + _reference_str(v) for k, v in sorted(lay.extra)]
+    parts.append(_reference_int(lay.vocab_size))
+    return b"".join(parts)
+
+
+def _reference_hashes(key: bytes, domain: str, lay: KVLayout, tokens: list[int]) -> tuple[str, bytes, list[bytes]]:
+    """(layout id, h_{-1}, [h_0, h_1, ...]) straight from the module docstring, with hashlib and struct."""
+    enc = _reference_layout(lay)
+    layout_id = hashlib.blake2b(enc, digest_size=16, person=b"kvc-layout").hexdigest()
+    ns = _reference_str("kvcached.namespace.v1") + _reference_str(domain) + _reference_lp(enc)
+    root = hashlib.sha256(b"kvcached.namespace.v1\x00" + key + ns).digest()[:16]
+    out, prev, n = [], root, lay.chunk_tokens
+    for i in range(len(tokens) // n):
+        chunk = struct.pack(f"<{n}I", *tokens[i * n : (i + 1) * n])
+        prev = hashlib.sha256(b"kvcached.chunk.v1\x00" + key + prev + chunk).digest()[:16]
+        out.append(prev)
+    return layout_id, root, out
+
+
+@pytest.mark.parametrize(
+    "lay,domain,tokens",
+    [
+        (dataclasses.replace(BASE, chunk_tokens=4), "default", list(range(12))),
+        (GOLDEN_LAYOUT, GOLDEN_DOMAIN, GOLDEN_TOKENS),
+        (KVLayout("m", 1, 1, 1, dtype="float32", chunk_tokens=2, extra=(("b", "2"), ("a", "é"))), "",
+         [2**32 - 1, 0, 255, 256, 65536, 2**31]),
+    ],
+    ids=["base", "every-field", "edge-values"],
+)
+def test_hashes_follow_the_documented_formula(lay, domain, tokens):
+    layout_id, root, want = _reference_hashes(KEY, domain, lay, tokens)
+    h = ChunkHasher(KEY)
+    got_root = h.root(Namespace(domain, lay))
+    assert lay.encode() == _reference_layout(lay), "layout encoding " + ORPHANS
+    assert lay.layout_id == layout_id, "layout id " + ORPHANS
+    assert got_root == root, "namespace root h_{-1} " + ORPHANS
+    assert h.chain(got_root, normalize_tokens(tokens), lay.chunk_tokens) == want, "chain " + ORPHANS
+    assert len(want) == 3
+
+
+def test_golden_hashes():
+    lay = dataclasses.replace(BASE, chunk_tokens=4, lora_name="sql-adapter", lora_version="2",
+                              extra=(("rope_scaling", "yarn"),), vocab_size=128256)
+    assert lay == GOLDEN_LAYOUT
+    assert GOLDEN_LAYOUT.layout_id == GOLDEN_LAYOUT_ID, "layout id " + ORPHANS
+    h = ChunkHasher(KEY)
+    root = h.root(Namespace(GOLDEN_DOMAIN, GOLDEN_LAYOUT))
+    assert root.hex() == GOLDEN_ROOT, "namespace root h_{-1} " + ORPHANS
+    got = [c.hex() for c in h.chain(root, normalize_tokens(GOLDEN_TOKENS), GOLDEN_LAYOUT.chunk_tokens)]
+    assert got == GOLDEN_CHAIN, "chain " + ORPHANS
+    # The reference implementation agrees with the constants (so neither drifted alone).
+    layout_id, ref_root, ref_chain = _reference_hashes(KEY, GOLDEN_DOMAIN, GOLDEN_LAYOUT, GOLDEN_TOKENS)
+    assert (layout_id, ref_root.hex(), [c.hex() for c in ref_chain]) == (GOLDEN_LAYOUT_ID, GOLDEN_ROOT, GOLDEN_CHAIN)

@@ -6,9 +6,9 @@
     0      4    magic b"KVCN"
     4      2    format version (1)
     6      2    flags (0)
-    8      16   layout id (blake2b-128 of the layout identity)
-    24     16   chunk hash
-    40     16   parent hash (namespace seed for position 0)
+    8      16   layout id (its 16 raw bytes: BLAKE2b-128 of the layout encoding, see kvcached.keys)
+    24     16   chunk hash (also the LMDB key)
+    40     16   parent hash (namespace seed h_{-1} for position 0)
     56     4    position (chunk index in the prompt)
     60     4    token count
     64     8    payload length
@@ -16,9 +16,13 @@
     76     4    CRC-32 of bytes 0..75
     80     ...  payload
 
-The header alone is enough to rebuild the index after a restart; the header
+Integers are little-endian (``struct`` ``"<4sHH16s16s16sIIQI"`` then ``"<I"``);
+CRC-32 is zlib's (``zlib.crc32``, start 0), which ISA-L computes too. The
+header alone is enough to rebuild the index after a restart; the header
 CRC is checked on every scan, the payload CRC on every read, and a value that
-fails either is dropped, never served.
+fails either is dropped, never served. Changing any of this orphans every
+existing tier (an unknown version is dropped as corrupt);
+``tests/tiers/test_record.py`` pins a golden record.
 """
 
 from __future__ import annotations

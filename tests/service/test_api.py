@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -117,20 +118,40 @@ def test_health_and_reflection(daemon):
 
 
 def test_committed_stubs_match_the_proto(tmp_path):
-    """Fails when protos/ changed and scripts/gen-protos was not run."""
+    """Fails when protos/ changed and scripts/gen-protos was not run, or a committed stub was edited.
+
+    Regenerates all three modules exactly as scripts/gen-protos does (same -I and proto path, so
+    the same ``source:`` lines and import paths) into a temp dir and compares bytes.
+    """
     out = tmp_path / "fds.bin"
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT}/protos", f"--descriptor_set_out={out}",
-         f"{ROOT}/protos/kvcached/v1/kvcached.proto"],
-        check=True, capture_output=True,
+        [sys.executable, "-m", "grpc_tools.protoc", "-Iprotos", f"--python_out={tmp_path}",
+         f"--grpc_python_out={tmp_path}", f"--pyi_out={tmp_path}", f"--descriptor_set_out={out}",
+         "protos/kvcached/v1/kvcached.proto"],
+        check=True, capture_output=True, cwd=ROOT,
+    )
+    tools_version = importlib.metadata.version("grpcio-tools")
+    stale = []
+    for name in ("kvcached_pb2.py", "kvcached_pb2_grpc.py", "kvcached_pb2.pyi"):
+        with open(os.path.join(ROOT, "kvcached", "v1", name), "rb") as f:
+            committed_bytes = f.read()
+        if (tmp_path / "kvcached" / "v1" / name).read_bytes() != committed_bytes:
+            stale.append(name)
+    assert not stale, (
+        f"kvcached/v1/{', '.join(stale)} differ from what grpcio-tools {tools_version} generates from "
+        "protos/kvcached/v1/kvcached.proto: run scripts/gen-protos (and pin grpcio-tools in pyproject.toml "
+        "if the generator version is what changed)"
     )
     fresh = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file[0]
     _strip_json_names(fresh.message_type)  # --descriptor_set_out adds them; the embedded copy omits them
     committed = descriptor_pb2.FileDescriptorProto.FromString(pb.DESCRIPTOR.serialized_pb)
-    assert fresh == committed
-    for name in ("RegisterLayout", "Acquire", "Release", "KeepAlive", "Reserve", "Commit", "Abort", "Session",
-                 "GetPoolHandle", "PutBytes", "GetBytes", "Stats", "Evict", "Flush", "Drain"):
-        assert hasattr(pb_grpc.KVCacheStub, "__init__") and name in pb.DESCRIPTOR.services_by_name["KVCache"].methods_by_name
+    assert fresh == committed  # what is imported is what is on disk
+    methods = pb.DESCRIPTOR.services_by_name["KVCache"].methods_by_name
+    with grpc.insecure_channel("unix:/nonexistent") as ch:  # never connects: building a stub only
+        stub = pb_grpc.KVCacheStub(ch)
+        for name in ("RegisterLayout", "Acquire", "Release", "KeepAlive", "Reserve", "Commit", "Abort", "Session",
+                     "GetPoolHandle", "PutBytes", "GetBytes", "Stats", "Evict", "Flush", "Drain"):
+            assert name in methods and hasattr(pb_grpc.KVCacheServicer, name) and hasattr(stub, name), name
 
 
 def _strip_json_names(messages) -> None:
