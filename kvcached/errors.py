@@ -52,6 +52,11 @@ class InvalidKV(InvalidArgument):
     """KV data has the wrong shape, dtype or byte size for its layout."""
 
 
+class InvalidPoolHandle(InvalidArgument):
+    """A pool handle (GetPoolHandle's answer) that no client could map: an unknown kind, no
+    blocks, a segment name that is not a plain /dev/shm name, a CUDA IPC handle of the wrong size."""
+
+
 # -- not found -----------------------------------------------------------------
 
 

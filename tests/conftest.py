@@ -1,15 +1,16 @@
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterator
 import signal
+import subprocess
+from typing import Callable, Iterator
 
 import pytest
 
 from kvcached.config import StoreConfig
-from tests.daemon import Daemon
 from kvcached.keys import KVLayout
 from kvcached.store import Store
+from tests.daemon import Daemon, pool_segments, remove_segments, segment_pid
 
 # A tiny layout: 4 tokens per chunk, 2*1*2*4*4 = 64 bytes per token... small enough for
 # hundreds of chunks in a few KiB of shared memory.
@@ -99,3 +100,45 @@ def make_daemon(tmp_path) -> Iterator[Callable[..., Daemon]]:
 @pytest.fixture
 def daemon(make_daemon) -> Daemon:
     return make_daemon()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_pool_segment_left_behind() -> Iterator[None]:
+    """The suite leaves none of its host pool segments in /dev/shm (tmpfs keeps one until it is
+    unlinked, so each one left is memory gone until reboot).
+
+    Ours are the segments created by this process or by a process it started (daemons, client
+    and writer processes: every ``subprocess.Popen`` is recorded), found at the end when all of
+    them have exited. Segments present at the start, and those of processes this session did not
+    start (other test runs on the host), are left alone. Any of ours are unlinked, then reported.
+    """
+    before = pool_segments()
+    started: dict[int, str] = {os.getpid(): "this pytest process"}
+    init = subprocess.Popen.__init__
+
+    def recording_init(self: subprocess.Popen, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)
+        cmd = args[0] if args else kwargs.get("args")
+        started[self.pid] = " ".join(map(str, cmd))[:160] if isinstance(cmd, (list, tuple)) else str(cmd)[:160]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subprocess.Popen, "__init__", recording_init)
+        yield
+    ours = {}
+    for name in pool_segments() - before:
+        pid = segment_pid(name)
+        if pid in started and (pid == os.getpid() or not _alive(pid)):  # a live one is not left behind (yet)
+            ours[name] = started[pid]
+    remove_segments(ours)
+    assert not ours, "the suite left host pool segments in /dev/shm (unlinked now): " + "; ".join(
+        f"{name} (from {cmd})" for name, cmd in sorted(ours.items()))

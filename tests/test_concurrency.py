@@ -49,6 +49,7 @@ def test_threads_hammering_one_store_keep_invariants(make_store):
         t.start()
     for t in threads:
         t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a worker is still running after 120 s (deadlock?)"
     assert not errors, errors[0]
     assert reads[0] > 0
     store.index.check_invariants()

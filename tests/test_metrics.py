@@ -86,11 +86,10 @@ def test_promtool_accepts_a_real_scrape(daemon):
     import shutil
     import subprocess
 
-    import pytest
+    from tests.requirements import require
 
     promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool missing: scripts/test installs Debian's prometheus package")
+    require(promtool, "promtool missing: scripts/test installs Debian's prometheus package")
     with Client(daemon.socket) as c:
         c.put(LAYOUT, list(range(32)), torch.zeros(2, 2, 2, 32, 8))
         c.lookup(LAYOUT, list(range(32)))

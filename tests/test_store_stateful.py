@@ -10,12 +10,13 @@ and the NVMe tier holds exactly the chunks the index says it holds.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import shutil
 import tempfile
 
 import hypothesis.strategies as st
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from kvcached.config import StoreConfig
@@ -84,10 +85,28 @@ class StoreMachine(RuleBasedStateMachine):
     def put(self, p, tail, session):
         self._learn(p)
         data = [chunk_payload(p[: i + 1]) for i in range(len(p))]
+        before = self._state()
         try:
             self.store.put(self.lid, tokens(p, tail), data, session)
-        except TierFull:
-            pass  # everything pinned: allowed, and put() must then have changed nothing
+        except TierFull:  # everything pinned: allowed, and put() must then have changed nothing
+            event("put refused: TierFull")
+            after = self._state()
+            assert after == before, {k: (v, after[k]) for k, v in before.items() if after[k] != v}
+
+    def _state(self) -> dict:
+        """What a put refused with TierFull must leave as it was: every indexed chunk (tiers,
+        pins), both tiers' stats, the open leases and reservations, the chunks in flight, and every
+        counter but ``in_flight_conflicts`` (the refused put may have met another writer's chunks
+        in flight, and that is counted)."""
+        s = self.store
+        counters = dataclasses.replace(s.counters, in_flight_conflicts=0)
+        return {
+            "index": sorted((n.hash, n.tiers, n.refcount, n.pool_offset) for n in s.index.nodes()),
+            "pool": s.stats().pool, "nvme": s.stats().nvme,
+            "pool_blocks": (s.pool.free_blocks, s.pool.reserved_blocks, s.pool.committed_blocks),
+            "leases": sorted(e.id for e in s._leases), "reservations": sorted(e.id for e in s.writes.reservations),
+            "in_flight": dict(s.writes.in_flight), "counters": counters,
+        }
 
     @rule(target=puts_b, p=prompts, session=st.sampled_from(SESSIONS))
     def reserve(self, p, session):

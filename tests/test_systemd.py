@@ -12,6 +12,7 @@ import time
 import pytest
 
 from kvcached.systemd import Notifier
+from tests.daemon import pool_segments, remove_segments
 
 
 @pytest.fixture
@@ -105,3 +106,4 @@ def test_daemon_lifecycle_under_systemd(notify_socket, tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+            remove_segments(pool_segments(p.pid))  # a killed daemon cannot unlink its pool

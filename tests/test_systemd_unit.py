@@ -10,14 +10,16 @@ import sys
 
 import pytest
 
+from tests.requirements import require
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNIT = os.path.join(ROOT, "systemd", "kvcached.service")
 ANALYZE = shutil.which("systemd-analyze")
-needs_analyze = pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze missing: scripts/test installs Debian's systemd")
 
 
 @pytest.fixture
 def unit(tmp_path):
+    require(ANALYZE, "systemd-analyze missing: scripts/test installs Debian's systemd")
     # verify checks that ExecStart exists: point it at this checkout's console script.
     text = open(UNIT).read().replace("/usr/bin/kvcached", os.path.join(os.path.dirname(sys.executable), "kvcached"))
     path = tmp_path / "kvcached.service"
@@ -25,13 +27,11 @@ def unit(tmp_path):
     return str(path)
 
 
-@needs_analyze
 def test_verify_has_no_warnings(unit):
     r = subprocess.run([ANALYZE, "verify", unit], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "" and r.stderr.strip() == "", r.stdout + r.stderr
 
 
-@needs_analyze
 def test_security_exposure_is_ok_or_better(unit):
     r = subprocess.run([ANALYZE, "security", "--offline=yes", unit], capture_output=True, text=True, timeout=120)
     m = re.search(r"Overall exposure level for \S+: ([\d.]+) (\w+)", r.stdout + r.stderr)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvcached.errors import InvalidLayout, InvalidTokens
+from kvcached.errors import InvalidLayout, InvalidPoolHandle, InvalidTokens, shown
 from kvcached.keys import KVLayout
 from kvcached.locations import POOL
 from kvcached.receipts import ChunkLocation, CommitReceipt, LeaseReceipt, ReservationReceipt
@@ -107,9 +107,48 @@ def pool_handle_to_proto(h: PoolHandle, nvme_path: str = "") -> pb.PoolHandle:
     return msg
 
 
+CUDA_IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t: CUDA_IPC_HANDLE_SIZE bytes
+SHM_NAME_MAX = 255  # NAME_MAX: one file name under /dev/shm
+MAX_POOL_BYTES = 2**63 - 1  # what mmap and torch can address (off_t, int64 sizes)
+
+
 def pool_handle_from_proto(msg: pb.PoolHandle) -> PoolHandle:
+    """The daemon's pool handle, checked before a client maps anything with it: a handle that
+    could not describe a real pool raises :class:`InvalidPoolHandle` saying which field is wrong."""
+    _check_pool_handle(msg)
     cuda = None
     if msg.kind == "cuda":
         cuda = CudaIpc(msg.device_index, msg.device_uuid, msg.ipc_handle, msg.ipc_size_bytes, msg.ipc_offset_bytes,
                        msg.ref_counter_handle, msg.ref_counter_offset, msg.event_handle, msg.event_sync_required)
     return PoolHandle(msg.kind, msg.name, msg.block_bytes, msg.num_blocks, msg.generation, cuda)
+
+
+def _check_pool_handle(msg: pb.PoolHandle) -> None:
+    def bad(why: str) -> InvalidPoolHandle:
+        return InvalidPoolHandle(f"the daemon's pool handle is unusable: {why}")
+
+    if msg.kind not in ("shm", "cuda"):
+        raise bad(f"kind {shown(msg.kind)} is not one this client maps (shm, cuda); use put_bytes/get_bytes")
+    if msg.block_bytes == 0 or msg.num_blocks == 0:
+        raise bad(f"{msg.num_blocks} blocks of {msg.block_bytes} bytes; a pool has at least one block of one byte")
+    if msg.block_bytes * msg.num_blocks > MAX_POOL_BYTES:
+        raise bad(f"{msg.num_blocks} blocks of {msg.block_bytes} bytes is more than {MAX_POOL_BYTES} bytes")
+    if not msg.generation:
+        raise bad("no generation (a client could not tell this pool from the next one)")
+    if msg.kind == "shm":
+        name = msg.name
+        if (not name or name in (".", "..") or "/" in name or "\0" in name
+                or len(name.encode()) > SHM_NAME_MAX):
+            raise bad(f"shared-memory segment name {shown(name)} is not one file name under /dev/shm")
+        return
+    if len(msg.ipc_handle) != CUDA_IPC_HANDLE_BYTES:
+        raise bad(f"CUDA IPC handle of {len(msg.ipc_handle)} bytes; it has {CUDA_IPC_HANDLE_BYTES}")
+    if msg.event_handle and len(msg.event_handle) != CUDA_IPC_HANDLE_BYTES:
+        raise bad(f"CUDA IPC event handle of {len(msg.event_handle)} bytes; it has {CUDA_IPC_HANDLE_BYTES}")
+    if msg.event_sync_required and not msg.event_handle:
+        raise bad("event_sync_required without an event handle to wait on")
+    if not msg.device_uuid:
+        raise bad("no device_uuid (the client finds the daemon's GPU by it)")
+    if msg.ipc_size_bytes < msg.block_bytes * msg.num_blocks:
+        raise bad(f"the shared CUDA storage has {msg.ipc_size_bytes} bytes, fewer than the pool's "
+                  f"{msg.block_bytes * msg.num_blocks}")

@@ -7,14 +7,16 @@ Three parts:
     sent as raw bytes to every RPC of one real daemon. Each answer is OK or one of
     INVALID_ARGUMENT / NOT_FOUND / FAILED_PRECONDITION / RESOURCE_EXHAUSTED / OUT_OF_RANGE,
     never INTERNAL or UNKNOWN; the daemon answers Ping after every request; at the end it
-    is alive and its log holds no traceback. ``Drain`` is left out on purpose: a mutation
+    is alive, stops cleanly, and its whole log holds no traceback. ``Drain`` is left out on purpose: a mutation
     that still parses would drain the daemon, after which UNAVAILABLE is the correct answer
     to everything (the deterministic corpus in :mod:`tests.reliability.corpus` sends Drain
     only bytes that cannot parse).
 (b) ``test_decoding_*``: random layouts and token arrays through the decoding functions of
     :mod:`kvcached.service.convert` and :func:`kvcached.keys.normalize_tokens`: they return
     a well-formed value or raise a :class:`kvcached.errors.KvcacheError` subclass, never
-    another exception.
+    another exception. A pool handle is either refused with
+    :class:`kvcached.errors.InvalidPoolHandle` or one a client can map (:func:`mappable`,
+    the rules written out here), field for field.
 (c) The store-operations half of the harness is the stateful test in
     ``tests/test_store_stateful.py`` (random sequences of acquire/reserve/commit/abort/
     release/evict/expire checked against a reference model); it is not repeated here.
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from array import array
 from typing import Any
 
@@ -39,9 +42,10 @@ import grpc
 import hypothesis.extra.numpy as hnp
 import hypothesis.strategies as st
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 
-from kvcached.errors import KvcacheError
+from kvcached.errors import InvalidPoolHandle, KvcacheError
 from kvcached.keys import DTYPE_SIZES, KVLayout, normalize_tokens
 from kvcached.service import convert
 from kvcached.v1 import kvcached_pb2 as pb
@@ -147,12 +151,14 @@ def test_fuzzed_bytes_to_every_rpc(make_daemon):
         payloads = [chunk(i + 40) for i in range(2)]
         assert c.put_bytes(LAYOUT, list(range(500_000, 500_000 + 2 * CT)), payloads) == 2
         assert c.get_bytes(LAYOUT, list(range(500_000, 500_000 + 2 * CT))) == payloads
-        errors = [line for line in d.output if "Traceback" in line or " ERROR " in line]
-        assert not errors, errors[:5]
-        # The mutations reach past the parser: not every answer is a parse error.
-        print("fuzz answers:", seen)
-        if EXAMPLES >= 100:
-            assert len(seen) >= 3, seen
+        channel.close()
+    assert d.stop() == 0  # a clean stop; after it the whole log has been read
+    errors = [line for line in d.output if "Traceback" in line or " ERROR " in line]
+    assert not errors, errors[:5]
+    # The mutations reach past the parser: not every answer is a parse error.
+    print("fuzz answers:", seen)
+    if EXAMPLES >= 100:
+        assert len(seen) >= 3, seen
 
 
 # -- (b) the decoding functions ------------------------------------------------------------------
@@ -229,17 +235,79 @@ def test_decoding_token_arrays(tokens_in: Any, vocab_size: int) -> None:
         assert ids.tolist() == tokens_in  # ints are never wrapped or truncated silently
 
 
+#: Names around the edges of "one file name under /dev/shm", next to random text.
+shm_names = st.one_of(short_text, st.sampled_from(["kvcached.default.1.abc", "", ".", "..", "../../etc/passwd", "a/b",
+                                                  "/kvcached", "x\0y", "n" * 255, "n" * 256, "é" * 128]))
 pool_handles = st.builds(
-    pb.PoolHandle, kind=st.sampled_from(["shm", "cuda", "", "tpu"]), name=short_text, ipc_handle=st.binary(max_size=64),
-    block_bytes=st.integers(0, 2**64 - 1), num_blocks=st.integers(0, 2**64 - 1), generation=short_text,
-    device_uuid=short_text, ipc_size_bytes=st.integers(0, 2**64 - 1), device_index=uint32,
+    pb.PoolHandle, kind=st.sampled_from(["shm", "cuda", "", "tpu", "SHM"]), name=shm_names,
+    ipc_handle=st.one_of(st.binary(max_size=80), st.binary(min_size=64, max_size=64)),
+    block_bytes=st.one_of(st.integers(0, 2**64 - 1), st.integers(0, 1 << 20)),
+    num_blocks=st.one_of(st.integers(0, 2**64 - 1), st.integers(0, 1 << 16)),
+    generation=short_text, device_uuid=short_text, ipc_size_bytes=st.integers(0, 2**64 - 1), device_index=uint32,
+    event_handle=st.one_of(st.just(b""), st.binary(max_size=80)), event_sync_required=st.booleans(),
 )
+
+
+def mappable(msg: pb.PoolHandle) -> bool:
+    """What a handle must satisfy for a client to map it, written out here (not the decoder's code)."""
+    nbytes = msg.block_bytes * msg.num_blocks
+    common = msg.kind in ("shm", "cuda") and msg.block_bytes > 0 and msg.num_blocks > 0 and nbytes < 2**63 \
+        and msg.generation != ""
+    if not common:
+        return False
+    if msg.kind == "shm":  # one file name directly under /dev/shm, never a path
+        name = msg.name
+        return 0 < len(name.encode()) <= 255 and "/" not in name and "\0" not in name and name not in (".", "..")
+    return (len(msg.ipc_handle) == 64 and len(msg.event_handle) in ((64,) if msg.event_sync_required else (0, 64))
+            and msg.device_uuid != "" and msg.ipc_size_bytes >= nbytes)
 
 
 @FUZZ
 @given(pool_handles)
 def test_decoding_pool_handles(msg: pb.PoolHandle) -> None:
+    """Every handle is either refused with InvalidPoolHandle or one a client can map, field for field."""
     try:
-        convert.pool_handle_from_proto(msg)
-    except KvcacheError:
-        pass
+        h = convert.pool_handle_from_proto(msg)
+    except InvalidPoolHandle as e:
+        assert not mappable(msg), f"a mappable handle was refused: {e}"
+        assert str(e).startswith("the daemon's pool handle is unusable: "), e
+        return
+    assert mappable(msg), f"an unusable handle was accepted: {msg}"
+    assert (h.kind, h.name, h.block_bytes, h.num_blocks, h.generation) == (
+        msg.kind, msg.name, msg.block_bytes, msg.num_blocks, msg.generation)
+    assert h.nbytes == msg.block_bytes * msg.num_blocks
+    if h.kind == "shm":
+        assert h.cuda is None and os.path.dirname(os.path.join("/dev/shm", h.name)) == "/dev/shm"
+    else:
+        assert h.cuda is not None and len(h.cuda.handle) == 64 and h.cuda.size_bytes >= h.nbytes
+        assert h.cuda.device_uuid == msg.device_uuid and h.cuda.event_sync_required == msg.event_sync_required
+    assert convert.pool_handle_from_proto(convert.pool_handle_to_proto(h)) == h  # a stable round trip
+
+
+@pytest.mark.parametrize("fields, why", [
+    ({"kind": "tpu", "num_blocks": 0}, "kind"),
+    ({"kind": ""}, "kind"),
+    ({"block_bytes": 0}, "blocks of 0 bytes"),
+    ({"num_blocks": 0}, "0 blocks"),
+    ({"block_bytes": 2**40, "num_blocks": 2**40}, "more than"),
+    ({"generation": ""}, "generation"),
+    ({"name": ""}, "segment name"),
+    ({"name": "../../etc/passwd"}, "segment name"),
+    ({"name": "/kvcached.default.1.abc"}, "segment name"),
+    ({"name": ".."}, "segment name"),
+    ({"name": "n" * 256}, "segment name"),
+    ({"kind": "cuda", "ipc_handle": b"\1" * 63}, "IPC handle of 63 bytes"),
+    ({"kind": "cuda", "ipc_handle": b""}, "IPC handle of 0 bytes"),
+    ({"kind": "cuda", "event_handle": b"\2" * 8}, "event handle of 8 bytes"),
+    ({"kind": "cuda", "event_handle": b"", "event_sync_required": True}, "event_sync_required"),
+    ({"kind": "cuda", "device_uuid": ""}, "device_uuid"),
+    ({"kind": "cuda", "ipc_size_bytes": 4095}, "fewer than"),
+])
+def test_unusable_pool_handles_are_refused(fields: dict, why: str) -> None:
+    good = dict(kind="shm", name="kvcached.default.1.abc", block_bytes=512, num_blocks=8, generation="abc",
+                ipc_handle=b"\1" * 64, device_uuid="GPU-1234", ipc_size_bytes=4096, event_handle=b"\2" * 64,
+                event_sync_required=True)
+    assert convert.pool_handle_from_proto(pb.PoolHandle(**good)).nbytes == 4096  # the control: valid as it is
+    assert convert.pool_handle_from_proto(pb.PoolHandle(**{**good, "kind": "cuda"})).cuda is not None
+    with pytest.raises(InvalidPoolHandle, match=re.escape(why)):
+        convert.pool_handle_from_proto(pb.PoolHandle(**{**good, **fields}))

@@ -59,6 +59,7 @@ from kvcached_client import Client
 from kvcached_client import _core
 from tests.daemon import Daemon
 from tests.reliability.conftest import LAYOUT
+from tests.requirements import require
 
 CT = LAYOUT.chunk_tokens
 N_CHUNKS = 3
@@ -513,7 +514,11 @@ def test_lease_ids_are_unguessable_and_session_bound(make_daemon, tmp_path):
         assert 0 < lease.keep_alive(30) <= 30  # still H's, still live
         assert torch.equal(lease.kv(), kv_for("lease"))
         m.close()  # M's session ending takes nothing of H's with it
-        time.sleep(0.2)
+        ended = re.compile(rf"session {re.escape(msid)} \(.*\) ended: released 0 leases")
+        deadline = time.monotonic() + 30  # the daemon logs the end once it has released the session's pins
+        while not ended.search(d.log()):
+            assert time.monotonic() < deadline, f"M's session end was never logged:\n{d.log()[-2000:]}"
+            time.sleep(0.02)
         assert h.stats()["leases_active"] == 1
         lease.release()
         ids = []
@@ -575,11 +580,11 @@ def _other_group() -> str:
     pytest.fail("no usable system group (daemon, bin, sys, adm) to own the socket")
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run clients as another user (CI runs as root)")
 def test_socket_mode_and_group_are_enforced_against_another_user():
     """Socket 0660 group G: a process running as nobody is refused (EACCES / UNAVAILABLE) unless
     G is among its groups, then it connects and pings. Domain B's socket (0600, same group) refuses
     even the member of G. The children drop uid, gid and supplementary groups themselves."""
+    require(os.geteuid() == 0, "needs root to run clients as another user (CI runs as root)")
     nobody = pwd.getpwnam("nobody")
     group = _other_group()
     gid = grp.getgrnam(group).gr_gid
@@ -662,8 +667,8 @@ def test_plain_tcp_off_loopback_starts_when_explicitly_allowed(make_daemon):
 
 def _self_signed(tmp_path) -> tuple[str, str]:
     cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
-    if not shutil.which("openssl"):
-        pytest.skip("no openssl CLI to make a test certificate (and python 'cryptography' is not a dependency)")
+    require(shutil.which("openssl"),
+            "no openssl CLI to make a test certificate (and python 'cryptography' is not a dependency)")
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
                     "-nodes", "-days", "2", "-subj", "/CN=kvcached.test", "-keyout", key, "-out", cert,
                     "-addext", "subjectAltName=DNS:kvcached.test,DNS:localhost,IP:127.0.0.1"],

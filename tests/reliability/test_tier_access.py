@@ -25,11 +25,16 @@ import torch
 from kvcached_client import Client
 from tests.daemon import Daemon
 from tests.reliability.conftest import LAYOUT
+from tests.requirements import require
 
 CT = LAYOUT.chunk_tokens
 GROUP = "daemon"  # a system group every Debian host has; the test makes nobody a member or not
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root (CI runs as root)")
+
+@pytest.fixture(autouse=True)
+def as_root() -> None:
+    require(os.geteuid() == 0, "switching to another user needs root (CI runs as root)")
+
 
 CHILD = r"""
 import json, os, sys
