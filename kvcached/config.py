@@ -6,8 +6,17 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
+#: Every pool block size, and so every block's offset in the slab, is a multiple of this. A block
+#: is viewed as a tensor of the layout's dtype in place, and a CUDA view at an offset that its
+#: element size does not divide fails ("storage offset must be divisible by the element size");
+#: 64 is a multiple of every element size a layout can name (kvcached.keys.DTYPE_SIZES), a CPU
+#: cache line (two blocks never share one, so writers of neighbouring blocks do not contend) and
+#: keeps the 16-byte vector loads of GPU copy kernels aligned. Chunks of every realistic layout
+#: (and of every test layout) are multiples of it, so it costs no padding there.
+BLOCK_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -68,12 +77,22 @@ class FileAccess:
                 os.chown(path_or_fd, -1, self.gid)
 
 
+def check_block_bytes(block_bytes: int) -> None:
+    """Refuse a pool block size that is not a positive multiple of :data:`BLOCK_ALIGN`."""
+    if block_bytes <= 0 or block_bytes % BLOCK_ALIGN:
+        up = max(BLOCK_ALIGN, -(-block_bytes // BLOCK_ALIGN) * BLOCK_ALIGN)
+        raise ValueError(f"pool_block_bytes must be a positive multiple of {BLOCK_ALIGN} bytes (so every block "
+                         f"offset is aligned for any dtype), got {block_bytes}; use {up}")
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """Everything the engine of one trust domain needs.
 
     ``pool_bytes`` is rounded down to whole ``pool_block_bytes`` blocks. A
     layout whose chunk is larger than one block cannot be registered.
+    ``pool_block_bytes`` must be a multiple of :data:`BLOCK_ALIGN`, so that every
+    block starts aligned for any dtype.
     """
 
     state_dir: str
@@ -100,7 +119,8 @@ class StoreConfig:
     file_access: FileAccess = field(default_factory=FileAccess)
 
     def __post_init__(self) -> None:
-        if self.pool_block_bytes <= 0 or self.pool_bytes < self.pool_block_bytes:
+        check_block_bytes(self.pool_block_bytes)
+        if self.pool_bytes < self.pool_block_bytes:
             raise ValueError("pool_bytes must hold at least one pool_block_bytes block")
         if self.nvme_bytes < 0:
             raise ValueError("nvme_bytes must be >= 0")

@@ -61,11 +61,12 @@ async def _serve(settings: DaemonSettings, config_file: str | None, overrides: d
     loop = asyncio.get_running_loop()
     notify = Notifier()
     domains = [settings, *settings.extra_domains]  # one store, pool, NVMe env and socket each
+    configs = settings.store_configs()  # default pool sizes from the memory free before any pool exists
     stores: list[Store] = []
     try:
-        for d in domains:
+        for config in configs:
             # Pool allocation and the NVMe rebuild can take long: keep extending the start timeout.
-            opening = loop.run_in_executor(None, Store, d.store_config())
+            opening = loop.run_in_executor(None, Store, config)
             while not opening.done():
                 notify.extend_timeout(30)
                 await asyncio.wait([opening], timeout=10)

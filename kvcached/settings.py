@@ -19,7 +19,7 @@ import tomllib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from kvcached.config import FileAccess, GiB, MiB, StoreConfig
+from kvcached.config import BLOCK_ALIGN, FileAccess, GiB, KiB, MiB, StoreConfig, check_block_bytes
 
 DEFAULT_CONFIG_FILE = "/etc/kvcached/kvcached.toml"
 
@@ -70,13 +70,45 @@ def default_socket() -> str:
     return os.path.join("/tmp", f"kvcached-{os.getuid()}", "kvcached.sock")
 
 
-def default_pool_bytes() -> int:
-    """Host pool: a quarter of what /dev/shm has free, at most 1 GiB, at least 64 MiB."""
+def free_shm_bytes() -> int:
+    """What /dev/shm has free."""
     try:
-        free = shutil.disk_usage("/dev/shm").free
+        return shutil.disk_usage("/dev/shm").free
     except OSError:  # pragma: no cover
-        free = 4 * GiB
-    return max(64 * MiB, min(1 * GiB, free // 4))
+        return 4 * GiB
+
+
+def default_pool_bytes(domains: int = 1) -> int:
+    """Host pool: a quarter of what /dev/shm has free, at most 1 GiB, split evenly among
+    ``domains`` pools; each gets at least 64 MiB."""
+    return max(64 * MiB, min(1 * GiB, free_shm_bytes() // 4) // domains)
+
+
+def default_pool_for(device: str, domains: int = 1) -> int:
+    """The default pool size on ``device`` (cpu or cuda[:N]), for each of ``domains`` pools."""
+    if device == "cpu":
+        return default_pool_bytes(domains)
+    from kvcached.tiers.pool_cuda import default_pool_bytes as cuda_default
+
+    return cuda_default(device, domains)
+
+
+#: Block sizes derived for a small pool are rounded down to the largest of these they reach:
+#: 2 MiB (a huge page on the host, the CUDA driver's mapping granularity) or 4 KiB (a host page),
+#: so no two blocks share a page; a smaller block is rounded down to BLOCK_ALIGN.
+_DERIVED_BLOCK_ALIGNS = (2 * MiB, 4 * KiB)
+
+
+def derived_block_bytes(pool_bytes: int, block_bytes: int) -> int:
+    """The block size a pool of ``pool_bytes`` uses: ``block_bytes``, or a 16th of the pool when
+    that is smaller (a small pool still gets 16 blocks), rounded down to an alignment
+    (:data:`_DERIVED_BLOCK_ALIGNS`, at least BLOCK_ALIGN): a bare ``pool // 16`` could be odd, and
+    a block at an odd offset cannot be viewed as a 2-byte dtype on the GPU."""
+    share = pool_bytes // 16
+    if block_bytes <= share:
+        return block_bytes
+    align = next((a for a in _DERIVED_BLOCK_ALIGNS if share >= a), BLOCK_ALIGN)
+    return max(BLOCK_ALIGN, share // align * align)
 
 
 @dataclass(frozen=True)
@@ -88,8 +120,8 @@ class DaemonSettings:
     socket_group: str = ""
     device: str = "auto"
     domain: str = "default"
-    pool_bytes: int = 0  # 0: default_pool_bytes()
-    pool_block_bytes: int = 16 * MiB
+    pool_bytes: int = 0  # 0: the device's default (default_pool_for), shared by the domains that take it
+    pool_block_bytes: int = 16 * MiB  # a multiple of BLOCK_ALIGN
     nvme_bytes: int = 64 * GiB
     nvme_map_bytes: int = 0  # 0: 2 x nvme_bytes
     write_through: bool = False
@@ -119,6 +151,10 @@ class DaemonSettings:
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", self.device)):
             raise SettingsError(f"device must be auto, cpu or cuda[:N], not {self.device!r}")
+        try:
+            check_block_bytes(self.pool_block_bytes)
+        except ValueError as e:
+            raise SettingsError(str(e)) from None
         if not 0 <= self.socket_mode <= 0o777:
             raise SettingsError(f"socket_mode must be an octal permission like 0660, got {oct(self.socket_mode)}")
         if self.max_message_bytes < 64 * 1024:
@@ -158,23 +194,31 @@ class DaemonSettings:
         except ImportError:  # pragma: no cover - torch is a dependency
             return "cpu"
 
-    def store_config(self) -> StoreConfig:
-        device = self.resolved_device()
-        if self.pool_bytes:
-            pool = self.pool_bytes
-        elif device == "cpu":
-            pool = default_pool_bytes()
-        else:
-            from kvcached.tiers.pool_cuda import default_pool_bytes as cuda_default
+    def store_configs(self) -> list[StoreConfig]:
+        """The StoreConfig of every trust domain, this one first (what the daemon opens).
 
-            pool = cuda_default(device)
-        block = min(self.pool_block_bytes, max(1, pool // 16))  # a small pool still gets 16 blocks
+        The domains that set no ``pool_bytes`` share one default (:func:`default_pool_for`),
+        computed once from the memory free before any pool exists and split evenly among them,
+        so together they take what one default pool would. Computed per domain as each pool is
+        created, each would get its fraction of what the ones before it left (on a GPU: half of
+        the free memory, then a quarter, then an eighth).
+        """
+        domains = [self, *self.extra_domains]
+        sharing = sum(1 for d in domains if not d.pool_bytes)
+        share = default_pool_for(self.resolved_device(), sharing) if sharing else None
+        return [d.store_config(share) for d in domains]
+
+    def store_config(self, default_pool: int | None = None) -> StoreConfig:
+        """This domain's StoreConfig; ``default_pool`` is its pool size when ``pool_bytes`` is
+        not set (None: this domain's default, as if it were the only one)."""
+        device = self.resolved_device()
+        pool = self.pool_bytes or (default_pool if default_pool is not None else default_pool_for(device))
         return StoreConfig(
             state_dir=self.state_dir,
             domain=self.domain,
             device=device,
             pool_bytes=pool,
-            pool_block_bytes=block,
+            pool_block_bytes=derived_block_bytes(pool, self.pool_block_bytes),
             nvme_bytes=self.nvme_bytes,
             nvme_map_bytes=self.nvme_map_bytes or None,
             cache_ttl=self.cache_ttl,

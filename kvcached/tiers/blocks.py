@@ -7,6 +7,11 @@ says how a client maps the slab (``handle``).
 
 Free blocks are handed out last-freed first (a stack), so recently touched
 memory is reused while it is warm; a fresh pool hands out block 0 first.
+
+Block ``b`` starts at ``b * block_bytes``; the block size is a multiple of
+:data:`kvcached.config.BLOCK_ALIGN` (checked here, whoever builds the pool), so
+with a slab base aligned at least that much every block can be viewed as any
+layout dtype in place.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kvcached.config import check_block_bytes
 from kvcached.errors import ChunkNotCached, InternalInvariantError, InvalidKV, TierFull
 from kvcached.keys import ChunkHash
 from kvcached.locations import TierId
@@ -56,8 +62,9 @@ class BlockPool(Tier):
     tier_id = TierId.POOL
 
     def __init__(self, block_bytes: int, num_blocks: int) -> None:
-        if block_bytes <= 0 or num_blocks <= 0:
-            raise ValueError("pool needs a positive block size and block count")
+        if num_blocks <= 0:
+            raise ValueError("pool needs a positive block count")
+        check_block_bytes(block_bytes)
         self.block_bytes = block_bytes
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))

@@ -28,6 +28,7 @@ import os
 import secrets
 from typing import TYPE_CHECKING, Callable
 
+from kvcached.config import BLOCK_ALIGN
 from kvcached.errors import InvalidArgument, TierFull, Unavailable
 from kvcached.tiers.blocks import BlockPool, CudaIpc, PoolHandle
 
@@ -68,12 +69,19 @@ def device_uuid(dev: "torch.device") -> str:
     return str(torch.cuda.get_device_properties(dev).uuid)
 
 
-def default_pool_bytes(device: str) -> int:
-    """Half of the device's free memory (DESIGN.md section 8)."""
+def default_pool_bytes(device: str, domains: int = 1) -> int:
+    """Half of the device's free memory (DESIGN.md section 8), split evenly among ``domains`` pools."""
     import torch
 
     free, _total = torch.cuda.mem_get_info(resolve_device(device))
-    return free // 2
+    return free // 2 // domains
+
+
+def check_slab_aligned(slab: "torch.Tensor") -> None:
+    """Block offsets are multiples of BLOCK_ALIGN (kvcached.tiers.blocks); so must the slab's base
+    be, or a block cannot be viewed as its dtype. The caching allocator aligns to 512 bytes."""
+    if slab.data_ptr() % BLOCK_ALIGN:
+        raise ValueError(f"CUDA pool slab at {slab.data_ptr():#x} is not {BLOCK_ALIGN}-byte aligned")
 
 
 class CudaPool(BlockPool):
@@ -89,6 +97,7 @@ class CudaPool(BlockPool):
         except torch.cuda.OutOfMemoryError as e:
             raise TierFull(f"cannot allocate a {size} byte pool on {self.device}: {e}; lower --pool-bytes") from e
         torch.cuda.synchronize(self.device)
+        check_slab_aligned(self._slab)
         (dev_index, handle, size_bytes, offset_bytes, rc_handle, rc_offset, ev_handle, ev_sync) = (
             self._slab.untyped_storage()._share_cuda_()
         )
@@ -162,6 +171,7 @@ class CudaPoolMapping:
         self.slab = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (ipc.size_bytes,), (1,))
         if self.slab.numel() < handle.nbytes:
             raise ValueError(f"CUDA pool storage has {self.slab.numel()} bytes, the handle says {handle.nbytes}")
+        check_slab_aligned(self.slab)
 
     def block(self, offset: int, nbytes: int) -> "torch.Tensor":
         if offset < 0 or nbytes < 0 or offset + nbytes > self.handle.nbytes:

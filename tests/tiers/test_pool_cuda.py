@@ -16,8 +16,10 @@ from kvcached.tiers.blocks import CudaIpc, PoolHandle
 from kvcached.tiers.pool_cuda import CudaUnavailable, check_allocator
 from kvcached.tiers.registry import make_pool
 
+
 def gpu(fn):
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")(fn))
+    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
+    return pytest.mark.gpu(skip(fn))
 
 
 def test_expandable_segments_are_refused(monkeypatch):
@@ -54,38 +56,80 @@ from tests.service.conftest import LAYOUT
 g = torch.Generator(device="cuda").manual_seed(11)
 kv = torch.randn(2, 2, 2, 64, 8, device="cuda", generator=g)
 with Client(sys.argv[1]) as c:
-    assert c.put(LAYOUT, list(range(64)), kv) == 4
+    assert c.put(LAYOUT, list(range(64)), kv).stored_chunks == 4
     assert c._pool._mapping.slab.device.type == "cuda"
 torch.save(kv.cpu(), sys.argv[2])
 """
 
+# "promote": chunks that are only on NVMe (after the restart) come back through the daemon's GPU pool;
+# the default "direct" would read them from the LMDB file into host memory and bypass the pool.
 _READER = r"""
 import sys, torch
 from kvcached_client import Client
 from tests.service.conftest import LAYOUT
-with Client(sys.argv[1]) as c:
+with Client(sys.argv[1], nvme_read="promote") as c:
     with c.acquire(LAYOUT, list(range(64))) as lease:
-        assert lease.chunk(0).device.type == "cuda"
-        torch.save(lease.kv().cpu(), sys.argv[2])
-        print(c._pool.generation)
+        assert lease.matched_tokens == 64
+        assert all(not loc.nvme_key for loc in lease.locations)
+        assert all(lease.chunk(i).device.type == "cuda" for i in range(len(lease)))
+        kv = lease.kv()
+        assert kv.device.type == "cuda"
+        torch.save(kv.cpu(), sys.argv[2])
+    print(c._pool.generation, c.stats()["counters"]["promotions"])
 """
+
+
+def _run(*args: str) -> str:
+    r = subprocess.run([sys.executable, "-c", *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout.strip()
 
 
 @gpu
 def test_gpu_pool_shared_across_processes_bit_exact_and_new_generation_after_restart(make_daemon, tmp_path):
     d = make_daemon(device="cuda", pool_bytes="64M", pool_block_bytes="1M")
-    w = subprocess.run([sys.executable, "-c", _WRITER, d.socket, str(tmp_path / "w.pt")], capture_output=True, text=True,
-                       timeout=300)
-    assert w.returncode == 0, w.stderr
-    r = subprocess.run([sys.executable, "-c", _READER, d.socket, str(tmp_path / "r.pt")], capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert torch.equal(torch.load(tmp_path / "r.pt"), torch.load(tmp_path / "w.pt"))
-    gen1 = r.stdout.strip()
-    assert d.stop() == 0
+    _run(_WRITER, d.socket, str(tmp_path / "w.pt"))
+    gen1, promoted = _run(_READER, d.socket, str(tmp_path / "r.pt")).split()
+    assert torch.equal(torch.load(tmp_path / "r.pt"), torch.load(tmp_path / "w.pt")) and promoted == "0"
+    assert d.stop() == 0  # writes the pool-only chunks to NVMe
     d.start()
-    r2 = subprocess.run([sys.executable, "-c", _READER, d.socket, str(tmp_path / "r2.pt")], capture_output=True,
-                        text=True, timeout=300)
-    assert r2.returncode == 0, r2.stderr
-    assert r2.stdout.strip() != gen1  # a restarted daemon exports a new slab: clients remap
-    assert torch.equal(torch.load(tmp_path / "r2.pt"), torch.load(tmp_path / "w.pt"))  # via NVMe and promotion
+    gen2, promoted = _run(_READER, d.socket, str(tmp_path / "r2.pt")).split()
+    assert gen2 != gen1  # a restarted daemon exports a new slab: clients remap
+    assert promoted == "4"  # NVMe -> GPU pool, by the daemon
+    assert torch.equal(torch.load(tmp_path / "r2.pt"), torch.load(tmp_path / "w.pt"))
+
+
+@gpu
+def test_gpu_lease_spanning_pool_and_nvme_direct_chunks_gives_one_cuda_tensor(make_daemon):
+    from kvcached_client import Client
+    from tests.service.test_daemon import FAT, PROMPT, demote_prompt
+
+    d = make_daemon(device="cuda", pool_bytes="2M", pool_block_bytes="128K")
+    a = torch.randn(2, 4, 4, 48, 64)
+    with Client(d.socket, nvme_read="direct") as c:
+        demote_prompt(c, a)  # chunk 0 stays in the GPU pool, chunks 1 and 2 are NVMe-only
+        with c.acquire(FAT, PROMPT) as lease:
+            assert [bool(loc.nvme_key) for loc in lease.locations] == [False, True, True]
+            assert all(lease.chunk(i).device.type == "cuda" for i in range(3))
+            kv = lease.kv()
+            assert kv.device.type == "cuda" and torch.equal(kv.cpu(), a)
+            out = torch.empty(FAT.chunk_shape, device="cuda")
+            assert torch.equal(lease.copy_chunk(2, out).cpu(), a[:, :, :, 32:48])
+        assert c.stats()["counters"]["promotions"] == 0
+
+
+@gpu
+def test_gpu_blocks_of_a_derived_size_view_as_a_two_byte_dtype(make_daemon):
+    from kvcached.keys import KVLayout
+    from kvcached_client import Client
+
+    # 1000017 // 16 is odd: a bare pool // 16 block put block 1 at an odd offset, which a bfloat16
+    # view of the CUDA slab refuses ("storage offset must be divisible by the element size").
+    d = make_daemon(device="cuda", pool_bytes=1000017, pool_block_bytes="16M")
+    layout = KVLayout("test/gpu-bf16@1", num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", chunk_tokens=16)
+    kv = torch.randn(2, 2, 2, 64, 8).to(torch.bfloat16)
+    with Client(d.socket) as c:
+        assert c.pool_handle().block_bytes % 64 == 0
+        assert c.put(layout, list(range(64)), kv).stored_chunks == 4  # blocks 0..3
+        with c.acquire(layout, list(range(64))) as lease:
+            assert torch.equal(lease.kv().cpu(), kv)
