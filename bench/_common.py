@@ -63,17 +63,25 @@ def machine_info() -> dict:
     return info
 
 
+#: What a figure depends on: the daemon, the client library, the benchmarks and the API.
+_SOURCE_PATHS = ("kvcached", "clients", "bench", "protos", "pyproject.toml", ":(exclude)bench/results")
+
+
 def _git_state() -> dict:
-    """Commit of the engine the numbers belong to, and whether kvcached/ had uncommitted edits."""
+    """Commit of the code the numbers belong to, and which of its files had uncommitted edits
+    (a result written by uncommitted code says so; ``uncommitted_files`` empty means the run
+    is reproducible from ``git_commit``)."""
     import subprocess
 
     def git(*a: str) -> str:
-        return subprocess.run(["git", "-C", REPO_ROOT, *a], capture_output=True, text=True, timeout=10, check=False).stdout.strip()
+        return subprocess.run(["git", "-C", REPO_ROOT, *a], capture_output=True, text=True, timeout=10, check=False).stdout
 
     try:
+        dirty = [line[3:] for line in git("status", "--porcelain", "--", *_SOURCE_PATHS).splitlines() if line]
         return {
-            "git_commit": git("rev-parse", "HEAD") or None,
-            "kvcached_uncommitted_changes": bool(git("status", "--porcelain", "--", "kvcached")),
+            "git_commit": git("rev-parse", "HEAD").strip() or None,
+            "uncommitted_files": dirty,
+            "kvcached_uncommitted_changes": any(f.startswith("kvcached/") for f in dirty),
         }
     except (OSError, subprocess.SubprocessError):
         return {"git_commit": None}

@@ -159,7 +159,7 @@ class Setup:
         payload = bytearray(self.rng.bytes(self.nbytes))
         kv = torch.frombuffer(payload, dtype=torch.bfloat16).view(
             2, self.layout.num_layers, self.layout.num_kv_heads, self.layout.chunk_tokens, self.layout.head_dim)
-        assert self.c.put(self.layout, toks, kv) == 1
+        assert self.c.put(self.layout, toks, kv).stored_chunks == 1
         self.tokens.append(toks)
         self.crc_of.append(zlib.crc32(payload))
         return j

@@ -287,9 +287,13 @@ def section_exhaustion() -> list[str]:
             "unchanged, every leased chunk still reads the same bytes; after release the put succeeds and the old "
             "chunks are found on NVMe.",
             "* LMDB map full (256 KiB map, write-through): the tier stops admitting, evicts its own oldest chunks, "
-            "logs `LMDB map ... is full`; every put succeeds and the daemon serves on.",
+            "logs `LMDB map ... is full`; every put succeeds (the pool takes it) and its receipt says how much of it "
+            "reached NVMe (`durable_tokens`). Acknowledged chunks are read back from the LMDB file after every put, "
+            "some receipts are short (the map did fill), and a prompt acknowledged just before a SIGKILL reads back "
+            "whole after the restart: refused or readable, never \"OK and gone\".",
             "* Disk full (state dir on a 1 MiB tmpfs): LMDB's short write surfaces as EIO; the tier stops admitting "
-            "instead of failing the RPC (fixed in this work); the daemon serves on and stops cleanly.",
+            "instead of failing the RPC; receipts and the SIGKILL check as above; the daemon serves on and stops "
+            "cleanly.",
             "* Caps: `max_leases_per_session`, `max_reservations_per_session`, `max_sessions` give RESOURCE_EXHAUSTED "
             "naming the setting, pin nothing, leave other clients alone, and reload with SIGHUP.", ""]
 

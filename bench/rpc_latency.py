@@ -627,7 +627,7 @@ def measure_daemon(settings: dict, prelude: str | None, tokens: bytes, tokens_np
 
         with Client(d.socket) as c:
             kv = torch.zeros(2, 1, 1, PROMPT_TOKENS, 8, dtype=torch.float16)
-            stored = c.put(LAYOUT, tokens_np, kv)
+            stored = c.put(LAYOUT, tokens_np, kv).stored_chunks
             assert stored == PROMPT_CHUNKS, stored
             assert c.lookup(LAYOUT, tokens_np) == PROMPT_TOKENS
             st0 = c.stats()

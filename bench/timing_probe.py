@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> dict:
         with Client(d.socket) as a, Client(b_sock) as b:
             t0 = time.monotonic()
             for i in sorted(cached):
-                if a.put_bytes(LAYOUT, prompts[i], zero) != n_chunks:
+                if a.put_bytes(LAYOUT, prompts[i], zero).stored_chunks != n_chunks:
                     raise SystemExit(f"prompt {i} was not stored whole (pool too small?)")
             got = [t for k in range(0, 2 * n, 2048) for t in a.lookup_many(LAYOUT, prompts[k:k + 2048])]
             if got != [n_chunks * LAYOUT.chunk_tokens if i in cached else 0 for i in range(2 * n)]:

@@ -9,7 +9,7 @@
         n = c.lookup(layout, token_ids)
         with c.acquire(layout, token_ids) as lease:
             lease.chunk(0)
-        c.put(layout, token_ids, kv)
+        receipt = c.put(layout, token_ids, kv)   # receipt.stored_chunks, .cached_tokens, .durable
 """
 
 from kvcached.keys import KVLayout
@@ -25,6 +25,7 @@ from kvcached_client.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
+from kvcached_client.receipts import PutReceipt
 
 __all__ = [
     "AsyncClient",
@@ -38,6 +39,7 @@ __all__ = [
     "Lease",
     "NotFoundError",
     "PoolMappingError",
+    "PutReceipt",
     "ResourceExhaustedError",
     "UnavailableError",
 ]

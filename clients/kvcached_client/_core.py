@@ -17,7 +17,13 @@ from kvcached.service.convert import layout_to_proto, pool_handle_from_proto
 from kvcached.settings import default_socket
 from kvcached.tiers.blocks import PoolHandle
 from kvcached.v1 import kvcached_pb2 as pb
-from kvcached_client.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, UnavailableError
+from kvcached_client.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PoolMappingError,
+    UnavailableError,
+)
 from kvcached_client.pool import PoolMap
 
 if TYPE_CHECKING:
@@ -72,7 +78,12 @@ def layout_request(layout: KVLayout) -> pb.RegisterLayoutRequest:
 
 
 def handle_from_proto(msg: pb.PoolHandle) -> PoolHandle:
-    return pool_handle_from_proto(msg)
+    """The daemon's pool handle, checked; an unusable one is a :class:`PoolMappingError` (so an
+    acquire that wanted direct NVMe reads falls back to promotion, like any mapping failure)."""
+    try:
+        return pool_handle_from_proto(msg)
+    except KvcacheError as e:
+        raise PoolMappingError(str(e)) from e
 
 
 NVME_CHUNK = 2**64 - 1
@@ -140,7 +151,8 @@ class LeaseBase:
         self.session_id: str = ""  # the session it was granted under: the daemon binds it there
         self.ttl_seconds: float = resp.ttl_seconds
         self.released = False
-        self._nvme_cache: dict[int, "torch.Tensor"] = {}
+        self._nvme_cache: dict[int, "torch.Tensor"] = {}  # NVMe chunks read directly, on the pool's device
+        self._cuda_reads: "torch.device | None" = None  # set once a CUDA pool block was viewed (read or handed out)
 
     def __len__(self) -> int:
         return len(self._offsets)
@@ -162,38 +174,63 @@ class LeaseBase:
         return keys[i]
 
     def chunk(self, i: int) -> "torch.Tensor":
-        """Chunk ``i`` as a [2, layers, kv_heads, chunk_tokens, head_dim] tensor: a view of the
-        pool (no copy), or, for a chunk read straight from NVMe, a new tensor (one copy)."""
+        """Chunk ``i`` as a [2, layers, kv_heads, chunk_tokens, head_dim] tensor on the pool's
+        device: a view of the pool (no copy), or, for a chunk read straight from NVMe, a new
+        tensor (read into host memory, then moved to the pool's device)."""
         self._check_live()
         if self._offsets[i] == NVME_CHUNK:
             t = self._nvme_cache.get(i)
             if t is None:
-                t = self._nvme_cache[i] = self._client._nvme.read(self.layout, self._nvme_key(i))
+                t = self._nvme_cache[i] = self._read_nvme(i).to(self._client._pool.device)
             return t
         return self._pool_chunk(i)
 
     def copy_chunk(self, i: int, out: "torch.Tensor") -> "torch.Tensor":
-        """Copy chunk ``i`` into ``out`` (same shape and dtype); one copy on every path.
+        """Copy chunk ``i`` into ``out`` (same shape and dtype, any device).
 
-        Prefer this to ``out.copy_(lease.chunk(i))`` for chunks read from NVMe directly:
-        it copies from the LMDB page cache straight into ``out``.
+        Prefer this to ``out.copy_(lease.chunk(i))`` for chunks read from NVMe directly: it
+        copies from the LMDB page cache straight into a contiguous host ``out`` (one copy), and
+        into any other ``out`` through one host tensor, never through the pool's device.
         """
         self._check_live()
-        if self._offsets[i] == NVME_CHUNK and i not in self._nvme_cache and out.device.type == "cpu" and out.is_contiguous():
-            self._client._nvme.read_into(self.layout, self._nvme_key(i), out)
-            return out
+        if self._offsets[i] == NVME_CHUNK and i not in self._nvme_cache:
+            if out.device.type == "cpu" and out.is_contiguous():
+                self._client._nvme.read_into(self.layout, self._nvme_key(i), out)
+                return out
+            return out.copy_(self._read_nvme(i))
         return out.copy_(self.chunk(i))
 
     def kv(self) -> "torch.Tensor":
-        """The whole matched prefix as one new tensor [2, layers, kv_heads, matched_tokens, head_dim] (a copy)."""
+        """The whole matched prefix as one new tensor [2, layers, kv_heads, matched_tokens, head_dim]
+        (a copy) on the pool's device, whichever tier each chunk came from."""
         import torch
 
-        if not self._offsets:
-            from kvcached.kv import torch_dtype
+        from kvcached.kv import torch_dtype
 
-            shape = (2, self.layout.num_layers, self.layout.num_kv_heads, 0, self.layout.head_dim)
-            return torch.empty(shape, dtype=torch_dtype(self.layout.dtype))
-        return torch.cat([self.chunk(i) for i in range(len(self))], dim=3)
+        c, lay = self.layout.chunk_tokens, self.layout
+        out = torch.empty((2, lay.num_layers, lay.num_kv_heads, len(self) * c, lay.head_dim),
+                          dtype=torch_dtype(lay.dtype), device=self._client._pool.device)
+        for i in range(len(self)):
+            self.copy_chunk(i, out[:, :, :, i * c : (i + 1) * c])
+        return out
+
+    def _read_nvme(self, i: int) -> "torch.Tensor":
+        """NVMe chunk ``i``, read from the LMDB file into a new host tensor."""
+        return self._client._nvme.read(self.layout, self._nvme_key(i))
+
+    def _sync_device(self) -> None:
+        """Wait for the GPU work still queued on this lease's pool blocks; call before releasing.
+
+        Reads of a CUDA pool (``out.copy_(lease.chunk(i))``, :meth:`kv`) are asynchronous: a
+        lease released while a kernel still reads its block lets the daemon hand the block to a
+        writer in another process, whose bytes the kernel may then read. So a lease that handed
+        out a view of a CUDA pool synchronises that device (all its streams: the views may be
+        read on any). A host pool, or a lease that handed out no CUDA view, costs nothing here.
+        """
+        if self._cuda_reads is not None:
+            import torch
+
+            torch.cuda.synchronize(self._cuda_reads)
 
     def _pool_chunk(self, i: int) -> "torch.Tensor":
         pool = self._client._pool
@@ -203,4 +240,6 @@ class LeaseBase:
             # into blocks the new daemon owns (tests/reliability/test_crash.py read wrong bytes).
             raise FailedPreconditionError("the daemon restarted since this lease was granted; "
                                           "its chunks are gone, acquire again")
+        if self._cuda_reads is None and pool.device.type == "cuda":
+            self._cuda_reads = pool.device
         return view

@@ -38,6 +38,7 @@ from kvcached_client.errors import (
 )
 from kvcached_client.nvme import NvmeReader
 from kvcached_client.pool import PoolMap
+from kvcached_client.receipts import PutReceipt, put_receipt
 
 if TYPE_CHECKING:
     import torch
@@ -54,8 +55,11 @@ class AsyncLease(_core.LeaseBase):
         return await self._client.keep_alive([self.lease_id], ttl, session_id=self.session_id)
 
     async def release(self) -> None:
-        """Give the lease back; never raises for a lease the daemon no longer holds."""
+        """Give the lease back; never raises for a lease the daemon no longer holds. On a CUDA
+        pool it first waits, on the caller's thread as the lease reads do, for the GPU reads of
+        the lease's blocks (see ``LeaseBase._sync_device``)."""
         if not self.released:
+            self._sync_device()
             self.released = True
             try:
                 await self._client.release([self.lease_id], session_id=self.session_id)
@@ -199,7 +203,8 @@ class AsyncClient:
         req = pb.KeepAliveRequest(lease_ids=list(lease_ids), ttl_seconds=ttl or 0, session_id=self._sid(session_id))
         return (await self._call(self._stub.KeepAlive, req)).ttl_seconds
 
-    async def put(self, layout: KVLayout, tokens: TokenInput, kv: "torch.Tensor") -> int:
+    async def put(self, layout: KVLayout, tokens: TokenInput, kv: "torch.Tensor") -> PutReceipt:
+        """:meth:`kvcached_client.Client.put`, awaitable."""
         packed = _core.pack_tokens(tokens)
         _core.validate_kv(layout, kv, len(packed) // 4)
 
@@ -220,7 +225,7 @@ class AsyncClient:
                     pass  # its session or daemon is gone, and the reservation with it
                 raise
         resp = await self._call(self._stub.Commit, pb.CommitRequest(reservation_id=r.reservation_id, session_id=sid))
-        return resp.committed_chunks
+        return put_receipt(resp, r.in_flight_tokens)
 
     async def stats(self) -> dict:
         resp = await self._call(self._stub.Stats, pb.StatsRequest())

@@ -45,6 +45,7 @@ from kvcached_client.errors import (
 )
 from kvcached_client.nvme import NvmeReader
 from kvcached_client.pool import PoolMap
+from kvcached_client.receipts import PutReceipt, put_receipt
 
 NVME_READ_DEFAULT = _core.NVME_READ_DEFAULT
 
@@ -64,8 +65,10 @@ class Lease(_core.LeaseBase):
 
     def release(self) -> None:
         """Give the lease back. Never raises for a lease the daemon no longer holds: if its
-        session ended or the daemon restarted, the daemon already released it."""
+        session ended or the daemon restarted, the daemon already released it. On a CUDA pool
+        it first waits for the GPU reads of the lease's blocks (see ``LeaseBase._sync_device``)."""
         if not self.released:
+            self._sync_device()
             self.released = True
             try:
                 self._client.release([self.lease_id], session_id=self.session_id)
@@ -254,11 +257,13 @@ class Client:
         req = pb.KeepAliveRequest(lease_ids=list(lease_ids), ttl_seconds=ttl or 0, session_id=self._sid(session_id))
         return self._call(self._stub.KeepAlive, req).ttl_seconds
 
-    def put(self, layout: KVLayout, tokens: TokenInput, kv: "torch.Tensor") -> int:
-        """Store the full chunks of ``kv`` that are not cached yet; returns how many were stored.
+    def put(self, layout: KVLayout, tokens: TokenInput, kv: "torch.Tensor") -> PutReceipt:
+        """Store the full chunks of ``kv`` that are not cached yet.
 
         ``kv`` is [2, layers, kv_heads, n_tokens, head_dim] in the layout's dtype. Chunks
-        already cached, or being written by another client right now, are skipped.
+        already cached, or being written by another client right now, are skipped. The
+        receipt says how many chunks were stored and how much of the prompt is cached and
+        durable (on NVMe) now; see :class:`kvcached_client.receipts.PutReceipt`.
         """
         packed = _core.pack_tokens(tokens)
         _core.validate_kv(layout, kv, len(packed) // 4)
@@ -270,8 +275,7 @@ class Client:
         r, sid = self._with_layout(layout, reserve)
         commit = pb.CommitRequest(reservation_id=r.reservation_id, session_id=sid)
         if not r.slots.offsets:
-            self._call(self._stub.Commit, commit)
-            return 0
+            return put_receipt(self._call(self._stub.Commit, commit), r.in_flight_tokens)
         try:
             self._ensure_pool(r.pool_generation)
             _core.write_slots(self._pool, layout, _core.locations(r.slots), kv)
@@ -281,14 +285,14 @@ class Client:
             except _core.GONE:
                 pass  # its session or daemon is gone, and the reservation with it
             raise
-        return self._call(self._stub.Commit, commit).committed_chunks
+        return put_receipt(self._call(self._stub.Commit, commit), r.in_flight_tokens)
 
-    def put_bytes(self, layout: KVLayout, tokens: TokenInput, chunks: Sequence[bytes]) -> int:
+    def put_bytes(self, layout: KVLayout, tokens: TokenInput, chunks: Sequence[bytes]) -> PutReceipt:
         """Fallback for processes that cannot map the pool: the KV bytes travel over gRPC (slow)."""
         packed = _core.pack_tokens(tokens)
         resp = self._with_layout(layout, lambda lid: self._call(
             self._stub.PutBytes, pb.PutBytesRequest(layout_id=lid, tokens=packed, chunks=list(chunks))))
-        return resp.committed_chunks
+        return put_receipt(resp)
 
     def get_bytes(self, layout: KVLayout, tokens: TokenInput) -> list[bytes]:
         """Fallback read: the cached prefix's chunk payloads, copied over gRPC (slow)."""
@@ -348,4 +352,4 @@ class Client:
         self.close()
 
 
-__all__ = ["Client", "Lease", "KvcachedError"]
+__all__ = ["Client", "Lease", "KvcachedError", "PutReceipt"]

@@ -149,7 +149,7 @@ def prefill(
     t1 = time.perf_counter()
     full = n // layout.chunk_tokens * layout.chunk_tokens
     if policy.should_store(n) and full:
-        stored = client.put(layout, tokens[:full], _kv_from_cache(cache, full))
+        stored = client.put(layout, tokens[:full], _kv_from_cache(cache, full)).stored_chunks
     return PrefillResult(logits, cache, used, stored, ttft, time.perf_counter() - t1, cache_s)
 
 

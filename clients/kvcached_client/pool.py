@@ -34,6 +34,14 @@ class PoolMap:
     def generation(self) -> str | None:
         return self._mapping.handle.generation if self._mapping else None
 
+    @property
+    def device(self) -> "torch.device":
+        """Where the pool's memory is: its CUDA device, or the CPU (a host pool, or none mapped)."""
+        import torch
+
+        m = self._mapping
+        return m.device if m is not None and m.handle.kind == "cuda" else torch.device("cpu")
+
     def ensure(self, handle: PoolHandle) -> HostPoolMapping:
         with self._lock:
             if self._mapping is not None and self._mapping.handle.generation == handle.generation:

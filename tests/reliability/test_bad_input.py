@@ -208,13 +208,13 @@ def test_every_bad_request_is_refused_cleanly(make_daemon):
         mine.ping()
         kv = torch.randn(2, LAYOUT.num_layers, LAYOUT.num_kv_heads, 3 * CT, LAYOUT.head_dim)
         toks = list(range(200_000, 200_000 + 3 * CT))
-        assert mine.put(LAYOUT, toks, kv) == 3
+        assert mine.put(LAYOUT, toks, kv).stored_chunks == 3
         with mine.acquire(LAYOUT, toks) as lease:
             assert lease.matched_tokens == 3 * CT
             assert torch.equal(lease.kv(), kv)
         payloads = [bytes([i + 7]) * LAYOUT.chunk_bytes for i in range(2)]
         btoks = list(range(300_000, 300_000 + 2 * CT))
-        assert mine.put_bytes(LAYOUT, btoks, payloads) == 2
+        assert mine.put_bytes(LAYOUT, btoks, payloads).stored_chunks == 2
         assert mine.get_bytes(LAYOUT, btoks) == payloads
         mine.close()
         other.close()

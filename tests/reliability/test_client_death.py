@@ -187,7 +187,7 @@ def check_reclaimed(c: Any, records: list[str], ws: list[int]) -> dict:
     pool = c.stats()["pool"]
     free_after_evict, total = pool["blocks_free"], pool["blocks_total"]
     big = [(1 << 31) + k for k in range(total * CT)]  # one prompt as long as the pool has blocks
-    stored = c.put(LAYOUT, big, kv_tensor(big))
+    stored = c.put(LAYOUT, big, kv_tensor(big)).stored_chunks
     with c.acquire(LAYOUT, big) as lease:
         full = lease.matched_tokens == total * CT
         ends_right = all(chunk_bytes_of(lease, i) == chunk_payload(big, i) for i in (0, total // 2, total - 1))

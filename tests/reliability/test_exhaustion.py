@@ -14,11 +14,14 @@ import numpy as np
 import pytest
 import torch
 
+from kvcached.keys import ChunkHasher, Namespace
 from kvcached.v1 import kvcached_pb2 as pb
-from kvcached_client import Client
+from kvcached_client import Client, PutReceipt
+from kvcached_client.nvme import NvmeReader
 from kvcached_client.errors import ResourceExhaustedError
 from tests.daemon import Daemon
 from tests.reliability.conftest import LAYOUT
+from tests.requirements import require
 
 CT = LAYOUT.chunk_tokens
 
@@ -39,7 +42,7 @@ def test_pool_full_of_leased_chunks_refuses_new_puts_and_evicts_nothing_leased(m
         assert blocks == 64
         n = blocks // 16
         for i in range(n):
-            assert c.put(LAYOUT, prompt(i, 16), kv(i, 16)) == 16
+            assert c.put(LAYOUT, prompt(i, 16), kv(i, 16)).stored_chunks == 16
         leases = [c.acquire(LAYOUT, prompt(i, 16)) for i in range(n)]
         assert all(lease.matched_tokens == 16 * CT for lease in leases)
         before = c.stats()
@@ -57,7 +60,7 @@ def test_pool_full_of_leased_chunks_refuses_new_puts_and_evicts_nothing_leased(m
 
         for lease in leases:
             lease.release()
-        assert c.put(LAYOUT, prompt(100, 4), kv(100, 4)) == 4  # room again: unleased chunks move to NVMe
+        assert c.put(LAYOUT, prompt(100, 4), kv(100, 4)).stored_chunks == 4  # room again: unleased chunks move to NVMe
         for i in range(n):
             with c.acquire(LAYOUT, prompt(i, 16)) as lease:
                 assert lease.matched_tokens == 16 * CT
@@ -65,13 +68,47 @@ def test_pool_full_of_leased_chunks_refuses_new_puts_and_evicts_nothing_leased(m
     assert d.proc.poll() is None
 
 
-def _fill_through_nvme(c: Client, count: int) -> list[int]:
-    """Write-through puts of ``count`` 4-chunk prompts; every put must succeed."""
-    stored = []
+def _on_disk(d: Daemon, i: int, chunks: int) -> None:
+    """Chunks ``0 .. chunks-1`` of prompt ``i`` are in the daemon's LMDB file right now, with the
+    right bytes: read through the client library's own read-only handle, checksums verified."""
+    with open(os.path.join(d.state_dir, "hash.key"), "rb") as f:
+        hasher = ChunkHasher(f.read())
+    keys = hasher.chain(hasher.root(Namespace("default", LAYOUT)), np.asarray(prompt(i, 4), "<u4").tobytes(), CT)
+    reader = NvmeReader()
+    reader.open(os.path.join(d.state_dir, "nvme", "default"))
+    try:
+        for pos in range(chunks):
+            assert torch.equal(reader.read(LAYOUT, keys[pos]), kv(i, 4)[:, :, :, pos * CT:(pos + 1) * CT]), (i, pos)
+    finally:
+        reader.close()
+
+
+def _fill_through_nvme(d: Daemon, c: Client, count: int) -> list[PutReceipt]:
+    """Write-through puts of ``count`` 4-chunk prompts. Every put succeeds (the pool takes it);
+    what each acknowledges as durable is in the LMDB file when the put returns."""
+    receipts = []
     for i in range(count):
-        assert c.put(LAYOUT, prompt(i, 4), kv(i, 4)) == 4
-        stored.append(i)
-    return stored
+        r = c.put(LAYOUT, prompt(i, 4), kv(i, 4))
+        assert r.stored_chunks == 4 and r.cached_tokens == 4 * CT and r.write_through
+        _on_disk(d, i, r.durable_tokens // CT)
+        receipts.append(r)
+    return receipts
+
+
+def _crash_keeps_what_was_acknowledged(d: Daemon, c: Client, start: int) -> None:
+    """Put fresh prompts until one is acknowledged durable (the full tier evicts to make room),
+    SIGKILL the daemon right then, and read that prompt back after the restart."""
+    for i in range(start, start + 20):
+        r = c.put(LAYOUT, prompt(i, 4), kv(i, 4))
+        if r.durable:
+            break
+    else:
+        pytest.fail("20 write-through puts in a row were not durable: the full tier never made room")
+    d.stop(signal.SIGKILL)
+    d.start()
+    with Client(d.socket) as c2, c2.acquire(LAYOUT, prompt(i, 4)) as lease:
+        assert lease.matched_tokens >= r.durable_tokens == 4 * CT
+        assert torch.equal(lease.kv(), kv(i, 4))
 
 
 def _readable(c: Client, i: int) -> bool:
@@ -83,28 +120,30 @@ def _readable(c: Client, i: int) -> bool:
         return True
 
 
-def test_full_lmdb_map_stops_admission_and_the_daemon_serves_on(make_daemon):
-    # 256 KiB of map hold ~50 chunks; 120 chunks go through write-through.
+def test_full_lmdb_map_acknowledges_only_what_it_wrote_and_serves_on(make_daemon):
+    # 256 KiB of map hold a few dozen 4 KiB chunks (each spills into LMDB overflow pages);
+    # 120 chunks go through write-through.
     d = make_daemon(pool_bytes="256K", pool_block_bytes="4K", nvme_bytes="64M", nvme_map_bytes="256K",
                     write_through=True)
     with Client(d.socket) as c:
-        _fill_through_nvme(c, 30)
+        receipts = _fill_through_nvme(d, c, 30)
+        assert any(r.durable for r in receipts) and not all(r.durable for r in receipts)  # the map did fill
         s = c.stats()
-        assert s["counters"]["nvme_evictions"] > 0 or s["counters"]["write_through_failures"] > 0
+        short = sum((r.cached_tokens - r.durable_tokens) // CT for r in receipts)
+        assert 0 < s["counters"]["write_through_failures"] <= short  # every failed write was acknowledged short
         assert 0 < s["nvme"]["chunks"] < 120
         assert s["nvme"]["file_bytes"] <= 256 * 1024
         assert _readable(c, 29)  # the newest prompt is in the pool at least
-        assert sum(_readable(c, i) for i in range(30)) >= 1
         c.ping()
-    assert "LMDB map of 262144 bytes is full" in d.log()  # told the operator, in the journal
+        assert "LMDB map of 262144 bytes is full" in d.log()  # told the operator, in the journal
+        _crash_keeps_what_was_acknowledged(d, c, 30)
     assert d.proc.poll() is None
 
 
 @pytest.fixture
 def tiny_disk(tmp_path):
     """The state directory on a 1 MiB tmpfs: a real ENOSPC from the kernel."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a 1 MiB tmpfs needs root (CI runs as root)")
+    require(os.geteuid() == 0, "mounting a 1 MiB tmpfs needs root (CI runs as root)")
     d = Daemon(str(tmp_path), pool_bytes="256K", pool_block_bytes="4K", nvme_bytes="64M", write_through=True)
     os.makedirs(d.state_dir)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", d.state_dir], check=True)
@@ -116,16 +155,19 @@ def tiny_disk(tmp_path):
         subprocess.run(["umount", d.state_dir], check=False)
 
 
-def test_full_disk_stops_admission_and_the_daemon_serves_on(tiny_disk):
+def test_full_disk_acknowledges_only_what_it_wrote_and_serves_on(tiny_disk):
     d = tiny_disk.start()
     with Client(d.socket) as c:
-        _fill_through_nvme(c, 80)  # 320 chunks x 4 KiB: more than the 1 MiB disk holds
+        receipts = _fill_through_nvme(d, c, 80)  # 320 chunks x 4 KiB: more than the 1 MiB disk holds
+        assert any(r.durable for r in receipts)
         s = c.stats()
         assert s["counters"]["write_through_failures"] > 0 or s["counters"]["nvme_evictions"] > 0
         assert s["nvme"]["chunks"] > 0
         assert "disk full" in d.log()
         assert _readable(c, 79)
-        assert sum(_readable(c, i) for i in range(80)) >= 1
+        _crash_keeps_what_was_acknowledged(d, c, 80)
+    with Client(d.socket) as c:
+        assert c.put(LAYOUT, prompt(200, 4), kv(200, 4)).stored_chunks == 4  # serves on after the restart
     assert d.proc.poll() is None
     assert d.stop() == 0  # a clean stop (drain, flush) on a full disk
 
@@ -154,7 +196,7 @@ def test_lease_and_reservation_caps_per_session(make_daemon):
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_reservations_per_session" in e.value.details()
         assert a.stats()["reservations_active"] == 2
-        assert b.put(LAYOUT, prompt(12, 1), kv(12, 1)) == 1  # b has its own budget
+        assert b.put(LAYOUT, prompt(12, 1), kv(12, 1)).stored_chunks == 1  # b has its own budget
     deadline = time.monotonic() + 10  # a's session ended: its leases and reservations went with it
     with Client(d.socket) as c:
         while (c.stats()["leases_active"], c.stats()["reservations_active"]) != (0, 0):

@@ -149,7 +149,7 @@ def test_fuzzed_bytes_to_every_rpc(make_daemon):
         assert d.proc.poll() is None
         assert json.loads(stub.Stats(pb.StatsRequest()).json)["draining"] is False
         payloads = [chunk(i + 40) for i in range(2)]
-        assert c.put_bytes(LAYOUT, list(range(500_000, 500_000 + 2 * CT)), payloads) == 2
+        assert c.put_bytes(LAYOUT, list(range(500_000, 500_000 + 2 * CT)), payloads).stored_chunks == 2
         assert c.get_bytes(LAYOUT, list(range(500_000, 500_000 + 2 * CT))) == payloads
         channel.close()
     assert d.stop() == 0  # a clean stop; after it the whole log has been read

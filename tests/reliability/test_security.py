@@ -156,7 +156,7 @@ def _place_pool(d: Daemon) -> None:
     """Chunks in A's pool: put and nothing else."""
     with Client(d.socket) as a:
         for case in CASES:
-            assert a.put(LAYOUT, TierEnv.tokens(case), kv_for(f"A/{case}")) == N_CHUNKS
+            assert a.put(LAYOUT, TierEnv.tokens(case), kv_for(f"A/{case}")).stored_chunks == N_CHUNKS
 
 
 def _place_nvme(d: Daemon) -> None:
@@ -235,7 +235,7 @@ def test_evicts_in_one_domain_spare_the_other_on_every_tier(tier, evict):
     toks, x, y = tier.tokens(evict), kv_for(f"A/{evict}"), kv_for(f"B/{evict}")
     with Client(tier.a_sock, nvme_read="direct") as a, Client(tier.b_sock) as b:
         lid = b.register(LAYOUT)
-        assert b.put(LAYOUT, toks, y) == N_CHUNKS  # a miss in B: A's copy did not count
+        assert b.put(LAYOUT, toks, y).stored_chunks == N_CHUNKS  # a miss in B: A's copy did not count
         assert b.lookup(LAYOUT, toks) == FULL
         s0 = a.stats()
         if evict == "evict-prefix":
@@ -279,7 +279,7 @@ def test_acquire_latency_does_not_reveal_another_domains_cache(make_daemon, tmp_
     zero = [bytes(LAYOUT.chunk_bytes)] * n_chunks
     with Client(d.socket) as a, Client(b_sock) as b:
         for i in cached:
-            assert a.put_bytes(LAYOUT, prompts[i], zero) == n_chunks
+            assert a.put_bytes(LAYOUT, prompts[i], zero).stored_chunks == n_chunks
         assert a.lookup_many(LAYOUT, prompts[:2 * n]) == [n_chunks * CT if i in cached else 0 for i in range(2 * n)]
         ends = {"A": (a.register(LAYOUT), a.session_id(), *stub(d.socket)),
                 "B": (b.register(LAYOUT), b.session_id(), *stub(b_sock))}
@@ -388,9 +388,9 @@ def test_same_domain_poisoning_through_the_api_fails(make_daemon):
     d = make_daemon()
     toks, x, y = list(range(FULL)), kv_for("X"), kv_for("Y")
     with Client(d.socket) as a, Client(d.socket) as m, Client(d.socket) as reader:
-        assert a.put(LAYOUT, toks, x) == N_CHUNKS
-        assert m.put(LAYOUT, toks, y) == 0
-        assert m.put_bytes(LAYOUT, toks, payloads(y)) == 0
+        assert a.put(LAYOUT, toks, x).stored_chunks == N_CHUNKS
+        assert m.put(LAYOUT, toks, y).stored_chunks == 0
+        assert m.put_bytes(LAYOUT, toks, payloads(y)).stored_chunks == 0
         ch, st = stub(d.socket)
         with ch:
             lid, sid = m.register(LAYOUT), m.session_id()
@@ -402,7 +402,7 @@ def test_same_domain_poisoning_through_the_api_fails(make_daemon):
             q = list(range(50_000, 50_000 + FULL))
             ra = st.Reserve(pb.ReserveRequest(layout_id=lid, tokens=_core.pack_tokens(q), session_id=a.session_id()))
             assert len(ra.slots.offsets) == N_CHUNKS
-            assert m.put(LAYOUT, q, y) == 0 and m.put_bytes(LAYOUT, q, payloads(y)) == 0
+            assert m.put(LAYOUT, q, y).stored_chunks == 0 and m.put_bytes(LAYOUT, q, payloads(y)).stored_chunks == 0
             a._ensure_pool(ra.pool_generation)
             # M learned A's reservation id: committing or aborting it anyway is refused, so M
             # cannot publish blocks before A wrote them (they would read as zeros).
@@ -416,7 +416,7 @@ def test_same_domain_poisoning_through_the_api_fails(make_daemon):
             assert st.Commit(commit).committed_chunks == N_CHUNKS
 
         longer = toks + list(range(90_000, 90_000 + CT))
-        assert m.put(LAYOUT, longer, torch.cat([y, kv_for("Y+", CT)], dim=3)) == 1  # only the new chunk
+        assert m.put(LAYOUT, longer, torch.cat([y, kv_for("Y+", CT)], dim=3)).stored_chunks == 1  # only the new chunk
         for prompt in (toks, q):
             with reader.acquire(LAYOUT, prompt) as lease:
                 assert lease.matched_tokens == FULL and torch.equal(lease.kv(), x)
@@ -433,10 +433,10 @@ def test_other_domain_cannot_poison_or_preempt(make_daemon, tmp_path):
     d = make_daemon(domains={"tenant_b": {"socket": b_sock}})
     p1, p2 = list(range(FULL)), list(range(70_000, 70_000 + FULL))
     with Client(d.socket) as a, Client(b_sock) as b:
-        assert a.put(LAYOUT, p1, kv_for("A1")) == N_CHUNKS
-        assert b.put(LAYOUT, p1, kv_for("B1")) == N_CHUNKS  # a miss in B: B cannot see or overwrite A's
-        assert b.put_bytes(LAYOUT, p2, payloads(kv_for("B2"))) == N_CHUNKS  # B first ...
-        assert a.put(LAYOUT, p2, kv_for("A2")) == N_CHUNKS  # ... A still stores its own
+        assert a.put(LAYOUT, p1, kv_for("A1")).stored_chunks == N_CHUNKS
+        assert b.put(LAYOUT, p1, kv_for("B1")).stored_chunks == N_CHUNKS  # a miss in B: B cannot see or overwrite A's
+        assert b.put_bytes(LAYOUT, p2, payloads(kv_for("B2"))).stored_chunks == N_CHUNKS  # B first ...
+        assert a.put(LAYOUT, p2, kv_for("A2")).stored_chunks == N_CHUNKS  # ... A still stores its own
         for c, who in ((a, "A"), (b, "B")):
             for p, tag in ((p1, "1"), (p2, "2")):
                 with c.acquire(LAYOUT, p) as lease:

@@ -103,7 +103,7 @@ def test_tier_files_grant_exactly_the_socket_group(shared_root):
         kv = torch.randn(2, 2, 2, 3 * CT, 8)
         toks = list(range(3 * CT))
         with Client(d.socket) as c:
-            assert c.put(LAYOUT, toks, kv) == 3
+            assert c.put(LAYOUT, toks, kv).stored_chunks == 3
             assert c.flush() == 3  # on NVMe too
             shm = os.path.join("/dev/shm", c.pool_handle().name)
         gid = grp.getgrnam(GROUP).gr_gid

@@ -165,7 +165,7 @@ def test_bytes_fallback_round_trip(ready):
     c, stub, lid, sid = ready
     chunks = [bytes([i]) * LAYOUT.chunk_bytes for i in range(3)]
     toks = list(range(5000, 5000 + 3 * CT))
-    assert c.put_bytes(LAYOUT, toks, chunks) == 3
+    assert c.put_bytes(LAYOUT, toks, chunks).stored_chunks == 3
     assert c.get_bytes(LAYOUT, toks + [1]) == chunks
     assert c.stats()["leases_active"] == 0  # the fallback read leaves no lease behind
 
@@ -221,7 +221,7 @@ def test_async_client(daemon):
     async def main() -> None:
         async with AsyncClient(daemon.socket) as c:
             kv = torch.randn(2, 2, 2, 2 * CT, 8)
-            assert await c.put(LAYOUT, list(range(2 * CT)), kv) == 2
+            assert (await c.put(LAYOUT, list(range(2 * CT)), kv)).stored_chunks == 2
             assert await c.lookup(LAYOUT, list(range(2 * CT))) == 2 * CT
             leases = await asyncio.gather(*[c.acquire(LAYOUT, list(range(2 * CT))) for _ in range(8)])
             assert all(torch.equal(lease.chunk(1), kv[:, :, :, CT:]) for lease in leases)

@@ -27,7 +27,7 @@ sock, n = sys.argv[1], int(sys.argv[2])
 g = torch.Generator().manual_seed(7)
 kv = torch.randn(2, LAYOUT.num_layers, LAYOUT.num_kv_heads, n, LAYOUT.head_dim, generator=g)
 with Client(sock) as c:
-    print(c.put(LAYOUT, list(range(n)), kv))
+    print(c.put(LAYOUT, list(range(n)), kv).stored_chunks)
 torch.save(kv, sys.argv[3])
 """
 
@@ -65,7 +65,7 @@ def test_restart_finds_nvme_chunks_and_the_client_remaps(daemon, tmp_path):
     kv = torch.randn(2, 2, 2, 3 * CT, 8)
     toks = list(range(3 * CT))
     with Client(daemon.socket) as c:
-        assert c.put(LAYOUT, toks, kv) == 3
+        assert c.put(LAYOUT, toks, kv).stored_chunks == 3
         with c.acquire(LAYOUT, toks) as lease:
             first_gen = c._pool.generation
             assert lease.matched_tokens == 3 * CT

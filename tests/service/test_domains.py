@@ -27,7 +27,7 @@ def test_isolation_on_the_pool_and_on_nvme(make_daemon, tmp_path):
     kv = torch.randn(2, 2, 2, 3 * CT, 8)
     toks = list(range(3 * CT))
     with Client(d.socket) as a, Client(b_sock) as b:
-        assert a.put(LAYOUT, toks, kv) == 3
+        assert a.put(LAYOUT, toks, kv).stored_chunks == 3
         assert a.lookup(LAYOUT, toks) == 3 * CT  # same domain: hit (pool)
         assert b.lookup(LAYOUT, toks) == 0  # other domain: miss (pool)
         with b.acquire(LAYOUT, toks) as lease:
