@@ -10,6 +10,7 @@ import pytest
 from kvcached.config import StoreConfig
 from kvcached.keys import KVLayout
 from kvcached.store import Store
+from kvcached.tiers.pool_shm import process_alive
 from tests.daemon import Daemon, pool_segments, remove_segments, segment_pid
 
 # A tiny layout: 4 tokens per chunk, 2*1*2*4*4 = 64 bytes per token... small enough for
@@ -102,16 +103,6 @@ def daemon(make_daemon) -> Daemon:
     return make_daemon()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @pytest.fixture(scope="session", autouse=True)
 def no_pool_segment_left_behind() -> Iterator[None]:
     """The suite leaves none of its host pool segments in /dev/shm (tmpfs keeps one until it is
@@ -137,7 +128,7 @@ def no_pool_segment_left_behind() -> Iterator[None]:
     ours = {}
     for name in pool_segments() - before:
         pid = segment_pid(name)
-        if pid in started and (pid == os.getpid() or not _alive(pid)):  # a live one is not left behind (yet)
+        if pid in started and (pid == os.getpid() or not process_alive(pid)):  # a live one is not left behind (yet)
             ours[name] = started[pid]
     remove_segments(ours)
     assert not ours, "the suite left host pool segments in /dev/shm (unlinked now): " + "; ".join(

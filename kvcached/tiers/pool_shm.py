@@ -114,7 +114,7 @@ def remove_stale_segments(name_prefix: str) -> list[str]:
         if len(rest) != 2 or not rest[0].isdigit():
             continue
         pid = int(rest[0])
-        if pid == os.getpid() or _alive(pid):
+        if pid == os.getpid() or process_alive(pid):
             continue
         try:
             os.unlink(os.path.join(SHM_DIR, name))
@@ -126,7 +126,8 @@ def remove_stale_segments(name_prefix: str) -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (it may belong to another user)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
