@@ -3,8 +3,9 @@ come back by themselves? And does a SIGKILLed client leave anything pinned?
 
 Question 1 (``--mode crash``, default part of ``both``): under a put/acquire/flush load from
 several client processes, SIGKILL the daemon >= 20 times at random moments and restart it.
-After every restart and at the end: is every *durable* chunk (Commit returned in
-write-through mode, or a later Flush returned in write-back mode) found with identical bytes?
+After every restart and at the end: is every *durable* chunk (acknowledged as on NVMe by a
+write-through Commit's ``durable_tokens``, or a later Flush returned in write-back mode) found
+with identical bytes?
 Is any wrong byte ever served (every byte any client reads is checked against a deterministic
 payload)? Right after a restart with the clients paused, does the rebuilt index equal the LMDB
 file (counts, and a Lookup of every prompt ever written vs its leading chunks on NVMe)? How

@@ -107,7 +107,8 @@ def section_crash(d: dict[str, Any] | None) -> list[str]:
         "## Daemon crash (`bench/crash_loop.py`)", "",
         f"{c['workers']} client processes put and acquire in two trust domains at once (write-back with periodic "
         "Flush, and write-through) while the daemon is SIGKILLed at random moments and restarted. A chunk counts as "
-        "durable once its write-through Commit returned, or a Flush that started after its commit returned.", "",
+        "durable once a write-through Commit acknowledged it as on NVMe (the reply's `durable_tokens`, not merely "
+        "that the Commit returned), or a Flush that started after its commit returned.", "",
         "| figure | value |", "| --- | ---: |",
         f"| daemon SIGKILLs survived | {c['kills_survived']} / {c['kills']} |",
         f"| chunks written | {c['chunks_written']:,} |",
