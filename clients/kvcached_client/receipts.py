@@ -44,7 +44,7 @@ class _ShortfallLog:
         self.short = False
 
     def note(self, r: PutReceipt) -> None:
-        if not r.write_through or r.durable == (not self.short):
+        if not r.write_through or self.short == (not r.durable):  # write-back puts, or no change
             return
         self.short = not r.durable
         if self.short:
