@@ -133,6 +133,14 @@ def write_slots(pool: PoolMap, layout: KVLayout, slots: Sequence[Location], kv: 
         torch.cuda.synchronize(last.device)  # the commit must not overtake the copies
 
 
+@dataclass(frozen=True)
+class LeaseTicket:
+    """A lease's chunk locations, to hand to another reader on this host (picklable)."""
+
+    layout: KVLayout
+    response: bytes  # the serialized AcquireResponse
+
+
 def tokens_array(tokens: bytes) -> np.ndarray:
     return np.frombuffer(tokens, dtype="<u4")
 
@@ -145,6 +153,7 @@ class LeaseBase:
         self.layout = layout
         self.lease_id: str = resp.lease_id
         self.matched_tokens: int = resp.matched_tokens
+        self._response = resp
         self._chunks = resp.chunks
         self._offsets = list(resp.chunks.offsets)
         self._generation: str = resp.pool_generation

@@ -81,6 +81,107 @@ class Lease(_core.LeaseBase):
     def __exit__(self, *exc: object) -> None:
         self.release()
 
+    def ticket(self) -> _core.LeaseTicket:
+        """What another client (another process on this host) needs to read this lease's chunks
+        with :meth:`Client.open_lease`: picklable, a few bytes per chunk. This lease must stay
+        held until that reader is done."""
+        return _core.LeaseTicket(self.layout, self._response.SerializeToString())
+
+
+class LeaseView(_core.LeaseBase):
+    """Read access to a lease another client holds (see :meth:`Client.open_lease`).
+
+    It does not own the lease: :meth:`release` only stops this view; the holder releases the
+    lease, and must not do so before this view's reads are done (a CUDA reader synchronises
+    its device first, as :meth:`Lease.release` does)."""
+
+    def release(self) -> None:
+        if not self.released:
+            self._sync_device()
+            self.released = True
+
+
+class Reservation:
+    """Chunks reserved for writing in place: write each slot's pool block, then commit.
+
+    ``slots`` are the chunks of the prompt that were not cached and that no other writer is
+    writing now; :meth:`view` is the pool block of one, a [2, layers, kv_heads, chunk_tokens,
+    head_dim] tensor to fill. :meth:`commit` publishes them (the returned receipt says how
+    much of the prompt is cached and durable); :meth:`abort` gives them back. A reservation
+    neither committed nor aborted expires on the daemon (its TTL), or goes when this
+    client's session ends. On a CUDA pool, commit synchronises the pool's device first, so
+    the daemon never publishes a block whose copy is still queued.
+    """
+
+    def __init__(self, client: "Client", layout: KVLayout, resp: pb.ReserveResponse, session_id: str) -> None:
+        self._client = client
+        self.layout = layout
+        self.reservation_id: str = resp.reservation_id
+        self.session_id = session_id
+        self.slots: tuple[_core.Location, ...] = _core.locations(resp.slots)
+        self.cached_tokens: int = resp.cached_tokens
+        self.in_flight_tokens: int = resp.in_flight_tokens
+        self._generation: str = resp.pool_generation
+        self.done = False
+
+    def view(self, slot: _core.Location) -> "torch.Tensor":
+        """The pool block reserved for ``slot`` (no copy): write the chunk's KV into it."""
+        if self.done:
+            raise FailedPreconditionError("the reservation was committed or aborted")
+        pool = self._client._pool
+        if pool.generation != self._generation:
+            raise FailedPreconditionError("the daemon restarted since this reservation was made; reserve again")
+        return pool.view(self.layout, slot.offset, slot.nbytes)
+
+    def commit(self) -> PutReceipt:
+        if self.done:
+            raise FailedPreconditionError("the reservation was already committed or aborted")
+        if self.slots and self._client._pool.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self._client._pool.device)
+        self.done = True
+        req = pb.CommitRequest(reservation_id=self.reservation_id, session_id=self.session_id)
+        return put_receipt(self._client._call(self._client._stub.Commit, req), self.in_flight_tokens)
+
+    def abort(self) -> None:
+        """Give the slots back. Never raises for a reservation the daemon no longer holds."""
+        if self.done:
+            return
+        self.done = True
+        try:
+            self._client._call(self._client._stub.Abort,
+                               pb.AbortRequest(reservation_ids=[self.reservation_id], session_id=self.session_id))
+        except _core.GONE:
+            pass  # its session or daemon is gone, and the reservation with it
+
+
+class LookupFuture:
+    """A Lookup in flight (:meth:`Client.lookup_future`); ``result`` is the cached prefix length."""
+
+    def __init__(self, client: "Client", layout: KVLayout, packed: bytes, call: Any) -> None:
+        self._client, self._layout, self._packed, self._call = client, layout, packed, call
+
+    def done(self) -> bool:
+        return self._call.done()
+
+    def result(self, timeout: float | None = None) -> int:
+        """Waits up to ``timeout`` seconds; raises ``TimeoutError`` if the answer is not there
+        yet (the call goes on), or the call's :class:`KvcachedError`."""
+        try:
+            return self._call.result(timeout=timeout).cached_tokens[0]
+        except grpc.FutureTimeoutError:
+            raise TimeoutError("lookup still in flight") from None
+        except grpc.RpcError as e:
+            err = from_rpc_error(e)
+            if isinstance(err, NotFoundError) and "layout" in err.details:  # daemon restarted without NVMe
+                self._client._layouts.pop(self._layout, None)
+                return self._client.lookup(self._layout, self._packed)
+            raise err from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
 
 class Client:
     def __init__(
@@ -215,6 +316,14 @@ class Client:
         )
         return list(resp.cached_tokens)
 
+    def lookup_future(self, layout: KVLayout, tokens: TokenInput) -> LookupFuture:
+        """Start a :meth:`lookup` and return at once: for callers that must not block (the vLLM
+        scheduler). Registering a new layout is one synchronous call, once per layout."""
+        packed = _core.pack_tokens(tokens)
+        lid = self._layout_id(layout)
+        call = self._stub.Lookup.future(pb.LookupRequest(layout_id=lid, tokens=[packed]), timeout=self.timeout)
+        return LookupFuture(self, layout, packed, call)
+
     def acquire(self, layout: KVLayout, tokens: TokenInput, *, ttl: float | None = None) -> Lease:
         """Pin the cached prefix of ``tokens``; the returned lease maps its chunks."""
         packed = _core.pack_tokens(tokens)
@@ -253,6 +362,54 @@ class Client:
         req = pb.ReleaseRequest(lease_ids=list(lease_ids), session_id=self._sid(session_id))
         return self._call(self._stub.Release, req).released
 
+    def release_nowait(self, leases: Sequence["Lease"]) -> None:
+        """Release leases without waiting for the daemon's answer (one call per session).
+        For callers on a latency-critical thread; a failed release is logged at debug level:
+        the daemon releases a lease anyway when it expires or its session ends."""
+        by_session: dict[str, list[str]] = {}
+        for lease in leases:
+            if not lease.released:
+                lease._sync_device()
+                lease.released = True
+                by_session.setdefault(lease.session_id, []).append(lease.lease_id)
+        for sid, ids in by_session.items():
+            fut = self._stub.Release.future(pb.ReleaseRequest(lease_ids=ids, session_id=sid), timeout=self.timeout)
+            fut.add_done_callback(_log_release_failure)
+
+    def open_lease(self, ticket: _core.LeaseTicket) -> LeaseView:
+        """Read access to a lease held by another client of this daemon (:meth:`Lease.ticket`):
+        maps the pool (and opens the LMDB file for chunks read from NVMe directly) as an
+        acquire would. Raises :class:`UnavailableError` if the daemon restarted since the lease
+        was granted (its chunks are gone), :class:`PoolMappingError` if the pool cannot be
+        mapped here."""
+        resp = pb.AcquireResponse.FromString(ticket.response)
+        view = LeaseView(self, ticket.layout, resp)
+        if view._offsets:
+            self._ensure_pool(resp.pool_generation)
+            if resp.chunks.nvme_keys and self._nvme.path is None:
+                assert self._handle is not None
+                self._nvme.open(self._handle.nvme_path)
+        return view
+
+    def reserve(self, layout: KVLayout, tokens: TokenInput) -> Reservation:
+        """Reserve the full chunks of ``tokens`` that are not cached yet, to write in place
+        (see :class:`Reservation`); :meth:`put` is reserve, write, commit."""
+        packed = _core.pack_tokens(tokens)
+
+        def reserve(lid: str) -> tuple[pb.ReserveResponse, str]:
+            return self._with_session(lambda sid: self._call(
+                self._stub.Reserve, pb.ReserveRequest(layout_id=lid, tokens=packed, session_id=sid)))
+
+        r, sid = self._with_layout(layout, reserve)
+        res = Reservation(self, layout, r, sid)
+        if res.slots:
+            try:
+                self._ensure_pool(r.pool_generation)
+            except BaseException:
+                res.abort()
+                raise
+        return res
+
     def keep_alive(self, lease_ids: Sequence[str], ttl: float | None = None, *, session_id: str | None = None) -> float:
         req = pb.KeepAliveRequest(lease_ids=list(lease_ids), ttl_seconds=ttl or 0, session_id=self._sid(session_id))
         return self._call(self._stub.KeepAlive, req).ttl_seconds
@@ -267,25 +424,14 @@ class Client:
         """
         packed = _core.pack_tokens(tokens)
         _core.validate_kv(layout, kv, len(packed) // 4)
-
-        def reserve(lid: str) -> tuple[pb.ReserveResponse, str]:
-            return self._with_session(lambda sid: self._call(
-                self._stub.Reserve, pb.ReserveRequest(layout_id=lid, tokens=packed, session_id=sid)))
-
-        r, sid = self._with_layout(layout, reserve)
-        commit = pb.CommitRequest(reservation_id=r.reservation_id, session_id=sid)
-        if not r.slots.offsets:
-            return put_receipt(self._call(self._stub.Commit, commit), r.in_flight_tokens)
-        try:
-            self._ensure_pool(r.pool_generation)
-            _core.write_slots(self._pool, layout, _core.locations(r.slots), kv)
-        except BaseException:
+        res = self.reserve(layout, packed)
+        if res.slots:
             try:
-                self._call(self._stub.Abort, pb.AbortRequest(reservation_ids=[r.reservation_id], session_id=sid))
-            except _core.GONE:
-                pass  # its session or daemon is gone, and the reservation with it
-            raise
-        return put_receipt(self._call(self._stub.Commit, commit), r.in_flight_tokens)
+                _core.write_slots(self._pool, layout, res.slots, kv)
+            except BaseException:
+                res.abort()
+                raise
+        return res.commit()
 
     def put_bytes(self, layout: KVLayout, tokens: TokenInput, chunks: Sequence[bytes]) -> PutReceipt:
         """Fallback for processes that cannot map the pool: the KV bytes travel over gRPC (slow)."""
@@ -352,4 +498,10 @@ class Client:
         self.close()
 
 
-__all__ = ["Client", "Lease", "KvcachedError", "PutReceipt"]
+def _log_release_failure(fut: Any) -> None:
+    err = fut.exception()
+    if err is not None:
+        log.debug("release without waiting failed (the daemon frees the lease when it expires): %s", err)
+
+
+__all__ = ["Client", "Lease", "LeaseView", "LookupFuture", "Reservation", "KvcachedError", "PutReceipt"]
