@@ -26,7 +26,12 @@ and once more at the end (also on an exception or SIGTERM), with the daemon's lo
    pinned (and pageable) host-to-device copy of the same bytes measured in the same run. The
    NVMe reads are likely served from the page cache (the chunks were just written): this times
    the daemon's promotion path, not the disk. Each promoted prompt is checked bit-exactly.
-5. ``killed_client``: a holder process (``nvme_read="promote"``) leases the prompt's pool blocks
+5. ``vllm_paged``: the vLLM connector's GPU data path without vLLM (its CUDA build does not fit
+   the device tool's 64 MiB carry): the leased chunks (CUDA pool) scattered into a paged cache
+   in each layout a GPU backend uses (``channel-split``: FlashAttention's token-major NHD and the
+   head-major order; kvcached_client/vllm/paged.py), and gathered back: bit-exact, and the
+   scatter's GPU time vs a plain device copy of the same bytes (CUDA events).
+6. ``killed_client``: a holder process (``nvme_read="promote"``) leases the prompt's pool blocks
    and is killed with SIGKILL; its leases must end with its session, and after evicting the
    unpinned chunks every block must be free.
 
@@ -63,7 +68,7 @@ CHILD_TIMEOUT = 120.0  # one child process: torch import, CUDA context, one put 
 RELEASE_TIMEOUT = 30.0  # a killed client's leases ending with its session
 RPC_TIMEOUT = 60.0  # a put that demotes: NVMe writes inside the Reserve call
 TAIL = 20_000  # characters of each captured output kept in the JSON
-STEPS = ("daemon", "writer", "reader", "leased_copy", "promotion", "killed_client")
+STEPS = ("daemon", "writer", "reader", "leased_copy", "promotion", "vllm_paged", "killed_client")
 
 WRITER = r"""
 import sys, json, torch
@@ -419,6 +424,63 @@ class GpuCheck:
             return start.elapsed_time(end) / 1e3
 
         return median_time(once, 5)
+
+    def vllm_paged(self, entry: dict) -> None:
+        import torch
+
+        from kvcached_client.vllm.paged import CHANNEL_SPLIT
+
+        fig = entry["figures"]
+        lay = self.layout
+        block = 16  # vLLM's default GPU block size; one chunk spans chunk_tokens / 16 blocks
+        per_chunk = lay.chunk_tokens // block
+        with self.client() as c, c.acquire(lay, self.tokens) as lease:
+            chunks = [lease.chunk(i) for i in range(len(lease))]
+            n_blocks = len(chunks) * per_chunk
+            for order in ("BNHC", "BHNC"):  # FlashAttention's NHD (token-major), and head-major
+                shape = ((n_blocks * 2, block, lay.num_kv_heads, 2 * lay.head_dim) if order == "BNHC"
+                         else (n_blocks * 2, lay.num_kv_heads, block, 2 * lay.head_dim))
+                caches = [torch.zeros(shape, dtype=chunks[0].dtype, device="cuda") for _ in range(lay.num_layers)]
+                views = [t.permute(0, 2, 1, 3) if order == "BNHC" else t for t in caches]
+                perm = torch.randperm(n_blocks * 2, device="cuda")[:n_blocks]  # scattered, as vLLM allocates
+                ids = [perm[i * per_chunk : (i + 1) * per_chunk] for i in range(len(chunks))]
+
+                def scatter() -> None:
+                    for ch, bid in zip(chunks, ids):
+                        for layer, v in enumerate(views):
+                            CHANNEL_SPLIT.scatter(v, bid, ch[:, layer])
+
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                scatter()  # warm-up
+                times = []
+                for _ in range(self.args.rounds):
+                    start.record()
+                    scatter()
+                    end.record()
+                    end.synchronize()
+                    times.append(start.elapsed_time(end) / 1e3)
+                back = [torch.empty_like(ch) for ch in chunks]
+                for ch, bid, out in zip(chunks, ids, back):
+                    for layer, v in enumerate(views):
+                        CHANNEL_SPLIT.gather(v, bid, out[:, layer])
+                exact = all(torch.equal(a, b) for a, b in zip(chunks, back))
+                nbytes = len(chunks) * lay.chunk_bytes
+                src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+                dst = torch.empty_like(src)
+
+                def plain() -> float:
+                    start.record()
+                    dst.copy_(src)
+                    end.record()
+                    end.synchronize()
+                    return start.elapsed_time(end) / 1e3
+
+                d2d = median_time(plain, self.args.rounds)
+                sc = statistics.median(times)
+                fig[order] = {"bit_exact": exact, "scatter_seconds": sc, "d2d_seconds": d2d,
+                              "scatter_gbps": nbytes / sc / 1e9, "ratio_vs_d2d": d2d / sc, "bytes": nbytes,
+                              "block_size": block, "blocks": n_blocks}
+                check(exact, f"{order}: chunks gathered back from the paged cache differ from the leased ones")
 
     def killed_client(self, entry: dict) -> None:
         fig = entry["figures"]
