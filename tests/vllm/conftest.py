@@ -136,7 +136,14 @@ def vdaemon(tmp_path) -> Iterator[Daemon]:
     d.start()
     yield d
     if d.proc is not None:
-        d.stop()
+        try:  # whatever the test did, nothing it started holds a lease or a reservation now
+            from kvcached_client import Client
+
+            with Client(d.socket, session=False) as c:
+                s = c.stats()
+            assert (s["leases_active"], s["reservations_active"]) == (0, 0), s
+        finally:
+            d.stop()
 
 
 def prompt(n: int, seed: int) -> list[int]:

@@ -103,3 +103,8 @@ def test_cache_control_header_reaches_the_connector(server, vdaemon):
     with Client(vdaemon.socket, session=False) as c:
         s = c.stats()
     assert (s["leases_active"], s["reservations_active"]) == (0, 0)
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:  # vLLM's own count of tokens loaded
+        metrics = r.read().decode()
+    hits = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+            if line.startswith("vllm:external_prefix_cache_hits_total")]
+    assert hits and sum(hits) == 512, [m for m in metrics.splitlines() if "external_prefix" in m]
