@@ -29,13 +29,23 @@ from typing import Callable
 
 import torch
 
-from kvcached_client.client import Client, Reservation
+from kvcached_client.client import Client, LeaseView, Reservation
 from kvcached_client.errors import KvcachedError
 from kvcached_client.failopen import FailOpen
 from kvcached_client.vllm.paged import PagedLayout
 from kvcached_client.vllm.plan import KvcachedMetadata, KvcachedWorkerMetadata, LoadPlan, SavePlan
 
 log = logging.getLogger("kvcached_client.vllm")
+
+
+@dataclass
+class _Copy:
+    """Blocks of one chunk to load: ``take`` blocks from block ``sub`` of ``chunk``."""
+
+    chunk: torch.Tensor  # [2, layers, kv_heads, chunk_tokens, head_dim]
+    sub: int
+    take: int
+    block_ids: torch.Tensor
 
 
 @dataclass
@@ -63,6 +73,7 @@ class WorkerSide:
         self._failed_blocks: set[int] = set()
         self._stream: "torch.cuda.Stream | None" = None
         self._layer_events: dict[int, "torch.cuda.Event"] = {}
+        self._views: list[LeaseView] = []  # this step's lease views, closed in finish_step
         self.stats: dict[str, int] = {"loaded_blocks": 0, "failed_blocks": 0, "stored_chunks": 0, "store_failures": 0}
 
     @property
@@ -82,66 +93,80 @@ class WorkerSide:
     # -- loads ---------------------------------------------------------------------------
 
     def start_load(self, meta: KvcachedMetadata) -> None:
+        """Copy each plan's leased chunks into its blocks, layer by layer (see the module docstring)."""
         if not meta.loads:
             return
-        if self._stream is None:
-            for lp in meta.loads:
-                self._load(lp)
-            return
-        self._layer_events.clear()
-        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
-        with torch.cuda.stream(self._stream):
-            for lp in meta.loads:
-                self._load(lp)
-            for layer in range(len(self.caches)):
-                ev = torch.cuda.Event()
-                ev.record(self._stream)
-                self._layer_events[layer] = ev
+        views: list[LeaseView] = []
+        items: list[_Copy] = []
+        for lp in meta.loads:
+            items += self._prepare(lp, views)
+        try:
+            if self._stream is None:
+                for layer in range(len(self.caches)):
+                    self._copy_layer(items, layer)
+            else:
+                self._layer_events.clear()
+                self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+                with torch.cuda.stream(self._stream):
+                    for layer in range(len(self.caches)):
+                        self._copy_layer(items, layer)
+                        ev = torch.cuda.Event()
+                        ev.record(self._stream)
+                        self._layer_events[layer] = ev
+        except RuntimeError as e:  # a copy that failed midway: none of this step's loads can be trusted
+            self.fail.failed("load", e)
+            for it in items:
+                self._failed_blocks.update(it.block_ids.tolist())
+                self.stats["loaded_blocks"] -= it.block_ids.numel()
+                self.stats["failed_blocks"] += it.block_ids.numel()
+        finally:
+            # Closed in finish_step, after the copies are done (closing a CUDA view synchronises the
+            # device, which here would end the layer-by-layer overlap). The leases themselves stay
+            # held by the scheduler side until it hears the loads are done.
+            self._views += views
 
     def wait_for_layer(self, layer_name: str) -> None:
         ev = self._layer_events.get(self.layer_index.get(layer_name, -1))
         if ev is not None:
-            torch.cuda.current_stream(ev.device if hasattr(ev, "device") else None).wait_event(ev)
+            torch.cuda.current_stream().wait_event(ev)
 
-    def _load(self, lp: LoadPlan) -> None:
-        """Copy what the lease covers into the request's blocks; the rest are load errors."""
+    def _copy_layer(self, items: list["_Copy"], layer: int) -> None:
+        cache, n = self.caches[layer], self.block_size
+        for it in items:
+            self.converter.scatter(cache, it.block_ids, it.chunk[:, layer, :, it.sub * n : (it.sub + it.take) * n])
+
+    def _prepare(self, lp: LoadPlan, views: list[LeaseView]) -> list["_Copy"]:
+        """Open the plan's lease and read its chunks (a pool view, or an NVMe read); the blocks
+        past what could be read are load errors, and so reported to vLLM."""
         ticket = lp.tickets[self.rank] if self.rank < len(lp.tickets) else None
-        ok = lp.loadable_blocks[self.rank] if ticket is not None else 0
-        try:
-            if ok:
-                self._copy_in(lp, ticket, ok)
-        except (KvcachedError, OSError, RuntimeError, ValueError) as e:
-            self.fail.failed("load", e)
-            ok = 0
-        else:
-            if ok:
+        want = lp.loadable_blocks[self.rank] if ticket is not None else 0
+        items: list[_Copy] = []
+        done = 0
+        if want:
+            try:
+                view = self.client.open_lease(ticket)
+                views.append(view)
+                first_pos = view.locations[0].position if len(view) else 0
+                device = self.caches[0].device
+                k = self.blocks_per_chunk
+                while done < want:
+                    chunk_i, sub = divmod(lp.first_block + done, k)
+                    take = min(k - sub, want - done)
+                    chunk = view.chunk(chunk_i - first_pos)
+                    if chunk.device != device:
+                        chunk = chunk.to(device, non_blocking=True)
+                    ids = torch.tensor(lp.block_ids[done : done + take], dtype=torch.long, device=device)
+                    items.append(_Copy(chunk, sub, take, ids))
+                    done += take
                 self.fail.ok("load")
-        failed = lp.block_ids[ok:]
+            except (KvcachedError, OSError, RuntimeError, ValueError) as e:
+                self.fail.failed("load", e)
+        failed = lp.block_ids[done:]
         self._failed_blocks.update(failed)
-        self.stats["loaded_blocks"] += ok
+        self.stats["loaded_blocks"] += done
         self.stats["failed_blocks"] += len(failed)
         self._loaded.add(lp.req_id)
-
-    def _copy_in(self, lp: LoadPlan, ticket, n_blocks: int) -> None:
-        view = self.client.open_lease(ticket)
-        first_pos = view.locations[0].position if len(view) else 0
-        device = self.caches[0].device
-        k, n = self.blocks_per_chunk, self.block_size
-        j = 0
-        try:
-            while j < n_blocks:
-                b = lp.first_block + j
-                chunk_i, sub = divmod(b, k)
-                take = min(k - sub, n_blocks - j)
-                chunk = view.chunk(chunk_i - first_pos)
-                if chunk.device != device:
-                    chunk = chunk.to(device, non_blocking=True)
-                ids = torch.tensor(lp.block_ids[j : j + take], dtype=torch.long, device=device)
-                for layer, cache in enumerate(self.caches):
-                    self.converter.scatter(cache, ids, chunk[:, layer, :, sub * n : (sub + take) * n])
-                j += take
-        finally:
-            view.release()
+        return items
 
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -200,6 +225,9 @@ class WorkerSide:
         if self._stream is not None and self._layer_events:
             self._stream.synchronize()  # the leases may be released once we report the loads done
             self._layer_events.clear()
+        views, self._views = self._views, []
+        for v in views:
+            v.release()
         loaded, self._loaded = self._loaded, set()
         return KvcachedWorkerMetadata(loaded) if loaded else None
 

