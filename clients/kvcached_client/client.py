@@ -401,6 +401,13 @@ class Client:
     def pool_handle(self):  # -> PoolHandle
         return _core.handle_from_proto(self._call(self._stub.GetPoolHandle, pb.PoolHandleRequest()))
 
+    def warm_up(self) -> None:
+        """Open the session and map the pool now rather than on the first acquire or put (an
+        engine calls this at start, so its first request does not pay for them)."""
+        self.session_id()
+        msg = self._call(self._stub.GetPoolHandle, pb.PoolHandleRequest())
+        self._ensure_pool(msg.generation)
+
     def stats(self, *, doctor: bool = False) -> dict:
         """The daemon's counters; ``doctor`` adds the troubleshooting probes (``d["doctor"]``)."""
         import json

@@ -76,18 +76,34 @@ def test_load_from_mid_chunk_and_a_short_lease(worker, vdaemon):
     assert worker.take_failed_blocks() == {14}  # vLLM recomputes it
 
 
-def test_a_lease_of_a_dead_daemon_is_failed_blocks_not_an_error(worker, vdaemon):
-    p = prompt(256, 3)
+def test_a_lease_of_a_dead_daemon(worker, vdaemon):
+    """The daemon dies after the lease was granted and before the load. A worker that still maps
+    the dead daemon's pool reads the pinned chunks from it: nothing writes a dead daemon's
+    segment, so they are intact (bit-exact). A worker that does not map it any more (it mapped
+    the new daemon's pool) cannot, and reports the blocks as failed for vLLM to recompute."""
+    from kvcached_client.vllm.paged import CPU
+    from kvcached_client.vllm.worker import WorkerSide
+
+    p, kv = prompt(256, 3), kv_of(256, 3)
     with Client(vdaemon.socket) as c:
-        c.put(LAYOUT, p, kv_of(256, 3))
+        c.put(LAYOUT, p, kv)
         lease = c.acquire(LAYOUT, p)
         ticket_plan = plan(lease, 0, [1, 2, 3, 4], 4)
     vdaemon.stop(signal.SIGKILL)
-    vdaemon.start()  # a new pool: the lease's offsets mean nothing now
+    vdaemon.start()  # a new pool: the lease's offsets mean nothing in it
     worker.start_load(ticket_plan)
-    assert worker.finish_step().loaded == {"r"}
-    assert worker.take_failed_blocks() == {1, 2, 3, 4}
-    assert worker.fail.total("load") == 1
+    assert worker.finish_step().loaded == {"r"} and worker.take_failed_blocks() == set()
+    assert torch.equal(blocks_as_kv(worker, [1, 2, 3, 4]), kv)
+
+    fresh = WorkerSide(NAMES, BLOCK, CHUNK, 0, CPU, lambda: Client(vdaemon.socket))
+    fresh.register({n: torch.zeros(32, H, BLOCK, 2 * D) for n in NAMES})  # maps the new daemon's pool
+    try:
+        fresh.start_load(ticket_plan)
+        assert fresh.finish_step().loaded == {"r"}
+        assert fresh.take_failed_blocks() == {1, 2, 3, 4}
+        assert fresh.fail.total("load") == 1
+    finally:
+        fresh.close()
 
 
 def test_store_writes_the_blocks_and_skips_what_the_daemon_has(worker, vdaemon):

@@ -139,6 +139,7 @@ class SchedulerSide:
         try:
             for lay in self.layouts:
                 self.client.register(lay)
+            self.client.session_id()  # leases are bound to it: open it now, not on the first hit
         except KvcachedError as e:
             level = logging.WARNING if isinstance(e, _TRIPS) else logging.ERROR
             log.log(level, "kvcached connector: the daemon cannot serve this engine's layout (%s: %s); "

@@ -89,6 +89,10 @@ class WorkerSide:
         self.caches = [kv_caches[n] for n in self.layer_index]
         if self.caches and self.caches[0].is_cuda:
             self._stream = torch.cuda.Stream(device=self.caches[0].device)
+        try:  # session and pool mapping now, not on the first request (a daemon that is down: later)
+            self.client.warm_up()
+        except KvcachedError as e:
+            log.info("kvcached connector: worker could not reach the daemon yet (%s); it will on first use", e)
 
     # -- loads ---------------------------------------------------------------------------
 
