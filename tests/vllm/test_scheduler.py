@@ -71,6 +71,14 @@ def leases(d) -> int:
         return c.stats()["leases_active"]
 
 
+def leases_after_release(d) -> int:
+    """Leases held once the connector's thread has sent its releases (it does not wait for them)."""
+    deadline = time.monotonic() + 5
+    while leases(d) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return leases(d)
+
+
 def empty_step(**kw: object) -> SimpleNamespace:
     base = dict(preempted_req_ids=set(), scheduled_new_reqs=[], num_scheduled_tokens={},
                 scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[],
@@ -128,10 +136,7 @@ def test_lease_taken_after_alloc_and_released_when_the_request_ends(side, vdaemo
     s.update_state_after_alloc(r, Blocks([10, 11, 12, 13, 14]), n)
     assert leases(vdaemon) == 1
     s.request_finished(r)  # e.g. aborted before its step ran
-    deadline = time.monotonic() + 5
-    while leases(vdaemon) and time.monotonic() < deadline:
-        time.sleep(0.01)  # released without waiting for the answer
-    assert leases(vdaemon) == 0 and s.tracked_requests == 0
+    assert leases_after_release(vdaemon) == 0 and s.tracked_requests == 0
 
 
 def test_preemption_releases_the_lease_and_plans_nothing_stale(side, vdaemon):
@@ -143,10 +148,7 @@ def test_preemption_releases_the_lease_and_plans_nothing_stale(side, vdaemon):
     s.update_state_after_alloc(r, Blocks([1, 2, 3, 4, 5]), n)
     meta = s.build_connector_meta(empty_step(preempted_req_ids={"a"}))
     assert meta.loads == [] and meta.saves == []
-    deadline = time.monotonic() + 5
-    while leases(vdaemon) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert leases(vdaemon) == 0
+    assert leases_after_release(vdaemon) == 0
 
 
 def test_plan_loads_then_saves_only_new_chunks(side, vdaemon):

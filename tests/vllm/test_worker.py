@@ -119,7 +119,6 @@ def test_store_writes_the_blocks_and_skips_what_the_daemon_has(worker, vdaemon):
 
     meta = KvcachedMetadata(saves=[SavePlan("r", (LAYOUT,), pack_tokens(p), tuple(ids))])
     worker.begin_step(meta)
-    worker.save_layer(NAMES[0], worker.caches[0])  # layer 0 through vLLM's hook, layer 1 at the end
     worker.finish_step()
     assert worker.stats["stored_chunks"] == 3
     with Client(vdaemon.socket) as c, c.acquire(LAYOUT, p) as lease:

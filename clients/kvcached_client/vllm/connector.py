@@ -141,8 +141,8 @@ class KvcachedConnector(KVConnectorBase_V1):
             self.worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        if self.worker is not None:
-            self.worker.save_layer(layer_name, kv_layer)
+        """Nothing per layer: stores are reserved, copied and committed after the forward
+        (``wait_for_save``), see :mod:`~kvcached_client.vllm.worker`."""
 
     def wait_for_save(self) -> None:
         if self.worker is not None and self.has_connector_metadata():

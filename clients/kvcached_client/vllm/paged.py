@@ -70,19 +70,24 @@ def _cpu_regions(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _cpu_gather(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+    # One strided copy per block and half, straight between the cache and ``out``: on the CPU a
+    # gather (index_select) then a permuted copy moves the bytes twice (measured 1.5x slower to
+    # gather, 2.2x to scatter, for a 256 KiB chunk layer).
     kt, v = _cpu_regions(cache)
-    n, block = block_ids.numel(), cache.shape[2]
-    _split_tokens(out[0], n, block).copy_(kt.index_select(0, block_ids).permute(1, 0, 3, 2))
-    _split_tokens(out[1], n, block).copy_(v.index_select(0, block_ids).permute(1, 0, 2, 3))
+    block = cache.shape[2]
+    for j, b in enumerate(block_ids.tolist()):
+        out[0, :, j * block : (j + 1) * block].copy_(kt[b].transpose(-1, -2))
+        out[1, :, j * block : (j + 1) * block].copy_(v[b])
 
 
 def _cpu_scatter(cache: torch.Tensor, block_ids: torch.Tensor, kv: torch.Tensor) -> None:
     if not cache.is_contiguous():
         raise ValueError("the CPU attention cache is expected to be contiguous")
     kt, v = _cpu_regions(cache)
-    n, block = block_ids.numel(), cache.shape[2]
-    kt.index_copy_(0, block_ids, _split_tokens(kv[0], n, block).permute(1, 0, 3, 2).to(cache.dtype))
-    v.index_copy_(0, block_ids, _split_tokens(kv[1], n, block).permute(1, 0, 2, 3).to(cache.dtype))
+    block = cache.shape[2]
+    for j, b in enumerate(block_ids.tolist()):
+        kt[b].copy_(kv[0, :, j * block : (j + 1) * block].transpose(-1, -2))
+        v[b].copy_(kv[1, :, j * block : (j + 1) * block])
 
 
 CHANNEL_SPLIT = PagedLayout("channel-split", _cs_gather, _cs_scatter)

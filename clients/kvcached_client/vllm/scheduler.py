@@ -193,6 +193,9 @@ class SchedulerSide:
             except concurrent.futures.TimeoutError:
                 if self._clock() - st.lookup_started < self.cfg.lookup_timeout_s:
                     self.stats["lookup_not_yet"] += 1
+                    # Let the connector's thread run: an idle engine asks again at once, in a loop
+                    # that would hold the GIL and starve the lookup it waits for (5 ms switches).
+                    time.sleep(0)
                     return None  # vLLM asks again next step
                 self._failed("lookup", TimeoutError(f"no answer in {self.cfg.lookup_timeout_s} s"))
                 st.matched = 0

@@ -2,18 +2,17 @@
 
 Per step, in vLLM's order:
 
-1. ``begin_step`` (bind_connector_metadata, before the forward): reserves, for each
-   :class:`SavePlan`, the chunks the daemon does not have yet (one Reserve per request).
+1. ``begin_step`` (bind_connector_metadata): takes the step's plans.
 2. ``start_load`` (before the forward when the step has loads): opens each
    :class:`LoadPlan`'s lease through its ticket and copies the chunks into the request's
    blocks. On a CUDA engine the copies run on a side stream, layer by layer, and
    ``wait_for_layer_load`` makes the forward wait for its layer only; on the CPU they are
    done at once (the copies and the model compete for the same cores anyway).
-3. ``save_layer`` (after each attention layer): copies the layer's new blocks into the
-   reserved pool blocks.
-4. ``finish_step`` (wait_for_save, after the forward): copies any layer that did not pass
-   through ``save_layer``, commits the reservations, and reports the loads done (the
-   scheduler then releases their leases).
+3. ``finish_step`` (wait_for_save, after the forward): for each :class:`SavePlan`, reserves
+   the chunks the daemon does not have yet, copies them out of the paged cache, commits; then
+   reports the loads done (the scheduler then releases their leases). Stores are not done
+   layer by layer in ``save_kv_layer``: that needs the reservation before the forward, and a
+   long prefill outlives the reservation's TTL.
 
 Fail open: a lease that cannot be read (daemon restarted, pool not mappable, an NVMe read
 error) turns its blocks into load errors, which vLLM recomputes
@@ -24,7 +23,7 @@ fails the request.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -48,13 +47,6 @@ class _Copy:
     block_ids: torch.Tensor
 
 
-@dataclass
-class _Save:
-    plan: SavePlan
-    res: Reservation
-    layers_done: set[int] = field(default_factory=set)
-
-
 class WorkerSide:
     def __init__(self, layer_names: list[str], block_size: int, chunk_tokens: int, tp_rank: int,
                  converter: PagedLayout, client_factory: Callable[[], Client]) -> None:
@@ -68,7 +60,7 @@ class WorkerSide:
         self._client: Client | None = None
         self.caches: list[torch.Tensor] = []
         self.fail = FailOpen("vllm")
-        self._saves: list[_Save] = []
+        self._save_plans: list[SavePlan] = []
         self._loaded: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._stream: "torch.cuda.Stream | None" = None
@@ -179,53 +171,47 @@ class WorkerSide:
     # -- saves ---------------------------------------------------------------------------
 
     def begin_step(self, meta: KvcachedMetadata) -> None:
-        self._saves = []
-        for sp in meta.saves:
-            try:
-                res = self.client.reserve(sp.layouts[self.rank], sp.tokens)
-            except KvcachedError as e:
-                self.fail.failed("store", e)
-                self.stats["store_failures"] += 1
-                continue
-            if res.slots:
-                self._saves.append(_Save(sp, res))
-            else:
-                self._commit(res)  # nothing to write: the daemon had all of it (or others are writing it)
+        self._save_plans = list(meta.saves)
 
-    def save_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
-        layer = self.layer_index.get(layer_name)
-        if layer is None or not self._saves:
+    def _store(self, sp: SavePlan) -> None:
+        """Reserve the chunks the daemon lacks, copy them out of the paged cache, commit.
+
+        All after the forward, so a reservation lives only for its copies: reserving before the
+        forward let a long prefill (an 8k-token CPU prefill takes over a minute) outlive the
+        daemon's reservation TTL, and the commit failed (bench/vllm_ttft.py found it)."""
+        try:
+            res = self.client.reserve(sp.layouts[self.rank], sp.tokens)
+        except KvcachedError as e:
+            self.fail.failed("store", e)
+            self.stats["store_failures"] += 1
             return
-        for s in self._saves:
-            self._copy_out(s, layer, kv_layer)
+        try:
+            for layer, cache in enumerate(self.caches):
+                self._copy_out(sp, res, layer, cache)
+        except (KvcachedError, RuntimeError, ValueError) as e:
+            self.fail.failed("store", e)
+            self.stats["store_failures"] += 1
+            res.abort()
+            return
+        self._commit(res)  # also when there was nothing to write: the daemon had it all, or others write it
 
-    def _copy_out(self, s: _Save, layer: int, cache: torch.Tensor) -> None:
+    def _copy_out(self, sp: SavePlan, res: Reservation, layer: int, cache: torch.Tensor) -> None:
         k = self.blocks_per_chunk
-        for slot in s.res.slots:
-            ids = torch.tensor(s.plan.block_ids[slot.position * k : (slot.position + 1) * k],
+        for slot in res.slots:
+            ids = torch.tensor(sp.block_ids[slot.position * k : (slot.position + 1) * k],
                                dtype=torch.long, device=cache.device)
-            dst = s.res.view(slot)[:, layer]
+            dst = res.view(slot)[:, layer]
             if dst.device == cache.device:
                 self.converter.gather(cache, ids, dst)
             else:  # a host pool for a GPU engine: gather on the GPU, then one copy
                 tmp = torch.empty(dst.shape, dtype=dst.dtype, device=cache.device)
                 self.converter.gather(cache, ids, tmp)
                 dst.copy_(tmp)
-        s.layers_done.add(layer)
 
     def finish_step(self) -> KvcachedWorkerMetadata | None:
-        saves, self._saves = self._saves, []
-        for s in saves:
-            try:
-                for layer, cache in enumerate(self.caches):
-                    if layer not in s.layers_done:
-                        self._copy_out(s, layer, cache)
-            except (KvcachedError, RuntimeError, ValueError) as e:
-                self.fail.failed("store", e)
-                self.stats["store_failures"] += 1
-                s.res.abort()
-                continue
-            self._commit(s.res)
+        plans, self._save_plans = self._save_plans, []
+        for sp in plans:
+            self._store(sp)
         if self._stream is not None and self._layer_events:
             self._stream.synchronize()  # the leases may be released once we report the loads done
             self._layer_events.clear()
@@ -247,9 +233,7 @@ class WorkerSide:
         self.stats["stored_chunks"] += receipt.stored_chunks
 
     def close(self) -> None:
-        for s in self._saves:
-            s.res.abort()
-        self._saves = []
+        self._save_plans = []
         if self._client is not None:
             self._client.close()
             self._client = None
