@@ -178,7 +178,7 @@ class _HookTimer:
         return timed
 
 
-WORKER_HOOKS = ("begin_step", "start_load", "save_layer", "finish_step")
+WORKER_HOOKS = ("begin_step", "start_load", "finish_step")
 SCHEDULER_HOOKS = ("on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
                    "update_connector_output", "request_finished")
 
