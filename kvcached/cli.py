@@ -86,7 +86,7 @@ def _selfcheck(settings: Any) -> int:
         print(f"kvcached selfcheck: {e}", file=sys.stderr)
         return 1
     print(f"kvcached {__version__} selfcheck: {'ok' if ok else 'FAILED'} in {time.monotonic() - t0:.2f} s")
-    print(f"  state: {settings.state_dir}; pool: {s.pool.blocks_total} blocks x {s.pool.block_bytes} bytes; "
+    print(f"  state: {settings.state_dir}; pool: {s.pool.capacity_bytes} bytes; "
           + (f"NVMe: {s.nvme.chunks} chunks" if s.nvme else "NVMe: disabled"))
     return 0 if ok else 1
 
@@ -170,14 +170,14 @@ def _status(c: Any, args: argparse.Namespace) -> int:
     p, n = s["pool"], s["nvme"]
     data = {"up": True, "rtt_ms": rtt, "version": s["version"], "listen": s["listen"], "uptime_seconds": s["uptime_seconds"],
             "draining": s["draining"], "indexed_chunks": s["indexed_chunks"], "hit_rate": s["hit_rate"],
-            "pool_blocks_free": p["blocks_free"], "pool_blocks_total": p["blocks_total"],
+            "pool_free_bytes": p["free_bytes"], "pool_capacity_bytes": p["capacity_bytes"],
             "nvme_chunks": n["chunks"] if n else None, "leases_active": s["leases_active"], "sessions": s["sessions_open"]}
     rows = [
         ("daemon", f"up, kvcached {s['version']}, {s['listen']}, uptime {s['uptime_seconds']:.0f} s, rtt {rtt:.2f} ms"
                    + (", DRAINING" if s["draining"] else "")),
         ("chunks", f"{s['indexed_chunks']} indexed in {s['layouts']} layouts, hit rate {s['hit_rate']:.1%}"),
-        ("pool", f"{p['blocks_free']} free / {p['blocks_leased']} leased / {p['blocks_cached']} cached / "
-                 f"{p['blocks_reserved']} reserved of {p['blocks_total']} blocks"),
+        ("pool", f"{_bytes(p['payload_bytes'])} of KV in {p['chunks']} chunks ({p['leased_chunks']} leased), "
+                 f"{_bytes(p['reserved_bytes'])} reserved, {_bytes(p['free_bytes'])} free of {_bytes(p['capacity_bytes'])}"),
         ("nvme", f"{n['chunks']} chunks, {_bytes(n['used_bytes'])} of {_bytes(n['capacity_bytes'])}" if n else "disabled"),
         ("clients", f"{s['sessions_open']} sessions, {s['leases_active']} leases, {s['reservations_active']} reservations"),
     ]
@@ -280,16 +280,16 @@ def doctor_checks(s: dict, shm_free: int | None = None) -> list[dict]:
             "journalctl -u kvcached EVENT=session_lost; kvcachectl stats --json")
     else:
         add("leases held past TTL", "ok", f"{s['leases_active']} live leases, none held > 10x TTL", "kvcachectl stats")
-    leased = p["blocks_leased"] / p["blocks_total"] if p["blocks_total"] else 0
-    free = p["blocks_free"] / p["blocks_total"] if p["blocks_total"] else 0
+    cap = p["capacity_bytes"] or 1
+    leased, free = p["leased_bytes"] / cap, p["free_bytes"] / cap
     if leased > 0.9:
-        add("pool", "fail", f"{leased:.0%} of the pool is leased: new puts get RESOURCE_EXHAUSTED",
+        add("pool", "fail", f"{leased:.0%} of the pool is leased: new puts store only what still fits",
             "kvcachectl stats; journalctl -u kvcached EVENT=tier_full")
-    elif free < 0.05 and p["blocks_cached"] == 0:
-        add("pool", "warn", "no free and no evictable blocks", "kvcachectl stats")
+    elif free < 0.05 and p["cached_chunks"] == 0:
+        add("pool", "warn", "no free space and no evictable chunks", "kvcachectl stats")
     else:
-        add("pool", "ok", f"{p['blocks_free']} free, {p['blocks_leased']} leased, {p['blocks_cached']} cached "
-            f"of {p['blocks_total']} blocks", "kvcachectl stats")
+        add("pool", "ok", f"{_bytes(p['free_bytes'])} free, {p['leased_chunks']} leased and {p['cached_chunks']} "
+            f"cached chunks in {_bytes(p['capacity_bytes'])}", "kvcachectl stats")
     if n is not None:
         used = n["used_bytes"] / n["capacity_bytes"] if n["capacity_bytes"] else 0
         if not n["admitting"]:

@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
-#: Every pool block size, and so every block's offset in the slab, is a multiple of this. A block
-#: is viewed as a tensor of the layout's dtype in place, and a CUDA view at an offset that its
-#: element size does not divide fails ("storage offset must be divisible by the element size");
-#: 64 is a multiple of every element size a layout can name (kvcached.keys.DTYPE_SIZES), a CPU
-#: cache line (two blocks never share one, so writers of neighbouring blocks do not contend) and
-#: keeps the 16-byte vector loads of GPU copy kernels aligned. Chunks of every realistic layout
-#: (and of every test layout) are multiples of it, so it costs no padding there.
+#: Every chunk's offset in the pool slab is a multiple of this (the packed pool's grain, see
+#: kvcached.tiers.extents). A chunk is viewed as a tensor of the layout's dtype in place, and a
+#: CUDA view at an offset that its element size does not divide fails ("storage offset must be
+#: divisible by the element size"); 64 is a multiple of every element size a layout can name
+#: (kvcached.keys.DTYPE_SIZES), a CPU cache line (two chunks never share one, so writers of
+#: neighbouring chunks do not contend) and keeps the 16-byte vector loads of GPU copy kernels
+#: aligned. Chunks of every realistic layout (and of every test layout) are multiples of it, so
+#: it costs no padding there.
 BLOCK_ALIGN = 64
 
 
@@ -77,29 +78,26 @@ class FileAccess:
                 os.chown(path_or_fd, -1, self.gid)
 
 
-def check_block_bytes(block_bytes: int) -> None:
-    """Refuse a pool block size that is not a positive multiple of :data:`BLOCK_ALIGN`."""
-    if block_bytes <= 0 or block_bytes % BLOCK_ALIGN:
-        up = max(BLOCK_ALIGN, -(-block_bytes // BLOCK_ALIGN) * BLOCK_ALIGN)
-        raise ValueError(f"pool_block_bytes must be a positive multiple of {BLOCK_ALIGN} bytes (so every block "
-                         f"offset is aligned for any dtype), got {block_bytes}; use {up}")
-
-
 @dataclass(frozen=True)
 class StoreConfig:
     """Everything the engine of one trust domain needs.
 
-    ``pool_bytes`` is rounded down to whole ``pool_block_bytes`` blocks. A
-    layout whose chunk is larger than one block cannot be registered.
-    ``pool_block_bytes`` must be a multiple of :data:`BLOCK_ALIGN`, so that every
-    block starts aligned for any dtype.
+    ``pool_bytes`` is rounded down to a multiple of :data:`BLOCK_ALIGN`; chunks of
+    every layout share it (a packed pool), so a layout can be registered as long
+    as one chunk fits in the pool.
+
+    Write-back (with an NVMe tier): a background writer keeps the pool's free
+    space at or above ``writeback_low`` (a fraction of the pool) by demoting
+    least-recently-used chunks to NVMe in batches of up to
+    ``writeback_batch_bytes`` until ``writeback_high`` is free; a reservation
+    that finds no room waits up to ``writeback_wait`` seconds for it before
+    demoting synchronously itself.
     """
 
     state_dir: str
     domain: str = "default"
     device: str = "cpu"  # "cpu" (host shared memory) or "cuda[:N]"
     pool_bytes: int = 1 * GiB
-    pool_block_bytes: int = 16 * MiB  # one Llama-3-8B bf16 chunk of 128 tokens
     pool_prefault: bool = True
     nvme_bytes: int = 64 * GiB  # 0 disables the NVMe tier
     nvme_map_bytes: int | None = None  # LMDB map size; default 2 x nvme_bytes (sparse)
@@ -115,13 +113,21 @@ class StoreConfig:
     #: the tables without bound; reaching one is RESOURCE_EXHAUSTED naming the setting.
     max_leases_per_session: int = 16384
     max_reservations_per_session: int = 1024
+    writeback: bool = True
+    writeback_low: float = 0.05
+    writeback_high: float = 0.10
+    writeback_batch_bytes: int = 64 * MiB
+    writeback_wait: float = 2.0
     #: Tier file permissions; the daemon derives them from the domain's socket.
     file_access: FileAccess = field(default_factory=FileAccess)
 
     def __post_init__(self) -> None:
-        check_block_bytes(self.pool_block_bytes)
-        if self.pool_bytes < self.pool_block_bytes:
-            raise ValueError("pool_bytes must hold at least one pool_block_bytes block")
+        if self.pool_bytes < BLOCK_ALIGN:
+            raise ValueError(f"pool_bytes must be at least {BLOCK_ALIGN}")
+        if not 0 <= self.writeback_low <= self.writeback_high < 1:
+            raise ValueError("writeback_low and writeback_high are fractions of the pool: 0 <= low <= high < 1")
+        if self.writeback_batch_bytes < 1 or self.writeback_wait < 0:
+            raise ValueError("writeback_batch_bytes must be positive and writeback_wait >= 0")
         if self.nvme_bytes < 0:
             raise ValueError("nvme_bytes must be >= 0")
         for name in ("cache_ttl", "lease_ttl", "reservation_ttl"):
@@ -137,7 +143,3 @@ class StoreConfig:
             raise ValueError(f"device must be cpu or cuda[:N], not {self.device!r}")
         if not self.domain or "/" in self.domain or len(self.domain) > 64:
             raise ValueError("domain must be a short name without '/'")
-
-    @property
-    def pool_blocks(self) -> int:
-        return self.pool_bytes // self.pool_block_bytes

@@ -61,6 +61,10 @@ async def _serve(settings: DaemonSettings, config_file: str | None, overrides: d
     loop = asyncio.get_running_loop()
     notify = Notifier()
     domains = [settings, *settings.extra_domains]  # one store, pool, NVMe env and socket each
+    for d in domains:
+        if d.pool_block_bytes:
+            log.warning("pool_block_bytes (domain %s) is ignored: the pool is packed, chunks of any size share it",
+                        d.domain, extra={"event": "deprecated_setting"})
     configs = settings.store_configs()  # default pool sizes from the memory free before any pool exists
     stores: list[Store] = []
     try:
@@ -139,7 +143,7 @@ def _announce(settings: DaemonSettings, store: Store, tcp_port: int | None, metr
                          else "off"),
         (f"  pool: host shared memory /dev/shm/{store.pool.name}, " if store.config.device == "cpu"
          else f"  pool: GPU {store.pool.name}, ")
-        + f"{s.pool.blocks_total} blocks x {s.pool.block_bytes} bytes",
+        + f"{s.pool.capacity_bytes} bytes, packed",
         "  nvme: " + (f"{s.nvme.chunks} chunks, {s.nvme.used_bytes} of {s.nvme.capacity_bytes} bytes"
                       + (f", index rebuilt in {r.seconds:.2f} s" if r else "") if s.nvme else "disabled"),
         f"  layouts: {s.layouts}",
@@ -151,7 +155,7 @@ def _announce(settings: DaemonSettings, store: Store, tcp_port: int | None, metr
 
 def _status_line(store: Store) -> str:
     s = store.stats()
-    return (f"{s.indexed_chunks} chunks, pool {s.pool.blocks_total - s.pool.blocks_free}/{s.pool.blocks_total} blocks, "
+    return (f"{s.indexed_chunks} chunks, pool {s.pool.used_bytes >> 20}/{s.pool.capacity_bytes >> 20} MiB, "
             f"{s.leases_active} leases, hit rate {s.hit_rate:.1%}")
 
 

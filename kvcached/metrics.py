@@ -77,9 +77,14 @@ class StoreCollector:
             chunks.add_metric([dom, "nvme"], s.nvme.chunks)
             gauge("kvcached_lmdb_file_bytes", "Size of the NVMe tier's LMDB data file").add_metric([dom], s.nvme.file_bytes)
             gauge("kvcached_lmdb_readers", "LMDB reader slots in use").add_metric([dom], s.nvme.readers)
-        blocks = gauge("kvcached_pool_blocks", "Pool blocks by state", ("state",))
-        for state in ("free", "leased", "cached", "reserved"):
-            blocks.add_metric([dom, state], getattr(s.pool, f"blocks_{state}"))
+        pool_bytes = gauge("kvcached_pool_bytes", "Pool bytes by state: KV payload, reserved, free", ("state",))
+        for state in ("payload", "reserved", "free"):
+            pool_bytes.add_metric([dom, state], getattr(s.pool, f"{state}_bytes"))
+        gauge("kvcached_pool_largest_free_bytes", "The longest free run of the pool (fragmentation)").add_metric(
+            [dom], s.pool.largest_free_bytes)
+        pool_chunks = gauge("kvcached_pool_chunks", "Pool chunks by state", ("state",))
+        for state in ("leased", "cached", "reserved"):
+            pool_chunks.add_metric([dom, state], getattr(s.pool, f"{state}_chunks"))
         gauge("kvcached_indexed_chunks", "Chunks in the prefix index").add_metric([dom], s.indexed_chunks)
         gauge("kvcached_leases_active", "Live leases").add_metric([dom], s.leases_active)
         gauge("kvcached_reservations_active", "Live reservations").add_metric([dom], s.reservations_active)
@@ -102,6 +107,19 @@ class StoreCollector:
             ("kvcached_demotions", "Chunks copied pool -> NVMe", c.demotions),
             ("kvcached_ttl_expirations", "Chunks dropped after cache_ttl", c.ttl_expirations),
             ("kvcached_corrupt_dropped", "Corrupt NVMe chunks dropped", c.corrupt_dropped),
+            ("kvcached_sync_demotions", "Demotions on a request's path (the background writer fell behind)",
+             c.sync_demotions),
+            ("kvcached_pool_window_evictions", "Room made by evicting a contiguous window (fragmented pool)",
+             c.pool_window_evictions),
+            ("kvcached_writeback_batches", "Background write-back transactions (one sync each)", c.writeback_batches),
+            ("kvcached_writeback_chunks", "Chunks written by background write-back", c.writeback_chunks),
+            ("kvcached_writeback_bytes", "Bytes written by background write-back", c.writeback_bytes),
+            ("kvcached_writeback_waits", "Reservations that waited for write-back to make room", c.writeback_waits),
+            ("kvcached_writeback_wait_seconds", "Time reservations waited for write-back", c.writeback_wait_seconds),
+            ("kvcached_writeback_wait_timeouts", "Waits for write-back that ran out (the put demoted itself)",
+             c.writeback_wait_timeouts),
+            ("kvcached_not_reserved_chunks", "Chunks a put could not get room for (stored what fit)",
+             c.not_reserved_chunks),
         ):
             counter(name, doc).add_metric([dom], value)
         ev = counter("kvcached_evictions", "Evictions per tier", ("tier",))

@@ -13,8 +13,14 @@ Rules it keeps:
 * A chunk is added to a tier's set in the index only after the tier's commit
   returned, so nothing half-written is ever matched.
 * Pool eviction demotes to NVMe (write-back) unless the chunk already has an
-  NVMe copy (write-through, or demoted before). If NVMe cannot take it, a
-  leaf is dropped; an inner chunk stays in the pool for now.
+  NVMe copy (write-through, or demoted before, or written by the background
+  writer of :mod:`kvcached.writeback`, which keeps the least recently used
+  chunks clean so that evicting them costs no disk I/O). If NVMe cannot take
+  it, a leaf is dropped; an inner chunk stays in the pool for now.
+* Room in the packed pool is made for a number of bytes: first in LRU order
+  until that many bytes are free, then, if no free run is long enough (the
+  pool is fragmented), by evicting the contiguous window that frees the fewest
+  bytes (:meth:`kvcached.tiers.packed.PackedPool.victims_for`).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from kvcached.locations import NVME, POOL
 from kvcached.stats import Counters
 from kvcached.tiers.base import ChunkMeta
 from kvcached.tiers.nvme import NvmeTier
-from kvcached.tiers.blocks import BlockPool
+from kvcached.tiers.packed import PackedPool
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +46,11 @@ class Mover:
         self,
         config: StoreConfig,
         index: PrefixIndex,
-        pool: BlockPool,
+        pool: PackedPool,
         nvme: NvmeTier | None,
         counters: Counters,
         layout_of: Callable[[LayoutId], tuple[KVLayout, ChunkHash]],
+        io_check: Callable[[], None] = lambda: None,
     ) -> None:
         self.config = config
         self.index = index
@@ -51,6 +58,7 @@ class Mover:
         self.nvme = nvme
         self.counters = counters
         self._layout_of = layout_of
+        self.io_check = io_check  # raises WouldBlock on the store's inline path (no disk I/O there)
 
     def meta_of(self, node: Node) -> ChunkMeta:
         layout, root = self._layout_of(node.layout_id)
@@ -59,27 +67,71 @@ class Mover:
 
     # -- pool ----------------------------------------------------------------------
 
-    def pool_room(self, blocks: int) -> bool:
-        """Evict unpinned pool copies, least recently used first, until ``blocks`` are free."""
+    def pool_room(self, nbytes: int) -> bool:
+        """Evict unpinned pool copies until a run of ``nbytes`` fits: least recently used first
+        until that many bytes are free, then the cheapest contiguous window. False if it cannot
+        (everything in the way is pinned, reserved, or cannot leave the pool).
+
+        On the inline path a dirty victim (no NVMe copy yet) raises WouldBlock; whatever was
+        evicted before stays evicted (clean copies only, so nothing is lost) and the caller
+        releases what it holds."""
+        pool = self.pool
+        if pool.can_admit(nbytes):
+            return True
+        lru = self.index.pool_lru
         skipped: list[Node] = []
         try:
-            while self.pool.free_blocks < blocks:
-                victim = self.index.pool_lru.pop()
+            while pool.free_bytes < nbytes:
+                victim = lru.pop()
                 if victim is None:
-                    return False
-                if not self.evict_pool_copy(victim):
-                    skipped.append(victim)
-            return True
+                    break
+                skipped.append(victim)  # until evicted: an I/O check may raise in between
+                if self.evict_pool_copy(victim):
+                    skipped.pop()
+            if pool.can_admit(nbytes):
+                return True
+            hashes = self._window(nbytes)
+            if hashes is None:
+                return False
+            self.counters.pool_window_evictions += 1
+            for h in hashes:
+                victim = get(h)
+                assert victim is not None
+                lru.discard(victim)
+                skipped.append(victim)
+                if self.evict_pool_copy(victim):
+                    skipped.pop()
+            return pool.can_admit(nbytes)
         finally:
             for node in skipped:
-                if node.refcount == 0 and node.tiers & POOL:
-                    self.index.pool_lru.add(node)
+                if node.refcount == 0 and node.tiers & POOL and not node.pool_children:
+                    lru.add(node)
+
+    def _window(self, nbytes: int) -> list[ChunkHash] | None:
+        """The contiguous window to evict for ``nbytes``: among the oldest quarter of the pool's
+        LRU span first (by last use), then among any evictable chunk. The cheapest window
+        ignores recency; bench/pool_packing.py measured that limiting it to old chunks keeps
+        re-used chunks cached far more often (0.90 vs 0.68 of re-touches hit) at the same
+        packing (98 % vs 99 % of the pool holding KV)."""
+        lru, get = self.index.pool_lru, self.index.get
+        oldest = lru.peek()
+        if oldest is None:
+            return None
+        newest = max(oldest.last_use, self.index.newest_use)
+        cutoff = oldest.last_use + 0.25 * (newest - oldest.last_use)
+        hashes = self.pool.victims_for(
+            nbytes, lambda h: (n := get(h)) is not None and n in lru and n.last_use <= cutoff)
+        if hashes is None:
+            hashes = self.pool.victims_for(nbytes, lambda h: (n := get(h)) is not None and n in lru)
+        return hashes
 
     def evict_pool_copy(self, node: Node) -> bool:
         """Move or drop the pool copy of an unpinned chunk. False if it must stay."""
         if not node.tiers & NVME and self.nvme is not None and not self.config.write_through:
+            self.io_check()
             if self.write_nvme(node, self.pool.read(node.hash)):
                 self.counters.demotions += 1
+                self.counters.sync_demotions += 1
         if node.tiers & NVME:
             self.pool.delete(node.hash)
             self.index.drop_tier(node, POOL)
@@ -100,9 +152,9 @@ class Mover:
         NVMe tier has already deleted it; call :meth:`drop_corrupt`).
         """
         assert self.nvme is not None and node.tiers & NVME
-        if not self.pool_room(1):
-            raise TierFull("the pool is full of leased chunks; cannot promote from NVMe")
         layout, _ = self._layout_of(node.layout_id)
+        if not self.pool_room(layout.chunk_bytes):
+            raise TierFull("the pool is full of leased chunks; cannot promote from NVMe")
         slot = self.pool.reserve(layout.chunk_bytes)
         try:
             nvme = self.nvme

@@ -20,7 +20,7 @@ from kvcached.locations import POOL
 from kvcached.movement import Mover
 from kvcached.receipts import LeaseReceipt
 from kvcached.stats import Counters
-from kvcached.tiers.blocks import BlockPool
+from kvcached.tiers.packed import PackedPool
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ class ReadPath:
     def __init__(
         self,
         index: PrefixIndex,
-        pool: BlockPool,
+        pool: PackedPool,
         mover: Mover,
         counters: Counters,
         config: Callable[[], StoreConfig],
@@ -109,7 +109,6 @@ class ReadPath:
             tuple(hashes),
             tuple(offsets),
             layout.chunk_bytes,
-            self.pool.block_bytes,
             entry.expires_at,
             self.pool.generation,
         )

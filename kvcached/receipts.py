@@ -20,8 +20,7 @@ class ChunkLocation(NamedTuple):
 
     position: int
     chunk_hash: ChunkHash
-    block: int  # -1 when the chunk is read from NVMe (tier NVME)
-    offset: int  # -1 likewise
+    offset: int  # byte offset in the pool slab; -1 when the chunk is read from NVMe (tier NVME)
     nbytes: int
     tier: int = POOL  # kvcached.locations.POOL or NVME
 
@@ -44,15 +43,14 @@ class LeaseReceipt:
     chunk_hashes: tuple[ChunkHash, ...]
     offsets: tuple[int, ...]  # byte offset of each chunk in the pool, -1 for NVMe-only chunks
     chunk_bytes: int
-    block_bytes: int
     expires_at: float
     pool_generation: str
 
     @property
     def chunks(self) -> tuple[ChunkLocation, ...]:
-        bb, n = self.block_bytes, self.chunk_bytes
+        n = self.chunk_bytes
         return tuple(
-            ChunkLocation(i, h, off // bb, off, n, POOL) if off >= 0 else ChunkLocation(i, h, -1, -1, n, NVME)
+            ChunkLocation(i, h, off, n, POOL) if off >= 0 else ChunkLocation(i, h, -1, n, NVME)
             for i, (h, off) in enumerate(zip(self.chunk_hashes, self.offsets))
         )
 
@@ -77,6 +75,16 @@ class ReservationReceipt:
     pool_generation: str
     durable_tokens: int = 0  # of cached_tokens, the prefix with an NVMe copy
     write_through: bool = False  # the commit will write NVMe before it returns
+    #: Full chunks after the reserved ones that nobody else is writing and that were still not
+    #: reserved, and why ("" when none): a full cache stores what fits and says so.
+    not_reserved_tokens: int = 0
+    not_reserved_reason: str = ""
+
+    @property
+    def opened(self) -> bool:
+        """Whether a reservation exists (to commit or abort); False when nothing was reserved and
+        the caller asked for no empty reservation."""
+        return bool(self.reservation_id)
 
 
 @dataclass(frozen=True)

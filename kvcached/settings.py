@@ -19,7 +19,7 @@ import tomllib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from kvcached.config import BLOCK_ALIGN, FileAccess, GiB, KiB, MiB, StoreConfig, check_block_bytes
+from kvcached.config import FileAccess, GiB, MiB, StoreConfig
 
 DEFAULT_CONFIG_FILE = "/etc/kvcached/kvcached.toml"
 
@@ -93,24 +93,6 @@ def default_pool_for(device: str, domains: int = 1) -> int:
     return cuda_default(device, domains)
 
 
-#: Block sizes derived for a small pool are rounded down to the largest of these they reach:
-#: 2 MiB (a huge page on the host, the CUDA driver's mapping granularity) or 4 KiB (a host page),
-#: so no two blocks share a page; a smaller block is rounded down to BLOCK_ALIGN.
-_DERIVED_BLOCK_ALIGNS = (2 * MiB, 4 * KiB)
-
-
-def derived_block_bytes(pool_bytes: int, block_bytes: int) -> int:
-    """The block size a pool of ``pool_bytes`` uses: ``block_bytes``, or a 16th of the pool when
-    that is smaller (a small pool still gets 16 blocks), rounded down to an alignment
-    (:data:`_DERIVED_BLOCK_ALIGNS`, at least BLOCK_ALIGN): a bare ``pool // 16`` could be odd, and
-    a block at an odd offset cannot be viewed as a 2-byte dtype on the GPU."""
-    share = pool_bytes // 16
-    if block_bytes <= share:
-        return block_bytes
-    align = next((a for a in _DERIVED_BLOCK_ALIGNS if share >= a), BLOCK_ALIGN)
-    return max(BLOCK_ALIGN, share // align * align)
-
-
 @dataclass(frozen=True)
 class DaemonSettings:
     socket: str
@@ -121,7 +103,9 @@ class DaemonSettings:
     device: str = "auto"
     domain: str = "default"
     pool_bytes: int = 0  # 0: the device's default (default_pool_for), shared by the domains that take it
-    pool_block_bytes: int = 16 * MiB  # a multiple of BLOCK_ALIGN
+    #: No longer used: the pool is packed (chunks of any size share it). Still accepted so that
+    #: existing config files load; the daemon logs that it is ignored.
+    pool_block_bytes: int = 0
     nvme_bytes: int = 64 * GiB
     nvme_map_bytes: int = 0  # 0: 2 x nvme_bytes
     write_through: bool = False
@@ -135,6 +119,11 @@ class DaemonSettings:
     max_sessions: int = 1024  # open Session streams per domain
     max_leases_per_session: int = 16384
     max_reservations_per_session: int = 1024
+    writeback: bool = True  # background demotion to NVMe (kvcached.writeback)
+    writeback_low: float = 0.05  # fraction of the pool kept free...
+    writeback_high: float = 0.10  # ...by demoting batches until this much is free
+    writeback_batch_bytes: int = 64 * MiB
+    writeback_wait: float = 2.0  # how long a reservation waits for room before demoting itself
     metrics_addr: str = "127.0.0.1:9464"
     tcp_listen: str = ""  # e.g. "127.0.0.1:50551"; empty: Unix socket only
     tls_cert: str = ""
@@ -151,10 +140,6 @@ class DaemonSettings:
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", self.device)):
             raise SettingsError(f"device must be auto, cpu or cuda[:N], not {self.device!r}")
-        try:
-            check_block_bytes(self.pool_block_bytes)
-        except ValueError as e:
-            raise SettingsError(str(e)) from None
         if not 0 <= self.socket_mode <= 0o777:
             raise SettingsError(f"socket_mode must be an octal permission like 0660, got {oct(self.socket_mode)}")
         if self.max_message_bytes < 64 * 1024:
@@ -218,7 +203,6 @@ class DaemonSettings:
             domain=self.domain,
             device=device,
             pool_bytes=pool,
-            pool_block_bytes=derived_block_bytes(pool, self.pool_block_bytes),
             nvme_bytes=self.nvme_bytes,
             nvme_map_bytes=self.nvme_map_bytes or None,
             cache_ttl=self.cache_ttl,
@@ -230,6 +214,11 @@ class DaemonSettings:
             hash_memo_bytes=self.hash_memo_bytes,
             max_leases_per_session=self.max_leases_per_session,
             max_reservations_per_session=self.max_reservations_per_session,
+            writeback=self.writeback,
+            writeback_low=self.writeback_low,
+            writeback_high=self.writeback_high,
+            writeback_batch_bytes=self.writeback_batch_bytes,
+            writeback_wait=self.writeback_wait,
             file_access=FileAccess.for_socket(self.socket_mode, self.socket_gid()),
         )
 
@@ -245,7 +234,7 @@ class DaemonSettings:
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 _SIZES = {"pool_bytes", "pool_block_bytes", "nvme_bytes", "nvme_map_bytes", "max_message_bytes",
-          "hash_memo_bytes"}
+          "hash_memo_bytes", "writeback_batch_bytes"}
 
 
 def _coerce(name: str, value: Any, field: dataclasses.Field) -> Any:
@@ -312,7 +301,8 @@ DOMAIN_KEYS = frozenset({
     "socket", "socket_mode", "socket_owner", "socket_group", "pool_bytes", "pool_block_bytes", "nvme_bytes",
     "nvme_map_bytes", "cache_ttl", "lease_ttl", "reservation_ttl", "write_through", "prefetch_distance",
     "max_prompt_tokens", "hash_memo_bytes", "bypass_generation_tokens", "max_sessions", "max_leases_per_session",
-    "max_reservations_per_session",
+    "max_reservations_per_session", "writeback", "writeback_low", "writeback_high", "writeback_batch_bytes",
+    "writeback_wait",
 })
 
 

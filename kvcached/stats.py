@@ -37,6 +37,16 @@ class Counters:
     write_through_failures: int = 0
     corrupt_dropped: int = 0
     dropped_no_room: int = 0
+    pool_window_evictions: int = 0  # room made by evicting a contiguous window (fragmented pool)
+    sync_demotions: int = 0  # demotions on a request's path (the background writer fell behind)
+    writeback_batches: int = 0  # background write-back: LMDB transactions (one sync each)
+    writeback_chunks: int = 0  # chunks written by them
+    writeback_bytes: int = 0
+    writeback_waits: int = 0  # reservations that waited for the writer to make room
+    writeback_wait_seconds: float = 0.0
+    writeback_wait_timeouts: int = 0  # ...and gave up waiting (then demoted themselves)
+    legacy_rewritten: int = 0  # format-1 NVMe records rewritten in the current format
+    not_reserved_chunks: int = 0  # chunks a reservation could not get room for (reported, not an error)
 
 
 @dataclass(frozen=True)
@@ -48,12 +58,18 @@ class TierStats:
 
 @dataclass(frozen=True)
 class PoolStats(TierStats):
-    block_bytes: int
-    blocks_total: int
-    blocks_free: int
-    blocks_reserved: int
-    blocks_cached: int  # committed, not pinned by any lease
-    blocks_leased: int  # committed and pinned by at least one lease
+    """The packed pool. ``used_bytes`` counts committed and reserved runs (rounded up to the
+    alignment); ``payload_bytes`` only the committed chunks' bytes, what holds KV."""
+
+    payload_bytes: int
+    free_bytes: int
+    largest_free_bytes: int  # the longest free run: the biggest chunk that fits without evicting
+    free_runs: int
+    reserved_bytes: int
+    reserved_chunks: int
+    cached_chunks: int  # committed, not pinned by any lease
+    leased_chunks: int  # committed and pinned by at least one lease
+    leased_bytes: int
     generation: str
 
 

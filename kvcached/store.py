@@ -5,10 +5,13 @@ Thread-safety contract
 Every public method takes the store's single lock for its whole duration, so
 calls are linearisable and may come from any thread. Some methods do disk
 I/O under that lock (``acquire`` when it promotes from NVMe, ``reserve``
-when it demotes to make room, ``commit`` in write-through mode, ``flush``,
-``open``/rebuild). The asyncio service must therefore call the store from a
-worker thread (``asyncio.to_thread`` / an executor), never directly on the
-event loop. ``lookup``, ``release`` and ``stats`` never touch the disk.
+when the write-back thread fell behind and it demotes to make room, ``commit``
+in write-through mode, ``flush``, ``open``/rebuild), and ``reserve`` may wait
+for the write-back thread (:mod:`kvcached.writeback`), releasing the lock while
+it waits. The asyncio service therefore calls the store through
+:meth:`run_inline` (which refuses anything that would block) or from a worker
+thread, never blocking the event loop. ``lookup``, ``release`` and ``stats``
+never touch the disk.
 
 Ownership
 ---------
@@ -50,7 +53,7 @@ from kvcached.errors import (
 from kvcached.index import Node, PrefixIndex
 from kvcached.hashmemo import HashMemo
 from kvcached.keys import ChunkHash, ChunkHasher, KVLayout, LayoutId, Namespace, TokenInput, load_or_create_key, normalize_tokens
-from kvcached.leases import LeaseId, ReservationId, SessionId, TimedTable
+from kvcached.leases import Entry, LeaseId, ReservationId, SessionId, TimedTable
 from kvcached.locations import NVME, POOL
 from kvcached.movement import Mover
 from kvcached.receipts import (
@@ -66,8 +69,9 @@ from kvcached.reads import ReadPath
 from kvcached.writes import WritePath
 from kvcached.stats import Counters, HashMemoStats, HitRateHistory, NvmeStats, PoolStats, StoreStats
 from kvcached.tiers.nvme import NvmeTier
-from kvcached.tiers.blocks import PoolHandle
+from kvcached.tiers.packed import PoolHandle
 from kvcached.tiers.registry import make_pool
+from kvcached.writeback import WriteBack
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +84,7 @@ class Store:
         self.config = config
         self._clock = clock
         self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)  # the write-back thread and its waiters
         os.makedirs(config.state_dir, mode=0o700, exist_ok=True)
         config.file_access.open_parent(config.state_dir)  # clients reach nvme/<domain> through it
         self._lockfile = _lock_state_dir(config.state_dir, config.domain)
@@ -101,10 +106,14 @@ class Store:
                     map_size=config.nvme_map_bytes,
                     access=config.file_access,
                 )
-            self._mover = Mover(config, self.index, self.pool, self.nvme, self.counters, self._layout)
+            self._mover = Mover(config, self.index, self.pool, self.nvme, self.counters, self._layout, self._io_check)
             self.reads = ReadPath(self.index, self.pool, self._mover, self.counters, lambda: self.config, self._unpin)
+            self.writeback: WriteBack | None = None
+            if self.nvme is not None:
+                self.writeback = WriteBack(self._cond, lambda: self.config, self.index, self.pool, self.nvme,
+                                           self._mover, self.counters, self._layout, clock)
             self.writes = WritePath(config, self.index, self.pool, self._mover, self.counters, self._layout, self._unpin,
-                                    self._io_check)
+                                    self._wait_room, self._write_through_nodes if self.writeback else None)
             self.rebuild_report: RebuildReport | None = None
             if self.nvme is not None:
                 for layout in self.nvme.load_layouts().values():
@@ -119,6 +128,8 @@ class Store:
         self._closed = False
         self._draining = False
         self._inline = False  # True while run_inline() holds the lock: disk I/O must not start
+        if self.writeback is not None and config.writeback:
+            self.writeback.start()
 
     # -- layouts ------------------------------------------------------------------
 
@@ -126,10 +137,10 @@ class Store:
         """Make a layout usable; idempotent. Persisted so the NVMe tier survives restarts."""
         with self._lock:
             self._check_open()
-            if layout.chunk_bytes > self.config.pool_block_bytes:
+            if layout.chunk_bytes > self.pool.capacity_bytes:
                 raise InvalidLayout(
-                    f"a chunk of {layout.model} is {layout.chunk_bytes} bytes, larger than the pool block "
-                    f"of {self.config.pool_block_bytes} bytes; raise pool_block_bytes or lower chunk_tokens"
+                    f"a chunk of {layout.model} is {layout.chunk_bytes} bytes, larger than the whole pool "
+                    f"of {self.pool.capacity_bytes} bytes; raise pool_bytes or lower chunk_tokens"
                 )
             lid = layout.layout_id
             if lid not in self._layouts:
@@ -199,6 +210,7 @@ class Store:
         ttl: float | None = None,
         max_chunks: int | None = None,
         promote: bool = True,
+        keep_empty: bool = True,
     ) -> LeaseReceipt:
         """Pin the longest cached prefix and return where it lives.
 
@@ -208,16 +220,15 @@ class Store:
         only the prefix before it. Without ``promote`` they stay on NVMe,
         pinned (so not evicted) for the lease's life, and are reported with
         tier NVME for the caller to read from the LMDB file itself. A lease
-        with zero chunks is still a valid lease (release it like any other).
+        with zero chunks is still a valid lease (release it like any other),
+        unless ``keep_empty`` is False: then no lease is made and the receipt's
+        id is empty.
         """
         with self._lock:
             self._check_admitting()
             hashes = self.hashes(layout_id, tokens)
             layout = self._layouts[layout_id][0]
-            cap = self.config.max_leases_per_session
-            if self._leases.count(session) >= cap:
-                raise LimitReached(f"session {session} already holds {cap} leases (max_leases_per_session); "
-                                   "release leases it no longer reads, or raise the limit")
+            self._check_lease_cap(session)
             now = self._clock()
             nodes, offsets = self.index.match_located(hashes if max_chunks is None else hashes[:max_chunks])
             in_pool = not offsets or min(offsets) >= 0
@@ -240,7 +251,10 @@ class Store:
             except BaseException:
                 self._unpin(nodes, now)  # an I/O error must not leave pins behind
                 raise
-            entry = self._leases.add(session, tuple(nodes), ttl or self.config.lease_ttl, now)
+            if not nodes and not keep_empty:
+                entry = Entry("", session, (), now, now)  # no lease: nothing to release
+            else:
+                entry = self._leases.add(session, tuple(nodes), ttl or self.config.lease_ttl, now)
             c = self.counters
             c.acquires += 1
             c.lookups += 1
@@ -250,6 +264,12 @@ class Store:
             c.acquired_tokens += len(nodes) * layout.chunk_tokens
             # Pinned, so prefetch's evictions cannot have moved them: the offsets still hold.
             return self.reads.receipt(entry, layout_id, layout, hashes[:len(nodes)], offsets)
+
+    def _check_lease_cap(self, session: SessionId) -> None:
+        cap = self.config.max_leases_per_session
+        if self._leases.count(session) >= cap:
+            raise LimitReached(f"session {session} already holds {cap} leases (max_leases_per_session); "
+                               "release leases it no longer reads, or raise the limit")
 
     def run_inline(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         """Run a store call on the caller's thread only if it needs neither to wait for the
@@ -271,6 +291,20 @@ class Store:
     def _io_check(self) -> None:
         if self._inline:
             raise WouldBlock
+
+    def _write_through_nodes(self, nodes: Sequence[Node]) -> int:
+        assert self.writeback is not None
+        return self.writeback.write_nodes(nodes, demotion=False)
+
+    def _wait_room(self, nbytes: int) -> None:
+        """Before reserving ``nbytes`` with less free: let the write-back thread make the room
+        (bounded wait, lock released meanwhile); on the inline path, go to a worker thread."""
+        wb = self.writeback
+        if wb is None or not wb.running:
+            return
+        if self._inline:
+            raise WouldBlock
+        wb.wait_room(nbytes, self.config.writeback_wait)
 
     def release(self, lease_id: LeaseId, session: SessionId | None = None) -> bool:
         """Drop a lease's pins. Idempotent: False if it was already released or expired.
@@ -338,21 +372,79 @@ class Store:
 
     def reserve(
         self, layout_id: LayoutId, tokens: TokenInput, session: SessionId = DEFAULT_SESSION, *,
-        ttl: float | None = None, store_nothing: bool = False,
+        ttl: float | None = None, store_nothing: bool = False, open_empty: bool = True,
     ) -> ReservationReceipt:
-        """Reserve pool blocks for the prompt's full chunks that are not cached yet
+        """Reserve pool room for the prompt's full chunks that are not cached yet
         (see :meth:`kvcached.writes.WritePath.reserve`). ``store_nothing`` (a no-store
-        request) validates and reports what is cached but reserves no block."""
+        request) validates and reports what is cached but reserves nothing. With
+        ``open_empty`` False a reservation of nothing is not opened (empty id)."""
         with self._lock:
             self._check_admitting()
             hashes = self.hashes(layout_id, tokens)
-            cap = self.config.max_reservations_per_session
-            if self.writes.reservations.count(session) >= cap:
-                raise LimitReached(f"session {session} already holds {cap} open reservations "
-                                   "(max_reservations_per_session); commit or abort them, or raise the limit")
-            if store_nothing:
-                hashes = hashes[: len(self.index.match(hashes))]
-            return self.writes.reserve(layout_id, hashes, session, ttl or self.config.reservation_ttl, self._clock())
+            return self._reserve(layout_id, hashes, session, ttl, store_nothing, open_empty)
+
+    def _reserve(self, layout_id: LayoutId, hashes: list[ChunkHash], session: SessionId, ttl: float | None,
+                 store_nothing: bool, open_empty: bool) -> ReservationReceipt:
+        cap = self.config.max_reservations_per_session
+        if self.writes.reservations.count(session) >= cap:
+            raise LimitReached(f"session {session} already holds {cap} open reservations "
+                               "(max_reservations_per_session); commit or abort them, or raise the limit")
+        if store_nothing:
+            hashes = hashes[: len(self.index.match(hashes))]
+        r = self.writes.reserve(layout_id, hashes, session, ttl or self.config.reservation_ttl, self._clock(),
+                                open_empty=open_empty)
+        if self.writeback is not None:
+            self.writeback.kick()
+        return r
+
+    def acquire_reserve(
+        self, layout_id: LayoutId, tokens: TokenInput, session: SessionId = DEFAULT_SESSION, *,
+        ttl: float | None = None, reservation_ttl: float | None = None, promote: bool = True,
+        no_cache: bool = False, store_nothing: bool = False,
+    ) -> tuple[LeaseReceipt, ReservationReceipt]:
+        """A request's first round trip: pin the cached prefix (as :meth:`acquire`) and reserve
+        the prompt's uncached full chunks after it (as :meth:`reserve`), in one call.
+
+        Neither half leaves anything to give back when it has nothing: a lease of no chunk and a
+        reservation of no chunk have empty ids. The reservation is made first (it may wait for
+        the write-back thread, with the lock released); the lease then pins the prefix the
+        reservation found, which the reservation's own parent pin keeps in place.
+        """
+        with self._lock:
+            self._check_admitting()
+            hashes = self.hashes(layout_id, tokens)
+            if self._inline and promote and self.nvme is not None:
+                nodes, offsets = self.index.match_located(hashes)
+                if self.reads.needs_promotion(nodes, not offsets or min(offsets) >= 0):
+                    raise WouldBlock  # before anything changes
+            self._check_lease_cap(session)
+            r = self._reserve(layout_id, hashes, session, reservation_ttl, store_nothing, open_empty=False)
+            try:
+                lease = self.acquire(layout_id, tokens, session, ttl=ttl, promote=promote,
+                                     max_chunks=0 if no_cache else None, keep_empty=False)
+            except BaseException:
+                if r.opened:
+                    self.writes.abort(r.reservation_id, self._clock())
+                raise
+            return lease, r
+
+    def commit_release(self, reservation_id: ReservationId | None, lease_ids: Sequence[LeaseId],
+                       session: SessionId | None = None, *, chunks: int | None = None) -> tuple[CommitReceipt | None, int]:
+        """A request's last round trip: commit its reservation (if any) and release its leases.
+        The leases are released even if the commit fails (the error is raised after)."""
+        with self._lock:
+            for lid in lease_ids:  # checked first, like release_many: a never-granted id changes nothing
+                if self._leases.get(lid) is None and self._leases.closed_reason(lid) is None:
+                    raise UnknownLease(f"no lease {shown(lid)} was ever granted here")
+            try:
+                commit = self.commit(reservation_id, session, chunks=chunks) if reservation_id else None
+            except WouldBlock:  # nothing changed: the worker thread does it all again
+                raise
+            except BaseException:
+                for lid in lease_ids:
+                    self.release(lid, session)
+                raise
+            return commit, sum(self.release(lid, session) for lid in lease_ids)
 
     def write_reserved(self, reservation_id: ReservationId, position: int, data: bytes | memoryview) -> None:
         """In-process write of one reserved chunk (clients in other processes write the mapped pool)."""
@@ -365,7 +457,10 @@ class Store:
         With ``session`` (the service always passes the caller's), only that session's reservation."""
         with self._lock:
             self._check_open()
-            return self.writes.commit(reservation_id, chunks, self._clock(), session)
+            r = self.writes.commit(reservation_id, chunks, self._clock(), session)
+            if self.writeback is not None:
+                self.writeback.kick()
+            return r
 
     def abort(self, reservation_id: ReservationId, session: SessionId | None = None) -> bool:
         """Free a reservation's blocks. Idempotent: False if it was already closed (or, with
@@ -404,7 +499,9 @@ class Store:
                 nbytes = memoryview(d).nbytes
                 if nbytes != layout.chunk_bytes:
                     raise InvalidKV(f"chunk {i} payload is {nbytes} bytes; layout needs {layout.chunk_bytes}")
-            r = self.reserve(layout_id, tokens, session)
+            r = self.reserve(layout_id, tokens, session, open_empty=False)
+            if not r.opened:
+                return CommitReceipt(r.reservation_id, 0, r.cached_tokens, r.durable_tokens, r.write_through)
             try:
                 for loc in r.slots:
                     self.write_reserved(r.reservation_id, loc.position, chunk_data[loc.position])
@@ -493,25 +590,37 @@ class Store:
             return EvictReceipt(chunks, freed)
 
     def flush(self) -> int:
-        """Write every pool-only chunk to NVMe (write-back); returns chunks written."""
+        """Write every pool-only chunk to NVMe, in batches of one transaction each (the write-back
+        thread's batches, run here with the lock held); returns chunks written."""
         with self._lock:
-            if self.nvme is None:
+            if self.writeback is None:
                 return 0
-            written = 0
-            for node in self.index.nodes():
-                if node.tiers & POOL and not node.tiers & NVME:
-                    if self._mover.write_nvme(node, self.pool.read(node.hash)):
-                        written += 1
-                        self.counters.demotions += 1
-            return written
+            return self.writeback.write_nodes(list(self.index.nodes()))
+
+    def _leased_bytes(self) -> int:
+        """Pool bytes pinned by leases: one walk over the live leases (stats only)."""
+        seen: set[int] = set()
+        total = 0
+        for entry in self._leases:
+            for node in entry.payload:
+                if id(node) not in seen and node.tiers & POOL:
+                    seen.add(id(node))
+                    total += self.pool.locate(node.hash)[1]
+        return total
+
+    def writeback_step(self, goal_bytes: int | None = None) -> int:
+        """Run one write-back batch on this thread (see :meth:`kvcached.writeback.WriteBack.step`)."""
+        with self._lock:
+            return 0 if self.writeback is None else self.writeback.step(goal_bytes)
 
     def stats(self) -> StoreStats:
         with self._lock:
             leased = self.index.pinned_in_pool
             pool = self.pool
             pstats = PoolStats(
-                pool.capacity_bytes, pool.used_bytes, pool.committed_blocks, pool.block_bytes, pool.num_blocks,
-                pool.free_blocks, pool.reserved_blocks, pool.committed_blocks - leased, leased, pool.generation,
+                pool.capacity_bytes, pool.used_bytes, pool.committed_chunks, pool.payload_bytes, pool.free_bytes,
+                pool.largest_free, pool.free_runs, pool.reserved_bytes, pool.reserved_chunks,
+                pool.committed_chunks - leased, leased, self._leased_bytes(), pool.generation,
             )
             nstats, m = None, self._memo
             if self.nvme is not None:
@@ -560,6 +669,8 @@ class Store:
 
     def close(self) -> None:
         """Release everything and close the tiers. Pool-only chunks are lost unless flushed."""
+        if self.writeback is not None:
+            self.writeback.stop()  # outside the lock: it joins a thread that takes the lock
         with self._lock:
             if self._closed:
                 return

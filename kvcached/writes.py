@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kvcached.config import StoreConfig
-from kvcached.errors import InvalidKV, ReservationClosed, TierFull, UnknownReservation, shown
+from kvcached.errors import InvalidKV, ReservationClosed, UnknownReservation, shown
 from kvcached.index import Node, PrefixIndex
 from kvcached.keys import ChunkHash, KVLayout, LayoutId
 from kvcached.leases import Entry, ReservationId, SessionId, TimedTable
@@ -34,7 +34,8 @@ from kvcached.movement import Mover
 from kvcached.receipts import ChunkLocation, CommitReceipt, ReservationReceipt
 from kvcached.stats import Counters
 from kvcached.tiers.base import ChunkMeta, Slot
-from kvcached.tiers.blocks import BlockPool
+from kvcached.tiers.extents import round_up
+from kvcached.tiers.packed import PackedPool
 
 
 @dataclass
@@ -51,12 +52,13 @@ class WritePath:
         self,
         config: StoreConfig,
         index: PrefixIndex,
-        pool: BlockPool,
+        pool: PackedPool,
         mover: Mover,
         counters: Counters,
         layout_of: Callable[[LayoutId], tuple[KVLayout, ChunkHash]],
         unpin: Callable[[Sequence[Node], float], None],
-        io_check: Callable[[], None] = lambda: None,
+        wait_room: Callable[[int], None] = lambda nbytes: None,
+        write_nvme: Callable[[Sequence[Node]], int] | None = None,
     ) -> None:
         self.config = config
         self.index = index
@@ -65,23 +67,15 @@ class WritePath:
         self.counters = counters
         self._layout_of = layout_of
         self._unpin = unpin
-        self._io_check = io_check  # raises WouldBlock on the store's inline path
+        # Called before reserving when fewer bytes are free than the chunks need: waits (bounded)
+        # for the write-back thread, or raises WouldBlock on the store's inline path.
+        self._wait_room = wait_room
+        self._write_nvme = write_nvme  # write-through: NVMe copies of committed nodes, batched
         self.reservations: TimedTable[PendingPut] = TimedTable("put")
         self.in_flight: dict[ChunkHash, ReservationId] = {}
 
-    def reserve(
-        self, layout_id: LayoutId, hashes: list[ChunkHash], session: SessionId, ttl: float, now: float
-    ) -> ReservationReceipt:
-        """Reserve pool blocks for the prompt's full chunks that are not cached yet.
-
-        Chunks that another reservation is writing are reported as
-        ``in_flight_tokens`` and not reserved, nor is anything after them
-        (a chunk is only stored after its whole prefix). If the pool cannot
-        free enough blocks, the reservation covers as many leading chunks as
-        it could get; with none at all it raises :class:`TierFull` (unless
-        nothing needed writing).
-        """
-        layout = self._layout_of(layout_id)[0]
+    def plan(self, hashes: list[ChunkHash]) -> tuple[list[Node], list[ChunkHash], int]:
+        """(cached prefix nodes, chunks to write, chunks in flight after them). Read-only."""
         cached = self.index.match(hashes)
         k = len(cached)
         todo: list[ChunkHash] = []
@@ -91,8 +85,30 @@ class WritePath:
                 in_flight = len(hashes) - k - len(todo)
                 break
             todo.append(h)
-        if len(todo) > self.pool.free_blocks:
-            self._io_check()  # making room may demote to NVMe: not on the inline path
+        return cached, todo, in_flight
+
+    def reserve(
+        self, layout_id: LayoutId, hashes: list[ChunkHash], session: SessionId, ttl: float, now: float, *,
+        open_empty: bool = True,
+    ) -> ReservationReceipt:
+        """Reserve pool room for the prompt's full chunks that are not cached yet.
+
+        Chunks that another reservation is writing are reported as
+        ``in_flight_tokens`` and not reserved, nor is anything after them
+        (a chunk is only stored after its whole prefix). If the pool cannot
+        make room for all of them (it is full of leased or reserved chunks),
+        the reservation covers as many leading chunks as it could get and
+        says how many it could not, and why: a full cache is never an error.
+        With nothing reserved and ``open_empty`` False no reservation is
+        opened (the receipt's id is empty: nothing to commit).
+        """
+        layout = self._layout_of(layout_id)[0]
+        cached, todo, in_flight = self.plan(hashes)
+        need = len(todo) * round_up(layout.chunk_bytes)
+        if todo and self.pool.free_bytes < need:
+            self._wait_room(need)  # may release the lock: plan again
+            cached, todo, in_flight = self.plan(hashes)
+        k = len(cached)
         if in_flight:
             self.counters.in_flight_conflicts += 1
         self.index.touch(cached, now)
@@ -101,26 +117,41 @@ class WritePath:
             # Pin first: making room below must not evict the prefix we extend.
             self.index.pin([parent], now)
         slots: list[Slot] = []
-        for _ in todo:
-            if not self.mover.pool_room(1):
-                break
-            slots.append(self.pool.reserve(layout.chunk_bytes))
-        if todo and not slots:
+        try:
+            for _ in todo:
+                if not self.mover.pool_room(layout.chunk_bytes):
+                    break
+                slots.append(self.pool.reserve(layout.chunk_bytes))
+        except BaseException:  # WouldBlock on the inline path: give everything back
+            for slot in slots:
+                self.pool.abort(slot)
             if parent is not None:
                 self._unpin([parent], now)
-            raise TierFull(
-                f"the pool has no free block for a new chunk ({self.pool.num_blocks} blocks, all leased or reserved)"
-            )
+            raise
+        missing = len(todo) - len(slots)
+        reason = ""
+        if missing:
+            self.counters.not_reserved_chunks += missing
+            reason = (f"the pool has no room for {missing} more chunks of {layout.chunk_bytes} bytes: "
+                      f"{self.pool.used_bytes} of {self.pool.capacity_bytes} bytes are leased, reserved or "
+                      "could not be evicted")
         todo = todo[: len(slots)]
+        durable = next((i for i, node in enumerate(cached) if not node.tiers & NVME), k)
+        ct = layout.chunk_tokens
+        if not slots and not open_empty:
+            if parent is not None:
+                self._unpin([parent], now)
+            return ReservationReceipt(
+                ReservationId(""), session, layout_id, k * ct, in_flight * ct, (), now, self.pool.generation,
+                durable * ct, self.write_through, missing * ct, reason)
         entry = self.reservations.add(session, PendingPut(layout_id, parent, todo, slots, k), ttl, now)
         for h in todo:
             self.in_flight[h] = ReservationId(entry.id)
         self.counters.reservations += 1
-        locs = tuple(ChunkLocation(k + i, h, s.slot_id, s.offset, s.nbytes) for i, (h, s) in enumerate(zip(todo, slots)))
-        durable = next((i for i, node in enumerate(cached) if not node.tiers & NVME), k)
+        locs = tuple(ChunkLocation(k + i, h, s.offset, s.nbytes) for i, (h, s) in enumerate(zip(todo, slots)))
         return ReservationReceipt(
-            ReservationId(entry.id), session, layout_id, k * layout.chunk_tokens, in_flight * layout.chunk_tokens,
-            locs, entry.expires_at, self.pool.generation, durable * layout.chunk_tokens, self.write_through,
+            ReservationId(entry.id), session, layout_id, k * ct, in_flight * ct,
+            locs, entry.expires_at, self.pool.generation, durable * ct, self.write_through, missing * ct, reason,
         )
 
     @property
@@ -138,8 +169,8 @@ class WritePath:
     def commit(self, reservation_id: ReservationId, chunks: int | None, now: float,
                session: SessionId | None = None) -> CommitReceipt:
         pending = self.pending(reservation_id, session).payload
-        if self.write_through:
-            self._io_check()
+        if self.write_through and pending.slots:
+            self.mover.io_check()
         n = len(pending.slots) if chunks is None else chunks
         if not 0 <= n <= len(pending.slots):
             raise InvalidKV(f"cannot commit {n} chunks of a reservation of {len(pending.slots)}")
@@ -157,12 +188,13 @@ class WritePath:
             prev_hash = h
         nodes = self.index.insert_chain(pending.hashes[:n], parent, pending.layout_id, POOL, now,
                                         [slot.offset for slot in pending.slots[:n]])
-        if self.write_through:
-            for node in nodes:
-                if self.mover.write_nvme(node, self.pool.read(node.hash)):
-                    self.counters.write_through_writes += 1
-                else:
-                    self.counters.write_through_failures += 1
+        if self.write_through and nodes:
+            if self._write_nvme is not None:
+                ok = self._write_nvme(nodes)
+            else:
+                ok = sum(self.mover.write_nvme(node, self.pool.read(node.hash)) for node in nodes)
+            self.counters.write_through_writes += ok
+            self.counters.write_through_failures += len(nodes) - ok
         self.close(pending, now, committed=n)
         self.counters.commits += 1
         self.counters.committed_chunks += n

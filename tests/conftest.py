@@ -51,12 +51,15 @@ def make_store(tmp_path, clock) -> Iterator[Callable[..., Store]]:
     stores: list[Store] = []
 
     def factory(pool_blocks: int = 16, nvme_chunks: int | None = 64, layout: KVLayout = TINY, **kw) -> Store:
+        """A store whose pool holds exactly ``pool_blocks`` chunks of ``layout``. Write-back is off
+        unless asked for (``writeback=True``): these tests check placement deterministically, with a
+        fake clock; tests/test_writeback.py runs the thread."""
         from kvcached.tiers.record import HEADER_SIZE
 
+        kw.setdefault("writeback", False)
         cfg = StoreConfig(
             state_dir=kw.pop("state_dir", str(tmp_path / "state")),
             pool_bytes=layout.chunk_bytes * pool_blocks,
-            pool_block_bytes=layout.chunk_bytes,
             nvme_bytes=0 if nvme_chunks is None else (layout.chunk_bytes + HEADER_SIZE) * nvme_chunks,
             **kw,
         )

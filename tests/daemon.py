@@ -54,7 +54,7 @@ class Daemon:
         # device "cpu": the host shared-memory pool even on a GPU host ("auto" would pick CUDA there
         # and run the whole suite, shm-specific tests included, against the CUDA pool). GPU tests
         # pass device="cuda".
-        self.settings = {"device": "cpu", "pool_bytes": "4M", "pool_block_bytes": "64K", "nvme_bytes": "64M",
+        self.settings = {"device": "cpu", "pool_bytes": "4M", "nvme_bytes": "64M",
                          "expire_interval": 0.1, "metrics_addr": "127.0.0.1:0"}
         self.settings.update(settings)
         self.proc: subprocess.Popen | None = None

@@ -56,4 +56,6 @@ def test_threads_hammering_one_store_keep_invariants(make_store):
     s = store.stats()
     assert s.leases_active == 0 and s.reservations_active == 0
     assert all(n.refcount == 0 for n in store.index.nodes())
-    assert s.pool.blocks_free + s.pool.blocks_reserved + s.pool.blocks_cached + s.pool.blocks_leased == s.pool.blocks_total
+    assert s.pool.reserved_chunks == 0 and s.pool.leased_chunks == 0
+    assert s.pool.free_bytes + s.pool.cached_chunks * TINY.chunk_bytes == s.pool.capacity_bytes
+    store.pool.check()

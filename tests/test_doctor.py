@@ -18,8 +18,8 @@ from tests.service.conftest import LAYOUT
 def snap(**over):
     s = {
         "leases_active": 1,
-        "pool": {"blocks_total": 100, "blocks_free": 50, "blocks_leased": 10, "blocks_cached": 40, "blocks_reserved": 0,
-                 "capacity_bytes": 100 << 20},
+        "pool": {"capacity_bytes": 100 << 20, "free_bytes": 50 << 20, "leased_chunks": 10, "leased_bytes": 10 << 20,
+                 "cached_chunks": 40, "reserved_chunks": 0},
         "nvme": {"used_bytes": 10, "capacity_bytes": 100, "chunks": 3, "admitting": True},
         "doctor": {"hit_rate_5m": 0.6, "lookup_tokens_5m": 50_000, "hit_rate_1h": 0.62, "lookup_tokens_1h": 900_000,
                    "lease_ttl": 30.0, "leases_held_over_10x_ttl": 0, "oldest_lease_age_s": 5.0,
@@ -42,7 +42,7 @@ def test_each_problem_is_named():
     assert verdicts(snap(doctor={"hit_rate_5m": 0.1}))["hit rate"] == "warn"
     assert verdicts(snap(doctor={"hit_rate_5m": 0.1, "lookup_tokens_5m": 10}))["hit rate"] == "ok"  # too little traffic
     assert verdicts(snap(doctor={"leases_held_over_10x_ttl": 3, "oldest_lease_age_s": 900}))["leases held past TTL"] == "warn"
-    assert verdicts(snap(pool={"blocks_leased": 95, "blocks_free": 5, "blocks_cached": 0}))["pool"] == "fail"
+    assert verdicts(snap(pool={"leased_bytes": 95 << 20, "free_bytes": 5 << 20, "cached_chunks": 0}))["pool"] == "fail"
     assert verdicts(snap(nvme={"admitting": False}))["NVMe"] == "fail"
     assert verdicts(snap(nvme={"used_bytes": 99}))["NVMe"] == "warn"
     assert verdicts(snap(doctor={"lmdb_stale_readers_cleared": 2}))["LMDB readers"] == "warn"

@@ -153,7 +153,7 @@ def test_any_sequence_of_prompts_matches_the_chain(prompts, extra, budget):
 
 def test_store_hashes_use_the_memo_and_count_it(tmp_path):
     cfg = StoreConfig(state_dir=str(tmp_path), pool_bytes=LAYOUT.chunk_bytes * 64,
-                      pool_block_bytes=LAYOUT.chunk_bytes, pool_prefault=False, nvme_bytes=0)
+                      pool_prefault=False, nvme_bytes=0)
     with Store(cfg) as store:
         lid = store.register_layout(LAYOUT)
         p = toks(*range(6))
@@ -168,7 +168,7 @@ def test_store_hashes_use_the_memo_and_count_it(tmp_path):
 
 def test_store_without_memo_hashes_everything(tmp_path):
     cfg = StoreConfig(state_dir=str(tmp_path), pool_bytes=LAYOUT.chunk_bytes * 64,
-                      pool_block_bytes=LAYOUT.chunk_bytes, pool_prefault=False, nvme_bytes=0, hash_memo_bytes=0)
+                      pool_prefault=False, nvme_bytes=0, hash_memo_bytes=0)
     with Store(cfg) as store:
         lid = store.register_layout(LAYOUT)
         p = toks(*range(6))

@@ -105,7 +105,7 @@ def test_daemon_logs_structured_events_to_the_journal(journal, tmp_path):
     st = os.fstat(stderr_file.fileno())
     env = dict(os.environ, JOURNAL_STREAM=f"{st.st_dev}:{st.st_ino}", KVCACHED_JOURNAL_SOCKET=path)
     cfg = tmp_path / "k.toml"
-    cfg.write_text('pool_bytes = "4M"\npool_block_bytes = "64K"\nnvme_bytes = "64M"\nmetrics_addr = "127.0.0.1:0"\n')
+    cfg.write_text('pool_bytes = "4M"\nnvme_bytes = "64M"\nmetrics_addr = "127.0.0.1:0"\n')
     sock_path = str(tmp_path / "kv.sock")
     exe = os.path.join(os.path.dirname(sys.executable), "kvcached")
     d = subprocess.Popen([exe, "serve", "--config", str(cfg), "--socket", sock_path, "--state-dir", str(tmp_path / "st")],

@@ -25,10 +25,10 @@ def test_collector_reports_store_snapshot(store, lid):
     v = reg.get_sample_value
     d = {"domain": "default"}
     assert v("cache_hit_rate_by_model", {**d, "model": TINY.model, "layout_id": lid}) == (5 * CT) / (6 * CT)
-    assert v("kvcached_pool_blocks", {**d, "state": "leased"}) == 2
-    assert v("kvcached_pool_blocks", {**d, "state": "cached"}) == 1
+    assert v("kvcached_pool_chunks", {**d, "state": "leased"}) == 2
+    assert v("kvcached_pool_chunks", {**d, "state": "cached"}) == 1
     assert v("kvcached_tier_chunks", {**d, "tier": "pool"}) == 3
-    assert v("cache_memory_utilization", {**d, "tier": "pool"}) == 3 / store.pool.num_blocks
+    assert v("cache_memory_utilization", {**d, "tier": "pool"}) == 3 * TINY.chunk_bytes / store.pool.capacity_bytes
     assert v("kvcached_leases_active", d) == 1
     assert v("kvcached_lookup_tokens_total", d) == 6 * CT and v("kvcached_hit_tokens_total", d) == 5 * CT
     # each of the 4 distinct chunks was hashed with SHA-256 once; lookup (3) and acquire (2) reused them
@@ -55,7 +55,7 @@ def test_scrape_of_a_running_daemon(daemon):
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     hit = [s for s in fams["cache_hit_rate_by_model"].samples if s.labels["model"] == LAYOUT.model]
     assert len(hit) == 1 and hit[0].value == 1.0
-    leased = [s.value for s in fams["kvcached_pool_blocks"].samples if s.labels["state"] == "leased"]
+    leased = [s.value for s in fams["kvcached_pool_chunks"].samples if s.labels["state"] == "leased"]
     assert leased == [4.0]
     counts = {s.labels["method"]: s.value for s in fams["kvcached_rpc_latency_seconds"].samples
               if s.name.endswith("_count")}

@@ -109,7 +109,7 @@ def test_failed_copy_exposes_nothing_and_leaks_nothing(demoted, monkeypatch):
     assert tiers(store, lid, a) == [TierId.NVME] * 10  # the half-written block never became visible
     assert all(n.refcount == 0 for n in store.index.nodes())
     pool = store.pool
-    assert pool.reserved_blocks == 0 and pool.free_blocks + pool.committed_blocks == pool.num_blocks
+    assert pool.reserved_chunks == 0 and (pool.free_bytes // TINY.chunk_bytes) + pool.committed_chunks == (pool.capacity_bytes // TINY.chunk_bytes)
     store.index.check_invariants()
     monkeypatch.undo()
     lease = store.acquire(lid, a[: 2 * CT])
@@ -165,7 +165,7 @@ def test_leak_free_after_any_mix(make_store, clock):
     assert s.leases_active == 0 and s.reservations_active == 0
     assert all(n.refcount == 0 for n in store.index.nodes())
     store.evict()
-    assert store.pool.free_blocks == store.pool.num_blocks  # everything reclaimable
+    assert (store.pool.free_bytes // TINY.chunk_bytes) == (store.pool.capacity_bytes // TINY.chunk_bytes)  # everything reclaimable
     store.index.check_invariants()
 
 

@@ -27,7 +27,6 @@ def config(state_dir: str, **kw) -> StoreConfig:
     base = dict(
         state_dir=state_dir,
         pool_bytes=TINY.chunk_bytes * 64,
-        pool_block_bytes=TINY.chunk_bytes,
         nvme_bytes=(TINY.chunk_bytes + HEADER_SIZE) * 4096,
     )
     base.update(kw)

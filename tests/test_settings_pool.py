@@ -1,4 +1,4 @@
-"""Pool sizes the settings derive: aligned block sizes, and default pools shared fairly by domains."""
+"""Pool sizes the settings derive: aligned packed pools, and default pools shared fairly by domains."""
 
 from __future__ import annotations
 
@@ -18,42 +18,30 @@ def settings(**kw) -> DaemonSettings:
     return DaemonSettings(socket="/nonexistent/kv.sock", state_dir="/nonexistent/state", device="cpu", **kw)
 
 
-@pytest.mark.parametrize("pool", [1000017, 33 * KiB + 5, 5 * MiB + 7, 100 * MiB + 1, 255 * MiB + 3])
-def test_block_sizes_derived_from_a_small_pool_are_aligned(pool):
+@pytest.mark.parametrize("pool", [1000017, 33 * KiB + 5, 5 * MiB + 7])
+def test_an_odd_pool_size_is_rounded_down_and_every_chunk_offset_is_aligned(pool):
     cfg = settings(pool_bytes=pool).store_config()
-    block = cfg.pool_block_bytes
-    assert block % BLOCK_ALIGN == 0 and cfg.pool_blocks >= 16
-    if pool // 16 >= 2 * MiB:
-        assert block % (2 * MiB) == 0
-    elif pool // 16 >= 4 * KiB:
-        assert block % (4 * KiB) == 0
-    # What a client does with a CUDA pool block (PoolMap.view): view the slab's bytes at the block's
-    # offset as the layout's dtype. torch refuses an offset the element size does not divide, on
-    # the CPU as on the GPU; a bare pool // 16 block (odd for these pools) failed here.
-    slab = torch.empty(cfg.pool_blocks * block, dtype=torch.uint8)
-    for b in range(cfg.pool_blocks):
-        slab[b * block : b * block + BF16.chunk_bytes].view(torch.bfloat16).view(BF16.chunk_shape)
+    p = HostPool("kvcached.test-align", cfg.pool_bytes, prefault=False)
+    try:
+        assert p.capacity_bytes == pool // BLOCK_ALIGN * BLOCK_ALIGN
+        # What a client does with a chunk (PoolMap.view): view the slab's bytes at the chunk's offset
+        # as the layout's dtype. torch refuses an offset the element size does not divide, on the CPU
+        # as on the GPU; every offset the packed pool hands out is a multiple of BLOCK_ALIGN.
+        slab = torch.empty(p.capacity_bytes, dtype=torch.uint8)
+        offsets = [p.reserve(BF16.chunk_bytes).offset for _ in range(16)]
+        assert all(off % BLOCK_ALIGN == 0 for off in offsets)
+        for off in offsets:
+            slab[off : off + BF16.chunk_bytes].view(torch.bfloat16).view(BF16.chunk_shape)
+    finally:
+        p.close()
 
 
-def test_a_configured_block_size_is_kept_when_the_pool_holds_16_of_them():
-    assert settings(pool_bytes=64 * MiB, pool_block_bytes=4 * MiB).store_config().pool_block_bytes == 4 * MiB
-
-
-@pytest.mark.parametrize("bad", [1000, 100, 16 * MiB + 2])
-def test_an_unaligned_block_size_is_refused_with_the_next_aligned_one(tmp_path, bad):
-    up = -(-bad // BLOCK_ALIGN) * BLOCK_ALIGN
+def test_the_old_block_size_setting_still_loads_and_is_ignored(tmp_path):
     cfg = tmp_path / "k.toml"
-    cfg.write_text(f"pool_block_bytes = {bad}\n")
-    with pytest.raises(SettingsError, match=f"multiple of {BLOCK_ALIGN} bytes.*got {bad}; use {up}"):
-        load_settings(str(cfg))
-    cfg.write_text(f'socket = "{tmp_path}/a.sock"\n[domains.b]\nsocket = "{tmp_path}/b.sock"\n'
-                   f"pool_block_bytes = {bad}\n")
-    with pytest.raises(SettingsError, match=f"multiple of {BLOCK_ALIGN}"):
-        load_settings(str(cfg))
-    with pytest.raises(ValueError, match=f"multiple of {BLOCK_ALIGN}"):
-        StoreConfig(state_dir=str(tmp_path), pool_bytes=1 << 20, pool_block_bytes=bad)
-    with pytest.raises(ValueError, match=f"multiple of {BLOCK_ALIGN}"):
-        HostPool("kvcached.test-align", bad, 4, prefault=False)
+    cfg.write_text('pool_bytes = "64M"\npool_block_bytes = "4M"\n')
+    s = load_settings(str(cfg))
+    assert s.pool_block_bytes == 4 * MiB  # kept only so the daemon can say it is ignored
+    assert not hasattr(s.store_config(), "pool_block_bytes")
 
 
 def domains_toml(tmp_path, *, device: str = "cpu", **tables: str) -> str:
@@ -93,7 +81,7 @@ def test_host_default_pool_is_computed_once_and_split_among_the_domains_that_use
 def test_host_default_of_a_single_domain_is_unchanged(tmp_path, monkeypatch):
     monkeypatch.setattr(settings_mod, "free_shm_bytes", lambda: 64 * GiB)
     (cfg,) = load_settings(domains_toml(tmp_path)).store_configs()
-    assert cfg.pool_bytes == 1 * GiB and cfg.pool_block_bytes == 16 * MiB
+    assert cfg.pool_bytes == 1 * GiB
 
 
 def test_gpu_default_pool_is_half_of_free_memory_split_among_the_domains(tmp_path, monkeypatch):
@@ -109,4 +97,4 @@ def test_gpu_default_pool_is_half_of_free_memory_split_among_the_domains(tmp_pat
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
     configs = load_settings(domains_toml(tmp_path, device="cuda", b="")).store_configs()
     assert [c.pool_bytes for c in configs] == [20 * GiB, 20 * GiB] and len(reads) == 1
-    assert all(c.device == "cuda" and c.pool_block_bytes == 16 * MiB for c in configs)
+    assert all(c.device == "cuda" for c in configs)

@@ -15,7 +15,7 @@ from kvcached.errors import (
     UnknownLease,
     UnknownReservation,
 )
-from kvcached.keys import LayoutId
+from kvcached.keys import KVLayout, LayoutId
 from kvcached.leases import SessionId
 from kvcached.locations import TierId
 from tests.conftest import TINY, payload, prompt
@@ -32,7 +32,7 @@ def snapshot(store):
     """Everything a bad request must leave unchanged."""
     s = store.stats()
     nodes = sorted((n.hash, n.refcount, n.tiers, n.last_use) for n in store.index.nodes())
-    return (s.indexed_chunks, s.leases_active, s.reservations_active, s.pool.blocks_free,
+    return (s.indexed_chunks, s.leases_active, s.reservations_active, s.pool.free_bytes,
             s.nvme.chunks if s.nvme else None, nodes)
 
 
@@ -69,10 +69,10 @@ def test_lookup_pins_nothing_and_keeps_recency(store, lid):
 
 def test_second_put_of_same_prompt_stores_nothing_new(store, lid):
     toks, _ = put(store, lid, 3)
-    free = store.pool.free_blocks
+    free = (store.pool.free_bytes // TINY.chunk_bytes)
     _, c = put(store, lid, 3)
     assert c.committed_chunks == 0 and c.cached_tokens == 3 * CT
-    assert store.pool.free_blocks == free
+    assert (store.pool.free_bytes // TINY.chunk_bytes) == free
 
 
 def test_extending_a_cached_prompt_stores_only_the_new_chunks(store, lid):
@@ -138,11 +138,11 @@ def test_session_release_frees_leases_and_reservations(store, lid):
     store.acquire(lid, toks, s)
     r = store.reserve(lid, prompt(4), s)
     assert len(r.slots) == 2
-    free_before = store.pool.free_blocks
+    free_before = (store.pool.free_bytes // TINY.chunk_bytes)
     rec = store.release_session(s)
     assert (rec.leases, rec.reservations) == (2, 1)
     assert all(n.refcount == 0 for n in store.index.nodes())
-    assert store.pool.free_blocks == free_before + 2
+    assert (store.pool.free_bytes // TINY.chunk_bytes) == free_before + 2
     assert store.release_session(s) == type(rec)(0, 0)
     store.index.check_invariants()
 
@@ -182,15 +182,15 @@ def test_double_commit_and_unknown_reservation(store, lid):
 
 
 def test_abort_and_expiry_free_blocks(store, lid, clock):
-    free = store.pool.free_blocks
+    free = (store.pool.free_bytes // TINY.chunk_bytes)
     r = store.reserve(lid, prompt(3), ttl=5)
-    assert store.pool.free_blocks == free - 3
+    assert (store.pool.free_bytes // TINY.chunk_bytes) == free - 3
     assert store.abort(r.reservation_id) is True
-    assert store.pool.free_blocks == free and store.lookup(lid, prompt(3)) == 0
+    assert (store.pool.free_bytes // TINY.chunk_bytes) == free and store.lookup(lid, prompt(3)) == 0
     r = store.reserve(lid, prompt(3), ttl=5)
     clock.advance(6)
     assert store.expire()["reservations"] == 1
-    assert store.pool.free_blocks == free
+    assert (store.pool.free_bytes // TINY.chunk_bytes) == free
     with pytest.raises(ReservationClosed, match="expired"):
         store.commit(r.reservation_id)
     assert store.reserve(lid, prompt(3)).slots  # no longer in flight
@@ -203,7 +203,7 @@ def test_partial_commit(store, lid):
     c = store.commit(r.reservation_id, chunks=2)
     assert c.committed_chunks == 2 and c.cached_tokens == 2 * CT
     assert store.lookup(lid, prompt(4)) == 2 * CT
-    assert store.pool.committed_blocks == 2 and store.pool.reserved_blocks == 0
+    assert store.pool.committed_chunks == 2 and store.pool.reserved_chunks == 0
 
 
 # -- eviction --------------------------------------------------------------------------
@@ -237,14 +237,15 @@ def test_leased_and_reserved_chunks_are_never_evicted(make_store):
     lease = store.acquire(lid, a)
     r = store.reserve(lid, prompt(2, start=500))
     before = snapshot(store)
-    with pytest.raises(TierFull, match="all leased or reserved"):
-        store.reserve(lid, prompt(1, start=900))
+    full = store.reserve(lid, prompt(1, start=900), open_empty=False)  # a full cache is not an error
+    assert (full.opened, full.slots, full.not_reserved_tokens) == (False, (), CT)
+    assert "no room for 1 more chunks" in full.not_reserved_reason
     assert snapshot(store) == before
     assert store.evict().chunks == 0  # a is leased, nothing else is cached
     store.release(lease.lease_id)
     store.abort(r.reservation_id)
     assert store.evict().chunks == 2
-    assert store.pool.free_blocks == 4
+    assert (store.pool.free_bytes // TINY.chunk_bytes) == 4
 
 
 def test_reserve_gets_what_fits_when_pool_is_short(make_store):
@@ -315,7 +316,7 @@ def test_cache_ttl_expires_leaf_first(make_store, clock):
     assert store.lookup(lid, a) == CT and store.lookup(lid, b) == CT
     clock.advance(101)
     assert store.expire()["chunks"] == 2
-    assert len(store.index) == 0 and store.pool.free_blocks == store.pool.num_blocks
+    assert len(store.index) == 0 and (store.pool.free_bytes // TINY.chunk_bytes) == (store.pool.capacity_bytes // TINY.chunk_bytes)
 
 
 def test_evict_by_layout_keeps_other_layouts(store):
@@ -376,11 +377,29 @@ def test_too_many_tokens_is_invalid(make_store):
         store.acquire(lid, list(range(17)))
 
 
-def test_layout_larger_than_a_block_is_refused(store):
-    big = dataclasses.replace(TINY, chunk_tokens=8)
-    with pytest.raises(InvalidLayout, match="pool block"):
+def test_layout_larger_than_the_pool_is_refused(store):
+    big = dataclasses.replace(TINY, chunk_tokens=TINY.chunk_tokens * 17)  # the pool holds 16 TINY chunks
+    with pytest.raises(InvalidLayout, match="larger than the whole pool"):
         store.register_layout(big)
     assert store.stats().layouts == 0
+
+
+def test_chunks_of_any_size_share_the_pool(make_store):
+    """The packed pool: a 20 MiB chunk (more than the old fixed 16 MiB block) and small chunks of
+    another layout fit side by side, each taking exactly its own bytes."""
+    big = KVLayout("test/big@1", num_layers=40, num_kv_heads=8, head_dim=128, dtype="bfloat16", chunk_tokens=128)
+    assert big.chunk_bytes == 20 << 20
+    store = make_store(pool_blocks=3, layout=big, nvme_chunks=None, pool_prefault=False)
+    lb, lt = store.register_layout(big), store.register_layout(TINY)
+    store.put(lb, prompt(1, layout=big), [payload(0, layout=big)])
+    store.put(lt, prompt(5), [payload(i) for i in range(5)])
+    p = store.stats().pool
+    assert p.payload_bytes == big.chunk_bytes + 5 * TINY.chunk_bytes == p.used_bytes
+    assert p.free_bytes == 3 * big.chunk_bytes - p.used_bytes
+    lease = store.acquire(lb, prompt(1, layout=big))
+    assert bytes(store.read_chunk(lease, 0)) == payload(0, layout=big)
+    store.release(lease.lease_id)
+    store.pool.check()
 
 
 def test_write_outside_reservation_is_refused(store, lid):
@@ -399,10 +418,11 @@ def test_stats_report_pool_blocks(store, lid):
     store.acquire(lid, prompt(2))
     store.reserve(lid, prompt(1, start=77))
     p = store.stats().pool
-    assert (p.blocks_leased, p.blocks_cached, p.blocks_reserved) == (2, 1, 1)
-    assert p.blocks_free == p.blocks_total - 4
+    assert (p.leased_chunks, p.cached_chunks, p.reserved_chunks) == (2, 1, 1)
+    assert p.free_bytes == p.capacity_bytes - 4 * TINY.chunk_bytes
+    assert p.payload_bytes == 3 * TINY.chunk_bytes and p.reserved_bytes == TINY.chunk_bytes
     d = store.stats().to_dict()
-    assert d["pool"]["blocks_leased"] == 2 and 0 <= d["hit_rate"] <= 1
+    assert d["pool"]["leased_chunks"] == 2 and 0 <= d["hit_rate"] <= 1
 
 
 def test_full_lmdb_map_stops_admission_and_the_store_keeps_serving(make_store, clock):

@@ -54,12 +54,12 @@ class StoreMachine(RuleBasedStateMachine):
             StoreConfig(
                 state_dir=self.dir,
                 pool_bytes=TINY.chunk_bytes * 6,
-                pool_block_bytes=TINY.chunk_bytes,
                 nvme_bytes=(TINY.chunk_bytes + HEADER_SIZE) * 8,
                 write_through=self.write_through,
                 cache_ttl=50,
                 lease_ttl=20,
                 reservation_ttl=20,
+                writeback=False,  # no thread: the writeback rule runs its batches in step with the rest
             ),
             clock=self.clock,
         )
@@ -86,24 +86,23 @@ class StoreMachine(RuleBasedStateMachine):
         self._learn(p)
         data = [chunk_payload(p[: i + 1]) for i in range(len(p))]
         before = self._state()
-        try:
-            self.store.put(self.lid, tokens(p, tail), data, session)
-        except TierFull:  # everything pinned: allowed, and put() must then have changed nothing
-            event("put refused: TierFull")
+        r = self.store.put(self.lid, tokens(p, tail), data, session)
+        if not r.reservation_id:  # all cached, or everything pinned: then put() changed nothing
+            event("put stored nothing")
             after = self._state()
             assert after == before, {k: (v, after[k]) for k, v in before.items() if after[k] != v}
 
     def _state(self) -> dict:
-        """What a put refused with TierFull must leave as it was: every indexed chunk (tiers,
-        pins), both tiers' stats, the open leases and reservations, the chunks in flight, and every
-        counter but ``in_flight_conflicts`` (the refused put may have met another writer's chunks
-        in flight, and that is counted)."""
+        """What a put that stored nothing must leave as it was: every indexed chunk (tiers, pins),
+        both tiers' stats, the open leases and reservations, the chunks in flight, and every
+        counter but ``in_flight_conflicts`` and ``not_reserved_chunks`` (the put may have met
+        another writer's chunks in flight, or found no room, and that is counted)."""
         s = self.store
-        counters = dataclasses.replace(s.counters, in_flight_conflicts=0)
+        counters = dataclasses.replace(s.counters, in_flight_conflicts=0, not_reserved_chunks=0)
         return {
             "index": sorted((n.hash, n.tiers, n.refcount, n.pool_offset) for n in s.index.nodes()),
             "pool": s.stats().pool, "nvme": s.stats().nvme,
-            "pool_blocks": (s.pool.free_blocks, s.pool.reserved_blocks, s.pool.committed_blocks),
+            "pool_blocks": ((s.pool.free_bytes // TINY.chunk_bytes), s.pool.reserved_chunks, s.pool.committed_chunks),
             "leases": sorted(e.id for e in s._leases), "reservations": sorted(e.id for e in s.writes.reservations),
             "in_flight": dict(s.writes.in_flight), "counters": counters,
         }
@@ -188,6 +187,10 @@ class StoreMachine(RuleBasedStateMachine):
     def flush(self):
         self.store.flush()
 
+    @rule(goal=st.sampled_from([None, TINY.chunk_bytes * 3, TINY.chunk_bytes * 6]))
+    def writeback(self, goal):
+        self.store.writeback_step(goal)
+
     # -- invariants ---------------------------------------------------------------------
 
     @invariant()
@@ -216,14 +219,14 @@ class StoreMachine(RuleBasedStateMachine):
         self.store.index.check_invariants()  # whole prefixes, child counts, queue membership
         pool = self.store.pool
         in_pool = [n for n in self.store.index.nodes() if n.tiers & TierId.POOL]
-        assert pool.committed_blocks == len(in_pool)
+        assert pool.committed_chunks == len(in_pool)
         for n in in_pool:  # what lease receipts name is where the pool holds the bytes
             assert n.pool_offset == pool.slot_of(n.hash).offset
-        assert pool.free_blocks + pool.reserved_blocks + pool.committed_blocks == pool.num_blocks
+        assert (pool.free_bytes // TINY.chunk_bytes) + pool.reserved_chunks + pool.committed_chunks == (pool.capacity_bytes // TINY.chunk_bytes)
         reserved = sum(len(self.store.writes.reservations.get(r).payload.slots) for r in self.puts)
-        assert pool.reserved_blocks == reserved
+        assert pool.reserved_chunks == reserved
         leased = sum(1 for n in self.store.index.nodes() if n.refcount and n.tiers & TierId.POOL)
-        assert self.store.stats().pool.blocks_leased == leased
+        assert self.store.stats().pool.leased_chunks == leased
         nvme = self.store.nvme
         on_nvme = {n.hash for n in self.store.index.nodes() if n.tiers & TierId.NVME}
         assert nvme.chunk_count == len(on_nvme)

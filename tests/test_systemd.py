@@ -80,7 +80,7 @@ def test_daemon_lifecycle_under_systemd(notify_socket, tmp_path):
     path, sock = notify_socket
     sock_path = str(tmp_path / "kv.sock")
     cfg = tmp_path / "k.toml"
-    cfg.write_text('pool_bytes = "4M"\npool_block_bytes = "64K"\nnvme_bytes = "64M"\nlease_ttl = 30.0\nmetrics_addr = "127.0.0.1:0"\n')
+    cfg.write_text('pool_bytes = "4M"\nnvme_bytes = "64M"\nlease_ttl = 30.0\nmetrics_addr = "127.0.0.1:0"\n')
     env = dict(os.environ, NOTIFY_SOCKET=path, WATCHDOG_USEC="400000")  # pings every 0.2 s
     exe = os.path.join(os.path.dirname(sys.executable), "kvcached")
     p = subprocess.Popen([exe, "serve", "--config", str(cfg), "--socket", sock_path, "--state-dir", str(tmp_path / "st")],
@@ -94,7 +94,7 @@ def test_daemon_lifecycle_under_systemd(notify_socket, tmp_path):
         pings = [m for m in messages(sock, "WATCHDOG") if "WATCHDOG" in m]
         pings += [m for m in messages(sock, "WATCHDOG") if "WATCHDOG" in m]
         assert len(pings) >= 2
-        cfg.write_text('pool_bytes = "4M"\npool_block_bytes = "64K"\nnvme_bytes = "64M"\nlease_ttl = 5.0\n')
+        cfg.write_text('pool_bytes = "4M"\nnvme_bytes = "64M"\nlease_ttl = 5.0\n')
         p.send_signal(signal.SIGHUP)
         seen = messages(sock, "RELOADING")
         assert "MONOTONIC_USEC" in seen[-1]

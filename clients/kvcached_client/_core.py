@@ -15,7 +15,7 @@ from kvcached.errors import KvcacheError
 from kvcached.keys import KVLayout, TokenInput, normalize_tokens
 from kvcached.service.convert import layout_to_proto, pool_handle_from_proto
 from kvcached.settings import default_socket
-from kvcached.tiers.blocks import PoolHandle
+from kvcached.tiers.packed import PoolHandle
 from kvcached.v1 import kvcached_pb2 as pb
 from kvcached_client.errors import (
     FailedPreconditionError,

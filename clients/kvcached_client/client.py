@@ -23,6 +23,7 @@ Thread-safe: calls may come from several threads.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -64,16 +65,16 @@ class Lease(_core.LeaseBase):
         return self._client.keep_alive([self.lease_id], ttl, session_id=self.session_id)
 
     def release(self) -> None:
-        """Give the lease back. Never raises for a lease the daemon no longer holds: if its
-        session ended or the daemon restarted, the daemon already released it. On a CUDA pool
-        it first waits for the GPU reads of the lease's blocks (see ``LeaseBase._sync_device``)."""
+        """Give the lease back without waiting for the daemon: the release travels on the
+        session stream (:meth:`Client.sync` waits for it when that matters). Never raises for a
+        lease the daemon no longer holds: if its session ended or the daemon restarted, the
+        daemon already released it. On a CUDA pool it first waits for the GPU reads of the
+        lease's chunks (see ``LeaseBase._sync_device``)."""
         if not self.released:
             self._sync_device()
             self.released = True
-            try:
-                self._client.release([self.lease_id], session_id=self.session_id)
-            except _core.GONE:
-                pass
+            if self.lease_id:
+                self._client._release_later([self.lease_id], self.session_id)
 
     def __enter__(self) -> "Lease":
         return self
@@ -121,8 +122,22 @@ class Reservation:
         self.slots: tuple[_core.Location, ...] = _core.locations(resp.slots)
         self.cached_tokens: int = resp.cached_tokens
         self.in_flight_tokens: int = resp.in_flight_tokens
+        self.durable_tokens: int = resp.durable_tokens
+        self.write_through: bool = resp.write_through
+        #: Full chunks after the reserved ones that found no room (a full pool), and why.
+        self.not_reserved_tokens: int = resp.not_reserved_tokens
+        self.not_reserved_reason: str = resp.not_reserved_reason
         self._generation: str = resp.pool_generation
-        self.done = False
+        self.done = not self.reservation_id  # nothing was reserved: nothing to commit
+
+    @property
+    def opened(self) -> bool:
+        """Whether the daemon opened a reservation (False: nothing to write, nothing to commit)."""
+        return bool(self.reservation_id)
+
+    def receipt(self) -> PutReceipt:
+        """What a put that wrote nothing reports: the prompt as cached when reserved."""
+        return PutReceipt(0, self.cached_tokens, self.durable_tokens, self.in_flight_tokens, self.write_through)
 
     def view(self, slot: _core.Location) -> "torch.Tensor":
         """The pool block reserved for ``slot`` (no copy): write the chunk's KV into it."""
@@ -133,7 +148,13 @@ class Reservation:
             raise FailedPreconditionError("the daemon restarted since this reservation was made; reserve again")
         return pool.view(self.layout, slot.offset, slot.nbytes)
 
-    def commit(self) -> PutReceipt:
+    def commit(self, release: Sequence[Lease] = ()) -> PutReceipt:
+        """Publish the written chunks; with ``release``, give those leases back in the same round
+        trip (CommitRelease). A reservation that holds nothing costs no call."""
+        if not self.opened:
+            for lease in release:
+                lease.release()
+            return self.receipt()
         if self.done:
             raise FailedPreconditionError("the reservation was already committed or aborted")
         if self.slots and self._client._pool.device.type == "cuda":
@@ -141,19 +162,67 @@ class Reservation:
 
             torch.cuda.synchronize(self._client._pool.device)
         self.done = True
-        req = pb.CommitRequest(reservation_id=self.reservation_id, session_id=self.session_id)
-        return put_receipt(self._client._call(self._client._stub.Commit, req), self.in_flight_tokens)
+        ids = [lease.lease_id for lease in release if not lease.released and lease.lease_id]
+        for lease in release:
+            lease._sync_device()
+            lease.released = True
+        if not ids:
+            req = pb.CommitRequest(reservation_id=self.reservation_id, session_id=self.session_id)
+            return put_receipt(self._client._call(self._client._stub.Commit, req), self.in_flight_tokens)
+        resp = self._client._call(self._client._stub.CommitRelease, pb.CommitReleaseRequest(
+            reservation_id=self.reservation_id, lease_ids=ids, session_id=self.session_id))
+        return put_receipt(resp.commit, self.in_flight_tokens)
 
     def abort(self) -> None:
-        """Give the slots back. Never raises for a reservation the daemon no longer holds."""
+        """Give the slots back, without waiting (on the session stream). Never raises for a
+        reservation the daemon no longer holds."""
         if self.done:
             return
         self.done = True
-        try:
-            self._client._call(self._client._stub.Abort,
-                               pb.AbortRequest(reservation_ids=[self.reservation_id], session_id=self.session_id))
-        except _core.GONE:
-            pass  # its session or daemon is gone, and the reservation with it
+        self._client._release_later([], self.session_id, aborts=[self.reservation_id])
+
+
+class CacheRequest:
+    """One request's cache work in two round trips (see :meth:`Client.acquire_reserve`):
+    ``lease`` pins the cached prefix (read it with ``lease.chunk(i)``/``lease.kv()``),
+    ``reservation`` holds pool room for the uncached full chunks after it (write them with
+    :meth:`write`, or ``reservation.view(slot)``). :meth:`finish` commits what was written and
+    releases the lease in one call; without a commit the release costs no wait at all.
+    """
+
+    def __init__(self, client: "Client", lease: Lease, reservation: Reservation) -> None:
+        self._client = client
+        self.lease = lease
+        self.reservation = reservation
+
+    @property
+    def matched_tokens(self) -> int:
+        return self.lease.matched_tokens
+
+    def write(self, kv: "torch.Tensor") -> None:
+        """Copy the reserved chunks of ``kv`` ([2, layers, kv_heads, >= tokens, head_dim], the
+        prompt's KV from its first token) into their pool room."""
+        slots = self.reservation.slots
+        if slots:
+            layout = self.reservation.layout
+            _core.validate_kv(layout, kv, (slots[-1].position + 1) * layout.chunk_tokens)
+            _core.write_slots(self._client._pool, layout, slots, kv)
+
+    def finish(self, *, commit: bool = True) -> PutReceipt:
+        """Commit what :meth:`write` stored (unless ``commit`` is False: abort it) and release
+        the lease: one round trip with something to commit, none otherwise."""
+        if commit:
+            return self.reservation.commit(release=[self.lease])
+        self.reservation.abort()
+        self.lease.release()
+        return self.reservation.receipt()
+
+    def __enter__(self) -> "CacheRequest":
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if not self.reservation.done or not self.lease.released:
+            self.finish(commit=exc_type is None)
 
 
 class Client:
@@ -185,8 +254,9 @@ class Client:
         self._lock = threading.Lock()
         self._use_session = session
         self._session_id: str | None = None
-        self._session_end: queue.Queue[None] | None = None
+        self._session_end: queue.Queue[pb.SessionRequest | None] | None = None
         self._session_call: Any = None
+        self._seq = 0
 
     # -- plumbing ----------------------------------------------------------------------
 
@@ -216,12 +286,15 @@ class Client:
             # The old stream ended (daemon restart): let its request iterator return, or the gRPC
             # thread consuming it stays blocked in end.get() forever, one per restart.
             self._session_end.put(None)
-        end: queue.Queue[None] = queue.Queue()
+        end: queue.Queue[pb.SessionRequest | None] = queue.Queue()
         name = self.client_name
 
         def requests() -> Iterator[pb.SessionRequest]:
             yield pb.SessionRequest(client_name=name)
-            end.get()  # held open until close(); the daemon releases everything when it ends
+            # Held open until close() (None); meanwhile it carries releases and aborts nobody waits
+            # for. The daemon releases everything of the session when the stream ends.
+            while (msg := end.get()) is not None:
+                yield msg
 
         call = self._stub.Session(requests())
         try:
@@ -342,14 +415,15 @@ class Client:
                 self._nvme.open(self._handle.nvme_path)
         return view
 
-    def reserve(self, layout: KVLayout, tokens: TokenInput) -> Reservation:
+    def reserve(self, layout: KVLayout, tokens: TokenInput, *, skip_empty: bool = False) -> Reservation:
         """Reserve the full chunks of ``tokens`` that are not cached yet, to write in place
-        (see :class:`Reservation`); :meth:`put` is reserve, write, commit."""
+        (see :class:`Reservation`); :meth:`put` is reserve, write, commit. ``skip_empty``: open
+        no reservation when there is nothing to write (then commit costs no call)."""
         packed = _core.pack_tokens(tokens)
 
         def reserve(lid: str) -> tuple[pb.ReserveResponse, str]:
-            return self._with_session(lambda sid: self._call(
-                self._stub.Reserve, pb.ReserveRequest(layout_id=lid, tokens=packed, session_id=sid)))
+            return self._with_session(lambda sid: self._call(self._stub.Reserve, pb.ReserveRequest(
+                layout_id=lid, tokens=packed, session_id=sid, skip_empty=skip_empty)))
 
         r, sid = self._with_layout(layout, reserve)
         res = Reservation(self, layout, r, sid)
@@ -360,6 +434,72 @@ class Client:
                 res.abort()
                 raise
         return res
+
+    def acquire_reserve(self, layout: KVLayout, tokens: TokenInput, *, no_cache: bool = False,
+                        no_store: bool = False, ttl: float | None = None) -> CacheRequest:
+        """A request's first round trip: pin the cached prefix of ``tokens`` and reserve pool room
+        for its uncached full chunks (one AcquireReserve call). ``no_cache``: serve nothing from
+        the cache; ``no_store``: reserve nothing. Finish it with :meth:`CacheRequest.finish`."""
+        packed = _core.pack_tokens(tokens)
+        direct = self.nvme_read == "direct"
+
+        def go(lid: str) -> tuple[pb.AcquireReserveResponse, str]:
+            return self._with_session(lambda sid: self._call(self._stub.AcquireReserve, pb.AcquireReserveRequest(
+                layout_id=lid, tokens=packed, session_id=sid, lease_ttl_seconds=ttl or 0,
+                read_nvme_directly=direct, no_cache=no_cache, no_store=no_store)))
+
+        resp, sid = self._with_layout(layout, go)
+        lease = Lease(self, layout, resp.lease)
+        lease.session_id = sid
+        res = Reservation(self, layout, resp.reservation, sid)
+        try:
+            if lease._offsets or res.slots:
+                self._ensure_pool(resp.lease.pool_generation or resp.reservation.pool_generation)
+            if lease._offsets and direct and resp.lease.chunks.nvme_keys and self._nvme.path is None:
+                assert self._handle is not None
+                self._nvme.open(self._handle.nvme_path)
+        except BaseException:
+            res.abort()
+            lease.release()
+            raise
+        return CacheRequest(self, lease, res)
+
+    def _release_later(self, lease_ids: Sequence[str], session_id: str, *, aborts: Sequence[str] = ()) -> None:
+        """Releases and aborts nobody waits for: sent on the session stream they were granted
+        under. If that session is gone (daemon restart, closed client), so are they."""
+        with self._lock:
+            alive = self._session_end is not None and self._session_id == session_id and self._session_alive()
+            if alive:
+                assert self._session_end is not None
+                self._session_end.put(pb.SessionRequest(release_lease_ids=list(lease_ids),
+                                                        abort_reservation_ids=list(aborts)))
+                return
+        if session_id:
+            return  # that session ended: the daemon released everything it held
+        try:  # sessionless: the plain RPCs
+            if lease_ids:
+                self.release(lease_ids, session_id="")
+            if aborts:
+                self._call(self._stub.Abort, pb.AbortRequest(reservation_ids=list(aborts)))
+        except _core.GONE:
+            pass
+
+    def sync(self, timeout: float | None = None) -> None:
+        """Wait until the daemon has done every release and abort this client sent on its
+        session stream (tests, and callers that need the pool room back now)."""
+        with self._lock:
+            if self._session_end is None or not self._session_alive():
+                return
+            self._seq += 1
+            seq = self._seq
+            self._session_end.put(pb.SessionRequest(seq=seq))
+            call = self._session_call
+            try:
+                for ev in call:  # the stream answers only messages with a seq: this is ours
+                    if ev.acked_seq >= seq:
+                        return
+            except grpc.RpcError:
+                return  # the session ended: the daemon released everything
 
     def keep_alive(self, lease_ids: Sequence[str], ttl: float | None = None, *, session_id: str | None = None) -> float:
         req = pb.KeepAliveRequest(lease_ids=list(lease_ids), ttl_seconds=ttl or 0, session_id=self._sid(session_id))
@@ -375,14 +515,28 @@ class Client:
         """
         packed = _core.pack_tokens(tokens)
         _core.validate_kv(layout, kv, len(packed) // 4)
-        res = self.reserve(layout, packed)
-        if res.slots:
+        stored = 0
+        while True:
+            res = self.reserve(layout, packed, skip_empty=True)
+            if not res.opened:  # all cached, in flight, or no room at all: one call
+                r = res.receipt()
+                break
             try:
                 _core.write_slots(self._pool, layout, res.slots, kv)
             except BaseException:
                 res.abort()
                 raise
-        return res.commit()
+            r = res.commit()
+            stored += r.stored_chunks
+            # A prompt bigger than the free pool streams through: what was committed can now be
+            # demoted, so the rest gets room on the next reservation.
+            if not res.not_reserved_tokens or not r.stored_chunks:
+                break
+        if res.not_reserved_tokens:
+            log.info("put stored %d chunks; %d tokens found no room: %s", stored, res.not_reserved_tokens,
+                     res.not_reserved_reason)
+        return dataclasses.replace(r, stored_chunks=stored, not_stored_tokens=res.not_reserved_tokens,
+                                   not_stored_reason=res.not_reserved_reason)
 
     def put_bytes(self, layout: KVLayout, tokens: TokenInput, chunks: Sequence[bytes]) -> PutReceipt:
         """Fallback for processes that cannot map the pool: the KV bytes travel over gRPC (slow)."""
@@ -456,4 +610,4 @@ class Client:
         self.close()
 
 
-__all__ = ["Client", "Lease", "LeaseView", "Reservation", "KvcachedError", "PutReceipt"]
+__all__ = ["CacheRequest", "Client", "Lease", "LeaseView", "Reservation", "KvcachedError", "PutReceipt"]

@@ -298,17 +298,20 @@ def _as_model_cache(model: Any, full: Any) -> Any:
     return own
 
 
-def _read_prefix(client: Any, layout: KVLayout, tokens: list[int], n: int, device: Any) -> tuple[int, Any]:
-    """(tokens reused, a full cache holding them or None); the lease is released whatever happens."""
-    lease = client.acquire(layout, tokens)
+def _read_prefix(req: Any, n: int, device: Any) -> tuple[int, Any]:
+    """(tokens reused, a full cache holding them or None) from a request's lease."""
+    used = min(req.matched_tokens, n - 1)
+    if used <= 0:
+        return 0, None
+    return used, _full_cache(req.lease.kv()[:, :, :, :used].to(device))  # a copy: the lease may end now
+
+
+def _finish_quietly(req: Any) -> None:
+    """Give back what a failed request holds, without raising (its session ending would too)."""
     try:
-        used = min(lease.matched_tokens, n - 1)
-        if used <= 0:
-            return 0, None
-        kv = lease.kv()[:, :, :, :used].to(device)  # a copy: the lease ends right here
-        return used, _full_cache(kv)
-    finally:
-        lease.release()
+        req.finish(commit=False)
+    except Exception as e:  # pragma: no cover - the daemon is already failing; it cleans up by TTL
+        log.debug("giving back a failed request's lease: %s", e)
 
 
 def _failed(op: str, error: BaseException) -> str:
@@ -345,32 +348,53 @@ def prefill(
     error: str | None = None
     t0 = time.perf_counter()
     cache, used = None, 0
-    if policy.read:
+    full = n // layout.chunk_tokens * layout.chunk_tokens
+    store = policy.should_store(n) and full > 0
+    req = None
+    if policy.read or store:
+        # Round trip 1: pin the cached prefix and reserve room for the chunks this prefill computes.
         try:
-            used, cache = _read_prefix(client, layout, tokens, n, device)
+            req = client.acquire_reserve(layout, tokens, no_cache=not policy.read, no_store=not store)
+            used, cache = _read_prefix(req, n, device)
         except Exception as e:  # fail open: compute the whole prompt
-            error, used, cache = _failed("acquire", e), 0, None
+            # A store-only request's one call is its store: name the failure after what it was for.
+            error, used, cache = _failed("acquire" if policy.read else "store", e), 0, None
+            if req is not None:
+                _finish_quietly(req)
+                req = None
         else:
-            FAIL_OPEN.ok("acquire")
+            FAIL_OPEN.ok("acquire" if policy.read else "store")
     if cache is None:
         cache = _full_cache()
     cache_s = time.perf_counter() - t0
-    with torch.no_grad():
-        logits, cache = _forward(model, ids[used:].unsqueeze(0).to(device), cache)
+    try:
+        with torch.no_grad():
+            logits, cache = _forward(model, ids[used:].unsqueeze(0).to(device), cache)
+    except BaseException:
+        if req is not None:
+            _finish_quietly(req)
+        raise
     ttft = time.perf_counter() - t0
     stored = 0
     t1 = time.perf_counter()
-    full = n // layout.chunk_tokens * layout.chunk_tokens
-    if policy.should_store(n) and full and error is None:
-        why = _cache_geometry_error(cache, layout, n)
+    if req is not None:
+        why = _cache_geometry_error(cache, layout, n) if store else None
         if why is not None:  # the model's KV is not the layout's: nothing of it can be cached
             _mark_unsupported(model, why)
             error = _log_unsupported(model, why)
+            _finish_quietly(req)
         else:
+            # Round trip 2 (none when nothing was reserved): commit what was computed and release.
             try:
-                stored = client.put(layout, tokens[:full], _kv_from_cache(cache, full)).stored_chunks
+                kv = _kv_from_cache(cache, full) if req.reservation.slots else None
+                if kv is not None:
+                    req.write(kv)
+                stored = req.finish().stored_chunks
+                if req.reservation.not_reserved_tokens and kv is not None:  # more than the free pool: stream the rest
+                    stored += client.put(layout, tokens[:full], kv).stored_chunks
             except Exception as e:  # fail open: the request is served, just not stored
                 error = _failed("store", e)
+                _finish_quietly(req)
             else:
                 FAIL_OPEN.ok("store")
     store_s = time.perf_counter() - t1

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvcached.errors import KvcacheError
 from kvcached.keys import KVLayout
-from kvcached.tiers.blocks import PoolHandle
+from kvcached.tiers.packed import PoolHandle
 from kvcached.tiers.pool_shm import HostPoolMapping
 from kvcached_client.errors import PoolMappingError
 

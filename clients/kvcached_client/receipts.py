@@ -29,6 +29,10 @@ class PutReceipt:
     durable_tokens: int
     in_flight_tokens: int = 0  # after cached_tokens: being written by another writer right now
     write_through: bool = False
+    #: Full chunks (in tokens) the put could not store because the pool had no room (it is full of
+    #: leased or reserved chunks), and the daemon's reason. A full cache is not an error.
+    not_stored_tokens: int = 0
+    not_stored_reason: str = ""
 
     @property
     def durable(self) -> bool:

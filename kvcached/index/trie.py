@@ -92,7 +92,8 @@ class PrefixIndex:
         self.leaves = EvictionQueue(_IN_LEAVES)
         self.pool_lru = EvictionQueue(_IN_POOL_LRU)
         self.nvme_leaves = EvictionQueue(_IN_NVME_LEAVES)
-        self.pinned_in_pool = 0  # nodes with refcount > 0 and a pool copy: the pool's leased blocks
+        self.pinned_in_pool = 0  # nodes with refcount > 0 and a pool copy: the pool's leased chunks
+        self.newest_use = 0.0  # the latest last_use given to any node (the recency span's young end)
 
     # -- queries ------------------------------------------------------------
 
@@ -145,6 +146,7 @@ class PrefixIndex:
         node = Node(h, parent, layout_id, tiers, now)
         node.pool_offset = pool_offset
         self._nodes[h] = node
+        self.newest_use = max(self.newest_use, now)
         if parent is not None:
             parent.hot_child = node
             parent.children += 1
@@ -176,6 +178,7 @@ class PrefixIndex:
         if not tiers:
             raise InternalInvariantError("a chunk must live in at least one tier")
         pool = 1 if tiers & POOL else 0
+        self.newest_use = max(self.newest_use, now)
         out: list[Node] = []
         prev = parent
         for i, h in enumerate(hashes):
@@ -251,16 +254,21 @@ class PrefixIndex:
 
     # -- pins and recency -----------------------------------------------------
 
-    def pin(self, nodes: Iterable[Node], now: float) -> None:
+    def pin(self, nodes: Iterable[Node], now: float, *, touch: bool = True) -> None:
+        """Pin ``nodes`` (never evicted or dropped while pinned). ``touch=False`` keeps their
+        recency: the write-back thread pins chunks while it writes them, which is no use."""
         for node in nodes:
             node.refcount += 1
-            node.last_use = now
+            if touch:
+                node.last_use = now
+                if now > self.newest_use:
+                    self.newest_use = now
             if node.refcount == 1 and node.tiers & POOL:
                 self.pinned_in_pool += 1
             if node.qflags & _QUEUED:
                 self._dequeue(node)
 
-    def unpin(self, nodes: Iterable[Node], now: float) -> list[Node]:
+    def unpin(self, nodes: Iterable[Node], now: float, *, touch: bool = True) -> list[Node]:
         """Release one pin on each node; a release counts as a use.
 
         Raises :class:`RefcountUnderflow` instead of clamping: an unpin
@@ -276,7 +284,7 @@ class PrefixIndex:
         freed: list[Node] = []
         for node in nodes:
             node.refcount -= 1
-            if node.last_use < now:
+            if touch and node.last_use < now:
                 node.last_use = now
             if node.refcount == 0:
                 if node.tiers & POOL:
@@ -302,6 +310,8 @@ class PrefixIndex:
         return out
 
     def touch(self, nodes: Iterable[Node], now: float) -> None:
+        if now > self.newest_use:
+            self.newest_use = now
         for node in nodes:
             if node.last_use < now:
                 node.last_use = now

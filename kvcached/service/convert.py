@@ -6,7 +6,7 @@ from kvcached.errors import InvalidLayout, InvalidPoolHandle, InvalidTokens, sho
 from kvcached.keys import KVLayout
 from kvcached.locations import POOL
 from kvcached.receipts import ChunkLocation, CommitReceipt, LeaseReceipt, ReservationReceipt
-from kvcached.tiers.blocks import CudaIpc, PoolHandle
+from kvcached.tiers.packed import CudaIpc, PoolHandle
 from kvcached.v1 import kvcached_pb2 as pb
 
 
@@ -87,6 +87,8 @@ def reservation_to_proto(r: ReservationReceipt, ttl: float, chunk_bytes: int) ->
         pool_generation=r.pool_generation,
         durable_tokens=r.durable_tokens,
         write_through=r.write_through,
+        not_reserved_tokens=r.not_reserved_tokens,
+        not_reserved_reason=r.not_reserved_reason,
     )
 
 
@@ -96,8 +98,11 @@ def commit_to_proto(c: CommitReceipt) -> pb.CommitResponse:
 
 
 def pool_handle_to_proto(h: PoolHandle, nvme_path: str = "") -> pb.PoolHandle:
-    msg = pb.PoolHandle(kind=h.kind, name=h.name, block_bytes=h.block_bytes, num_blocks=h.num_blocks,
-                        generation=h.generation, nvme_path=nvme_path)
+    # block_bytes x num_blocks = the slab's size, for clients older than size_bytes (they map the
+    # whole slab and view runs at offsets, which is all a packed pool needs).
+    msg = pb.PoolHandle(kind=h.kind, name=h.name, block_bytes=h.align_bytes, num_blocks=h.size_bytes // h.align_bytes,
+                        size_bytes=h.size_bytes, align_bytes=h.align_bytes, generation=h.generation,
+                        nvme_path=nvme_path)
     if h.cuda is not None:
         c = h.cuda
         msg.ipc_handle, msg.device_uuid, msg.device_index = c.handle, c.device_uuid, c.device_index
@@ -120,7 +125,8 @@ def pool_handle_from_proto(msg: pb.PoolHandle) -> PoolHandle:
     if msg.kind == "cuda":
         cuda = CudaIpc(msg.device_index, msg.device_uuid, msg.ipc_handle, msg.ipc_size_bytes, msg.ipc_offset_bytes,
                        msg.ref_counter_handle, msg.ref_counter_offset, msg.event_handle, msg.event_sync_required)
-    return PoolHandle(msg.kind, msg.name, msg.block_bytes, msg.num_blocks, msg.generation, cuda)
+    size = msg.size_bytes or msg.block_bytes * msg.num_blocks
+    return PoolHandle(msg.kind, msg.name, size, msg.align_bytes or msg.block_bytes, msg.generation, cuda)
 
 
 def _check_pool_handle(msg: pb.PoolHandle) -> None:
@@ -129,10 +135,13 @@ def _check_pool_handle(msg: pb.PoolHandle) -> None:
 
     if msg.kind not in ("shm", "cuda"):
         raise bad(f"kind {shown(msg.kind)} is not one this client maps (shm, cuda); use put_bytes/get_bytes")
-    if msg.block_bytes == 0 or msg.num_blocks == 0:
-        raise bad(f"{msg.num_blocks} blocks of {msg.block_bytes} bytes; a pool has at least one block of one byte")
-    if msg.block_bytes * msg.num_blocks > MAX_POOL_BYTES:
-        raise bad(f"{msg.num_blocks} blocks of {msg.block_bytes} bytes is more than {MAX_POOL_BYTES} bytes")
+    size = msg.size_bytes or msg.block_bytes * msg.num_blocks
+    if size == 0:
+        raise bad("a pool of 0 bytes")
+    if size > MAX_POOL_BYTES:
+        raise bad(f"a pool of {size} bytes is more than {MAX_POOL_BYTES} bytes")
+    if msg.size_bytes and (not msg.align_bytes or msg.size_bytes % msg.align_bytes):
+        raise bad(f"a pool of {msg.size_bytes} bytes is not a multiple of its alignment {msg.align_bytes}")
     if not msg.generation:
         raise bad("no generation (a client could not tell this pool from the next one)")
     if msg.kind == "shm":
@@ -149,6 +158,5 @@ def _check_pool_handle(msg: pb.PoolHandle) -> None:
         raise bad("event_sync_required without an event handle to wait on")
     if not msg.device_uuid:
         raise bad("no device_uuid (the client finds the daemon's GPU by it)")
-    if msg.ipc_size_bytes < msg.block_bytes * msg.num_blocks:
-        raise bad(f"the shared CUDA storage has {msg.ipc_size_bytes} bytes, fewer than the pool's "
-                  f"{msg.block_bytes * msg.num_blocks}")
+    if msg.ipc_size_bytes < size:
+        raise bad(f"the shared CUDA storage has {msg.ipc_size_bytes} bytes, fewer than the pool's {size}")

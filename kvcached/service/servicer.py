@@ -11,7 +11,11 @@ checked before the store mutates anything) and never takes the daemon down.
 Sessions: a client opens the ``Session`` stream and gets a random session id.
 Leases and reservations made under that id are released when the stream ends
 for any reason, including the client being killed: the kernel closes its
-socket, gRPC cancels the stream, and the ``finally`` below runs.
+socket, gRPC cancels the stream, and the ``finally`` below runs. The stream
+also carries fire-and-forget releases and aborts (a lease given back without a
+commit: nobody on the request's path waits for that reply); each such message
+is acknowledged with its ``seq`` once done, so a client can wait for them when
+it wants to (tests, shutdown).
 """
 
 from __future__ import annotations
@@ -192,10 +196,11 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         def reserve() -> ReservationReceipt:
             return self.store.reserve(request.layout_id, convert.tokens_from_proto(tokens),
                                       self._session(request.session_id), ttl=_ttl(request.ttl_seconds),
-                                      store_nothing=self._bypass(request))
+                                      store_nothing=self._bypass(request), open_empty=not request.skip_empty)
 
         r = await self._run(context, reserve, inline=True)
-        return convert.reservation_to_proto(r, self._remaining(r.expires_at), self.store.layout(r.layout_id).chunk_bytes)
+        ttl = self._remaining(r.expires_at) if r.opened else 0.0
+        return convert.reservation_to_proto(r, ttl, self.store.layout(r.layout_id).chunk_bytes)
 
     async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
         chunks = request.chunks if request.HasField("chunks") else None
@@ -213,6 +218,56 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
 
         return pb.AbortResponse(aborted=await self._run(context, abort, inline=True))
 
+    async def AcquireReserve(self, request: pb.AcquireReserveRequest, context) -> pb.AcquireReserveResponse:
+        tokens = request.tokens
+
+        def both() -> tuple[LeaseReceipt, ReservationReceipt]:
+            return self.store.acquire_reserve(
+                request.layout_id, convert.tokens_from_proto(tokens), self._session(request.session_id),
+                ttl=_ttl(request.lease_ttl_seconds), reservation_ttl=_ttl(request.reservation_ttl_seconds),
+                promote=not request.read_nvme_directly, no_cache=request.no_cache, store_nothing=self._bypass(request))
+
+        lease, r = await self._run(context, both, inline=True)
+        return pb.AcquireReserveResponse(
+            lease=convert.lease_to_proto(lease, self._remaining(lease.expires_at) if lease.lease_id else 0.0),
+            reservation=convert.reservation_to_proto(r, self._remaining(r.expires_at) if r.opened else 0.0,
+                                                     self.store.layout(r.layout_id).chunk_bytes))
+
+    async def CommitRelease(self, request: pb.CommitReleaseRequest, context) -> pb.CommitReleaseResponse:
+        chunks = request.chunks if request.HasField("chunks") else None
+
+        def both() -> tuple[CommitReceipt | None, int]:
+            lease_ids = _ids(request.lease_ids, "lease ids")
+            return self.store.commit_release(ReservationId(request.reservation_id) or None, lease_ids,
+                                             self._session(request.session_id), chunks=chunks)
+
+        commit, released = await self._run(context, both, inline=True)
+        return pb.CommitReleaseResponse(commit=convert.commit_to_proto(commit) if commit else None, released=released)
+
+    async def _stream_work(self, sid: str, msg: pb.SessionRequest) -> pb.SessionEvent:
+        """A stream message's releases and aborts, in the session's name. Errors (an id that was
+        never granted) are logged, not raised: nobody waits for this reply but the ack."""
+        session = SessionId(sid)
+        leases, aborts = list(msg.release_lease_ids)[:MAX_IDS_PER_CALL], list(msg.abort_reservation_ids)[:MAX_IDS_PER_CALL]
+
+        def work() -> None:
+            for lid in leases:
+                try:
+                    self.store.release(lid, session)
+                except KvcacheError as e:
+                    log.warning("session %s released %s on its stream: %s", sid, shown(lid), e)
+            for rid in aborts:
+                try:
+                    self.store.abort(ReservationId(rid), session)
+                except KvcacheError as e:
+                    log.warning("session %s aborted %s on its stream: %s", sid, shown(rid), e)
+
+        try:
+            self.store.run_inline(work)
+        except WouldBlock:
+            await asyncio.get_running_loop().run_in_executor(self._pool, work)
+        return pb.SessionEvent(acked_seq=msg.seq)
+
     async def Session(self, request_iterator: AsyncIterator[pb.SessionRequest], context) -> AsyncIterator[pb.SessionEvent]:
         if len(self._sessions) >= self.max_sessions:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -226,6 +281,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             async for msg in request_iterator:
                 if msg.client_name:
                     self._sessions[sid] = msg.client_name
+                if msg.release_lease_ids or msg.abort_reservation_ids or msg.seq:
+                    yield await self._stream_work(sid, msg)
         finally:
             name = self._sessions.pop(sid, "?")
             # Not awaited: this also runs when the stream was cancelled, and the release

@@ -31,7 +31,8 @@ import errno
 import json
 import logging
 import os
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
 
 import lmdb
 
@@ -40,11 +41,27 @@ from kvcached.keys import ChunkHash, KVLayout, LayoutId
 from kvcached.config import FileAccess
 from kvcached.locations import TierId
 from kvcached.tiers.base import ChunkMeta, Slot, Tier
-from kvcached.tiers.record import HEADER_SIZE, copy_verified, decode_header, encode_header, verified_payload
+from kvcached.tiers.record import (
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    copy_verified,
+    decode_header,
+    encode_header,
+    verified_payload,
+)
 
 log = logging.getLogger(__name__)
 
 _SCAN_BATCH = 4096
+
+
+@dataclass
+class BatchResult:
+    """What :meth:`NvmeTier.write_batch` did, for :meth:`NvmeTier.settle` to account."""
+
+    written: list[tuple[ChunkHash, int, int]] = field(default_factory=list)  # (hash, new size, replaced size)
+    deleted: list[tuple[ChunkHash, int]] = field(default_factory=list)  # (hash, size freed)
+    error: "TierFull | None" = None  # the whole transaction was rolled back
 
 
 class NvmeTier(Tier):
@@ -87,6 +104,9 @@ class NvmeTier(Tier):
         self._count = 0
         self.admitting = True
         self.dropped_corrupt = 0
+        #: Chunks stored in an older record format (found by scan); rewritten in the current one
+        #: when they are demoted again (kvcached.writeback), read as they are until then.
+        self.legacy: set[ChunkHash] = set()
         self._closed = False
 
     # -- Tier -----------------------------------------------------------------------
@@ -100,6 +120,14 @@ class NvmeTier(Tier):
             )
         self._next_slot += 1
         self._reserved[self._next_slot] = need
+        return Slot(TierId.NVME, self._next_slot, 0, nbytes)
+
+    def reserve_unchecked(self, nbytes: int) -> Slot:
+        """Count ``nbytes`` (headers included) as reserved without checking capacity: for a
+        write-back batch whose room the caller made by choosing victims that its own
+        transaction deletes (their bytes are still counted until :meth:`settle`)."""
+        self._next_slot += 1
+        self._reserved[self._next_slot] = nbytes
         return Slot(TierId.NVME, self._next_slot, 0, nbytes)
 
     def can_admit(self, nbytes: int) -> bool:
@@ -148,6 +176,62 @@ class NvmeTier(Tier):
         self._staged.pop(slot.slot_id, None)
         self._reserved.pop(slot.slot_id, None)
 
+    # -- batches (background write-back) -------------------------------------------------
+
+    def write_batch(self, puts: Sequence[tuple[ChunkMeta, memoryview | bytes]],
+                    deletes: Sequence[ChunkHash] = ()) -> BatchResult:
+        """Write ``puts`` (replacing any record of the same hash: a legacy-format rewrite) and
+        delete ``deletes`` in ONE write transaction, so one sync for the whole batch.
+
+        Thread contract: unlike every other method this may run *outside* the store lock, on
+        the write-back thread, while the store serves reads and runs its own transactions (LMDB
+        lets one write transaction run at a time and readers never block). It therefore
+        touches no accounting: the caller reserved the space first (:meth:`reserve`) and calls
+        :meth:`settle` with the result, under the lock. The payload views must stay valid and
+        unchanged until this returns (the write-back thread pins their chunks).
+        """
+        out = BatchResult()
+        try:
+            with self._env.begin(write=True, db=self._chunks, buffers=True) as txn:
+                for h in deletes:
+                    old = txn.get(h)
+                    if old is not None:
+                        size = len(old)
+                        txn.delete(h)
+                        out.deleted.append((h, size))
+                for meta, data in puts:
+                    old = txn.get(meta.chunk_hash)
+                    replaced = len(old) if old is not None else 0
+                    value = encode_header(meta, data) + data
+                    txn.put(meta.chunk_hash, value)
+                    out.written.append((meta.chunk_hash, len(value), replaced))
+        except lmdb.MapFullError as e:
+            out = BatchResult(error=TierFull(f"LMDB map of {self.map_size} bytes is full in {self.path}"))
+            out.error.__cause__ = e
+        except lmdb.Error as e:
+            what = "disk full" if _is_enospc(e) else f"write failed ({e}; disk full or failing)"
+            out = BatchResult(error=TierFull(f"{what} under {self.path}"))
+            out.error.__cause__ = e
+        return out
+
+    def settle(self, result: BatchResult, slots: Sequence[Slot]) -> None:
+        """Account a finished :meth:`write_batch` and return its reservations. Under the store lock."""
+        for slot in slots:
+            self._reserved.pop(slot.slot_id, None)
+            self._staged.pop(slot.slot_id, None)
+        if result.error is not None:
+            self.admitting = False
+            return
+        for h, size in result.deleted:
+            self._used -= size
+            self._count -= 1
+            self.legacy.discard(h)
+        for h, size, replaced in result.written:
+            self._used += size - replaced
+            if not replaced:
+                self._count += 1
+            self.legacy.discard(h)
+
     def read(self, h: ChunkHash) -> memoryview:
         """A checked copy of the payload (the LMDB buffer dies with the transaction)."""
         out: bytes | None = None
@@ -188,6 +272,7 @@ class NvmeTier(Tier):
             return False
         self._used -= size
         self._count -= 1
+        self.legacy.discard(h)
         return True
 
     def _delete_raw(self, h: ChunkHash) -> int | None:
@@ -262,8 +347,10 @@ class NvmeTier(Tier):
                 while ok and len(batch) + len(bad) < _SCAN_BATCH:
                     key, value = bytes(cur.key()), cur.value()
                     try:
-                        meta, _plen, _crc = decode_header(value, key)
-                        batch.append((meta, len(value)))
+                        header = decode_header(value, key)
+                        batch.append((header.meta, len(value)))
+                        if header.version != FORMAT_VERSION:
+                            self.legacy.add(ChunkHash(key))
                     except CorruptChunk as e:
                         bad.append((key, str(e)))
                     last = key

@@ -11,7 +11,7 @@ Export happens once, at start: the IPC handle, offset and size of the slab's
 storage (torch's ``_share_cuda_``), the device UUID and a random generation
 id. These travel as protobuf fields (see ``PoolHandle`` in the .proto), never
 as a pickle. A client opens the slab once per generation and then views
-blocks at offsets on its own device (matched by UUID, so differing
+chunks at offsets on its own device (matched by UUID, so differing
 ``CUDA_VISIBLE_DEVICES`` orderings do not matter).
 
 Synchronisation: every daemon-side write (promotion from NVMe, the bytes
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Callable
 
 from kvcached.config import BLOCK_ALIGN
 from kvcached.errors import InvalidArgument, TierFull, Unavailable
-from kvcached.tiers.blocks import BlockPool, CudaIpc, PoolHandle
+from kvcached.tiers.packed import CudaIpc, PackedPool, PoolHandle
 
 if TYPE_CHECKING:
     import torch
@@ -78,20 +78,20 @@ def default_pool_bytes(device: str, domains: int = 1) -> int:
 
 
 def check_slab_aligned(slab: "torch.Tensor") -> None:
-    """Block offsets are multiples of BLOCK_ALIGN (kvcached.tiers.blocks); so must the slab's base
-    be, or a block cannot be viewed as its dtype. The caching allocator aligns to 512 bytes."""
+    """Chunk offsets are multiples of BLOCK_ALIGN (kvcached.tiers.packed); so must the slab's base
+    be, or a chunk cannot be viewed as its dtype. The caching allocator aligns to 512 bytes."""
     if slab.data_ptr() % BLOCK_ALIGN:
         raise ValueError(f"CUDA pool slab at {slab.data_ptr():#x} is not {BLOCK_ALIGN}-byte aligned")
 
 
-class CudaPool(BlockPool):
-    def __init__(self, device: str, block_bytes: int, num_blocks: int) -> None:
+class CudaPool(PackedPool):
+    def __init__(self, device: str, capacity_bytes: int, *, staging_bytes: int = 64 << 20) -> None:
         import torch
 
         check_allocator()
-        super().__init__(block_bytes, num_blocks)
+        super().__init__(capacity_bytes)
         self.device = resolve_device(device)
-        size = block_bytes * num_blocks
+        size = self.size_bytes
         try:
             self._slab = torch.empty(size, dtype=torch.uint8, device=self.device)
         except torch.cuda.OutOfMemoryError as e:
@@ -114,16 +114,25 @@ class CudaPool(BlockPool):
             event_handle=bytes(ev_handle or b""),
             event_sync_required=bool(ev_sync),
         )
-        self._staging = torch.empty(block_bytes, dtype=torch.uint8, pin_memory=True)
-        log.info("CUDA pool: %d blocks x %d bytes on %s (%s)", num_blocks, block_bytes, self.device,
-                 self._ipc.device_uuid)
+        # Pinned host bytes for daemon-side copies (promotion, the bytes fallback), grown on demand to
+        # the largest chunk seen: chunks have no fixed size any more.
+        self._staging = torch.empty(min(staging_bytes, size), dtype=torch.uint8, pin_memory=True)
+        log.info("CUDA pool: %d bytes on %s (%s)", size, self.device, self._ipc.device_uuid)
+
+    def _stage(self, nbytes: int) -> "torch.Tensor":
+        import torch
+
+        if self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return self._staging[:nbytes]
 
     def _write(self, offset: int, data: memoryview) -> None:
         import torch
 
         n = data.nbytes
-        self._staging[:n].numpy()[:] = memoryview(data).cast("B")
-        self._slab[offset : offset + n].copy_(self._staging[:n], non_blocking=True)
+        staging = self._stage(n)
+        staging.numpy()[:] = memoryview(data).cast("B")
+        self._slab[offset : offset + n].copy_(staging, non_blocking=True)
         torch.cuda.synchronize(self.device)
 
     def _read(self, offset: int, nbytes: int) -> memoryview:
@@ -132,12 +141,13 @@ class CudaPool(BlockPool):
     def _fill(self, offset: int, nbytes: int, fill: Callable[[memoryview], None]) -> None:
         import torch
 
-        fill(memoryview(self._staging[:nbytes].numpy()))
-        self._slab[offset : offset + nbytes].copy_(self._staging[:nbytes], non_blocking=True)
+        staging = self._stage(nbytes)
+        fill(memoryview(staging.numpy()))
+        self._slab[offset : offset + nbytes].copy_(staging, non_blocking=True)
         torch.cuda.synchronize(self.device)
 
     def handle(self) -> PoolHandle:
-        return PoolHandle("cuda", self.name, self.block_bytes, self.num_blocks, self.generation, self._ipc)
+        return PoolHandle("cuda", self.name, self.size_bytes, BLOCK_ALIGN, self.generation, self._ipc)
 
     def close(self) -> None:
         self._slab = None  # type: ignore[assignment]
@@ -175,7 +185,7 @@ class CudaPoolMapping:
 
     def block(self, offset: int, nbytes: int) -> "torch.Tensor":
         if offset < 0 or nbytes < 0 or offset + nbytes > self.handle.nbytes:
-            raise ValueError(f"block [{offset}, {offset + nbytes}) is outside the pool")
+            raise ValueError(f"chunk [{offset}, {offset + nbytes}) is outside the pool")
         return self.slab[offset : offset + nbytes]
 
     def close(self) -> None:

@@ -1,11 +1,11 @@
-"""Host pool: one POSIX shared-memory slab of fixed-size blocks.
+"""Host pool: one POSIX shared-memory slab, packed with chunks of any size.
 
-This is the device pool on a host without a GPU (and in CI): the same block
+This is the device pool on a host without a GPU (and in CI): the same packed
 layout the CUDA pool uses, in ``/dev/shm``. Inference processes map the slab
-once by name (:class:`HostPoolMapping`) and then read or write a block at
-``offset = block * block_bytes`` with no copy through the daemon.
+once by name (:class:`HostPoolMapping`) and then read or write a chunk at the
+byte offset a receipt names, with no copy through the daemon.
 
-Block bookkeeping lives in :class:`kvcached.tiers.blocks.BlockPool`; this
+Space bookkeeping lives in :class:`kvcached.tiers.packed.PackedPool`; this
 module only creates the segment and moves bytes in and out of it.
 
 Ownership: the daemon creates and unlinks the segment. A client mapping
@@ -29,21 +29,22 @@ from typing import Callable
 from kvcached.errors import TierFull
 from kvcached.config import FileAccess
 from kvcached.tiers.base import Slot
-from kvcached.tiers.blocks import BlockPool, PoolHandle
+from kvcached.config import BLOCK_ALIGN
+from kvcached.tiers.packed import PackedPool, PoolHandle
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 
 
-class HostPool(BlockPool):
-    def __init__(self, name_prefix: str, block_bytes: int, num_blocks: int, *, prefault: bool = True,
+class HostPool(PackedPool):
+    def __init__(self, name_prefix: str, capacity_bytes: int, *, prefault: bool = True,
                  access: FileAccess = FileAccess()) -> None:
-        super().__init__(block_bytes, num_blocks)
+        super().__init__(capacity_bytes)
         self.generation = secrets.token_hex(8)
         self.name = f"{name_prefix}.{os.getpid()}.{self.generation}"
         self._path = os.path.join(SHM_DIR, self.name)
-        size = block_bytes * num_blocks
+        size = self.size_bytes
         fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             access.apply(fd, access.shared_mode)  # clients that may connect may map it
@@ -70,15 +71,15 @@ class HostPool(BlockPool):
         return self._view[offset : offset + nbytes]
 
     def _fill(self, offset: int, nbytes: int, fill: Callable[[memoryview], None]) -> None:
-        fill(self._view[offset : offset + nbytes])  # straight into the block: one copy
+        fill(self._view[offset : offset + nbytes])  # straight into the run: one copy
 
     def reserved_view(self, slot: Slot) -> memoryview:
-        """Writable view of a reserved block (what an in-process writer fills)."""
+        """Writable view of a reserved run (what an in-process writer fills)."""
         self._check_reserved(slot)
         return self._view[slot.offset : slot.offset + slot.nbytes]
 
     def handle(self) -> PoolHandle:
-        return PoolHandle("shm", self.name, self.block_bytes, self.num_blocks, self.generation)
+        return PoolHandle("shm", self.name, self.size_bytes, BLOCK_ALIGN, self.generation)
 
     def close(self) -> None:
         if self._closed:
@@ -88,7 +89,7 @@ class HostPool(BlockPool):
         try:
             self._mmap.close()
         except BufferError:
-            # Someone still holds a view of a block; the mapping goes with the last view.
+            # Someone still holds a view of a chunk; the mapping goes with the last view.
             log.warning("host pool %s closed while views were still exported", self.name)
         try:
             os.unlink(self._path)
@@ -163,7 +164,7 @@ class HostPoolMapping:
 
     def block(self, offset: int, nbytes: int) -> memoryview:
         if offset < 0 or nbytes < 0 or offset + nbytes > self.handle.nbytes:
-            raise ValueError(f"block [{offset}, {offset + nbytes}) is outside the pool")
+            raise ValueError(f"chunk [{offset}, {offset + nbytes}) is outside the pool")
         return self.view[offset : offset + nbytes]
 
     def close(self) -> None:

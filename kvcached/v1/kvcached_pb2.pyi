@@ -138,23 +138,25 @@ class KeepAliveResponse(_message.Message):
     def __init__(self, ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("layout_id", "tokens", "session_id", "ttl_seconds", "no_store", "expected_output_tokens")
+    __slots__ = ("layout_id", "tokens", "session_id", "ttl_seconds", "no_store", "expected_output_tokens", "skip_empty")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NO_STORE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_EMPTY_FIELD_NUMBER: _ClassVar[int]
     layout_id: str
     tokens: bytes
     session_id: str
     ttl_seconds: float
     no_store: bool
     expected_output_tokens: int
-    def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., session_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., no_store: _Optional[bool] = ..., expected_output_tokens: _Optional[int] = ...) -> None: ...
+    skip_empty: bool
+    def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., session_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., no_store: _Optional[bool] = ..., expected_output_tokens: _Optional[int] = ..., skip_empty: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation_id", "cached_tokens", "in_flight_tokens", "slots", "ttl_seconds", "pool_generation", "durable_tokens", "write_through")
+    __slots__ = ("reservation_id", "cached_tokens", "in_flight_tokens", "slots", "ttl_seconds", "pool_generation", "durable_tokens", "write_through", "not_reserved_tokens", "not_reserved_reason")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +165,8 @@ class ReserveResponse(_message.Message):
     POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
     DURABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WRITE_THROUGH_FIELD_NUMBER: _ClassVar[int]
+    NOT_RESERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NOT_RESERVED_REASON_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     cached_tokens: int
     in_flight_tokens: int
@@ -171,7 +175,9 @@ class ReserveResponse(_message.Message):
     pool_generation: str
     durable_tokens: int
     write_through: bool
-    def __init__(self, reservation_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., slots: _Optional[_Union[ChunkLocations, _Mapping]] = ..., ttl_seconds: _Optional[float] = ..., pool_generation: _Optional[str] = ..., durable_tokens: _Optional[int] = ..., write_through: _Optional[bool] = ...) -> None: ...
+    not_reserved_tokens: int
+    not_reserved_reason: str
+    def __init__(self, reservation_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., slots: _Optional[_Union[ChunkLocations, _Mapping]] = ..., ttl_seconds: _Optional[float] = ..., pool_generation: _Optional[str] = ..., durable_tokens: _Optional[int] = ..., write_through: _Optional[bool] = ..., not_reserved_tokens: _Optional[int] = ..., not_reserved_reason: _Optional[str] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("reservation_id", "chunks", "session_id")
@@ -209,26 +215,84 @@ class AbortResponse(_message.Message):
     aborted: int
     def __init__(self, aborted: _Optional[int] = ...) -> None: ...
 
+class AcquireReserveRequest(_message.Message):
+    __slots__ = ("layout_id", "tokens", "session_id", "lease_ttl_seconds", "reservation_ttl_seconds", "read_nvme_directly", "no_cache", "no_store", "expected_output_tokens")
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    READ_NVME_DIRECTLY_FIELD_NUMBER: _ClassVar[int]
+    NO_CACHE_FIELD_NUMBER: _ClassVar[int]
+    NO_STORE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    layout_id: str
+    tokens: bytes
+    session_id: str
+    lease_ttl_seconds: float
+    reservation_ttl_seconds: float
+    read_nvme_directly: bool
+    no_cache: bool
+    no_store: bool
+    expected_output_tokens: int
+    def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., session_id: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ..., reservation_ttl_seconds: _Optional[float] = ..., read_nvme_directly: _Optional[bool] = ..., no_cache: _Optional[bool] = ..., no_store: _Optional[bool] = ..., expected_output_tokens: _Optional[int] = ...) -> None: ...
+
+class AcquireReserveResponse(_message.Message):
+    __slots__ = ("lease", "reservation")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    lease: AcquireResponse
+    reservation: ReserveResponse
+    def __init__(self, lease: _Optional[_Union[AcquireResponse, _Mapping]] = ..., reservation: _Optional[_Union[ReserveResponse, _Mapping]] = ...) -> None: ...
+
+class CommitReleaseRequest(_message.Message):
+    __slots__ = ("reservation_id", "chunks", "lease_ids", "session_id")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    chunks: int
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    session_id: str
+    def __init__(self, reservation_id: _Optional[str] = ..., chunks: _Optional[int] = ..., lease_ids: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class CommitReleaseResponse(_message.Message):
+    __slots__ = ("commit", "released")
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    commit: CommitResponse
+    released: int
+    def __init__(self, commit: _Optional[_Union[CommitResponse, _Mapping]] = ..., released: _Optional[int] = ...) -> None: ...
+
 class SessionRequest(_message.Message):
-    __slots__ = ("client_name",)
+    __slots__ = ("client_name", "release_lease_ids", "abort_reservation_ids", "seq")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    ABORT_RESERVATION_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     client_name: str
-    def __init__(self, client_name: _Optional[str] = ...) -> None: ...
+    release_lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    abort_reservation_ids: _containers.RepeatedScalarFieldContainer[str]
+    seq: int
+    def __init__(self, client_name: _Optional[str] = ..., release_lease_ids: _Optional[_Iterable[str]] = ..., abort_reservation_ids: _Optional[_Iterable[str]] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("session_id", "pool_generation")
+    __slots__ = ("session_id", "pool_generation", "acked_seq")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ACKED_SEQ_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     pool_generation: str
-    def __init__(self, session_id: _Optional[str] = ..., pool_generation: _Optional[str] = ...) -> None: ...
+    acked_seq: int
+    def __init__(self, session_id: _Optional[str] = ..., pool_generation: _Optional[str] = ..., acked_seq: _Optional[int] = ...) -> None: ...
 
 class PoolHandleRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class PoolHandle(_message.Message):
-    __slots__ = ("kind", "name", "ipc_handle", "block_bytes", "num_blocks", "generation", "device_uuid", "nvme_path", "ipc_size_bytes", "ipc_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "device_index")
+    __slots__ = ("kind", "name", "ipc_handle", "block_bytes", "num_blocks", "generation", "device_uuid", "nvme_path", "ipc_size_bytes", "ipc_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "device_index", "size_bytes", "align_bytes")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +308,8 @@ class PoolHandle(_message.Message):
     EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
     EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALIGN_BYTES_FIELD_NUMBER: _ClassVar[int]
     kind: str
     name: str
     ipc_handle: bytes
@@ -259,7 +325,9 @@ class PoolHandle(_message.Message):
     event_handle: bytes
     event_sync_required: bool
     device_index: int
-    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., generation: _Optional[str] = ..., device_uuid: _Optional[str] = ..., nvme_path: _Optional[str] = ..., ipc_size_bytes: _Optional[int] = ..., ipc_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., device_index: _Optional[int] = ...) -> None: ...
+    size_bytes: int
+    align_bytes: int
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., generation: _Optional[str] = ..., device_uuid: _Optional[str] = ..., nvme_path: _Optional[str] = ..., ipc_size_bytes: _Optional[int] = ..., ipc_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., device_index: _Optional[int] = ..., size_bytes: _Optional[int] = ..., align_bytes: _Optional[int] = ...) -> None: ...
 
 class PutBytesRequest(_message.Message):
     __slots__ = ("layout_id", "tokens", "chunks", "session_id", "no_store", "expected_output_tokens")

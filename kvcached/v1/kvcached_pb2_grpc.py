@@ -74,6 +74,16 @@ class KVCacheStub:
                 request_serializer=kvcached_dot_v1_dot_kvcached__pb2.AbortRequest.SerializeToString,
                 response_deserializer=kvcached_dot_v1_dot_kvcached__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.AcquireReserve = channel.unary_unary(
+                '/kvcached.v1.KVCache/AcquireReserve',
+                request_serializer=kvcached_dot_v1_dot_kvcached__pb2.AcquireReserveRequest.SerializeToString,
+                response_deserializer=kvcached_dot_v1_dot_kvcached__pb2.AcquireReserveResponse.FromString,
+                _registered_method=True)
+        self.CommitRelease = channel.unary_unary(
+                '/kvcached.v1.KVCache/CommitRelease',
+                request_serializer=kvcached_dot_v1_dot_kvcached__pb2.CommitReleaseRequest.SerializeToString,
+                response_deserializer=kvcached_dot_v1_dot_kvcached__pb2.CommitReleaseResponse.FromString,
+                _registered_method=True)
         self.Session = channel.stream_stream(
                 '/kvcached.v1.KVCache/Session',
                 request_serializer=kvcached_dot_v1_dot_kvcached__pb2.SessionRequest.SerializeToString,
@@ -173,6 +183,23 @@ class KVCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AcquireReserve(self, request, context):
+        """A request's two round trips. AcquireReserve pins the cached prefix (as Acquire) and reserves
+        the prompt's uncached full chunks after it (as Reserve, policies permitting) in one call;
+        CommitRelease commits what was written and releases the leases in one call. A lease released
+        without a commit goes on the Session stream instead (SessionRequest.release_lease_ids), so
+        nobody waits for its reply.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitRelease(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -281,6 +308,16 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=kvcached_dot_v1_dot_kvcached__pb2.AbortRequest.FromString,
                     response_serializer=kvcached_dot_v1_dot_kvcached__pb2.AbortResponse.SerializeToString,
+            ),
+            'AcquireReserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcquireReserve,
+                    request_deserializer=kvcached_dot_v1_dot_kvcached__pb2.AcquireReserveRequest.FromString,
+                    response_serializer=kvcached_dot_v1_dot_kvcached__pb2.AcquireReserveResponse.SerializeToString,
+            ),
+            'CommitRelease': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitRelease,
+                    request_deserializer=kvcached_dot_v1_dot_kvcached__pb2.CommitReleaseRequest.FromString,
+                    response_serializer=kvcached_dot_v1_dot_kvcached__pb2.CommitReleaseResponse.SerializeToString,
             ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
@@ -544,6 +581,60 @@ class KVCache:
             '/kvcached.v1.KVCache/Abort',
             kvcached_dot_v1_dot_kvcached__pb2.AbortRequest.SerializeToString,
             kvcached_dot_v1_dot_kvcached__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AcquireReserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcached.v1.KVCache/AcquireReserve',
+            kvcached_dot_v1_dot_kvcached__pb2.AcquireReserveRequest.SerializeToString,
+            kvcached_dot_v1_dot_kvcached__pb2.AcquireReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitRelease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcached.v1.KVCache/CommitRelease',
+            kvcached_dot_v1_dot_kvcached__pb2.CommitReleaseRequest.SerializeToString,
+            kvcached_dot_v1_dot_kvcached__pb2.CommitReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

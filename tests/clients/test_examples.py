@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_chat_reuse_example(make_daemon):
-    d = make_daemon(pool_bytes="64M", pool_block_bytes="1M")
+    d = make_daemon(pool_bytes="64M")
     r = subprocess.run(
         [sys.executable, os.path.join(ROOT, "clients", "examples", "chat_reuse.py"), "--socket", d.socket,
          "--turns", "3", "--user-tokens", "100", "--reply-tokens", "4"],

@@ -45,7 +45,7 @@ def prompt(n: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.fixture
 def hf_daemon(make_daemon):
-    return make_daemon(pool_bytes="16M", pool_block_bytes="64K")
+    return make_daemon(pool_bytes="16M")
 
 
 def _check(client, model, layout, ids, cached_expected, atol):

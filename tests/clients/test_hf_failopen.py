@@ -21,6 +21,7 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
+from kvcached_client.client import CacheRequest
 from kvcached_client import Client, InvalidArgumentError
 from kvcached_client import hf
 from kvcached_client.failopen import FailOpen
@@ -51,7 +52,7 @@ def fresh_fail_open(monkeypatch, caplog):
 
 @pytest.fixture
 def hf_daemon(make_daemon):
-    return make_daemon(pool_bytes="16M", pool_block_bytes="64K")
+    return make_daemon(pool_bytes="16M")
 
 
 def _same_as_plain(model, ids, out, want_tokens, want_logits):
@@ -144,14 +145,15 @@ def test_store_refused_by_the_daemon_is_skipped_and_counted(hf_daemon, caplog, m
     want_tokens, want_logits = reference_generate(model, ids, N_NEW)
     before = fail_open_total("store", "INVALID_ARGUMENT")
     with Client(hf_daemon.socket) as c:
-        real_put = c.put
-        monkeypatch.setattr(c, "put", lambda layout, tokens, kv: real_put(layout, tokens, kv[:, :, :, :5]))  # short KV
+        real_write = CacheRequest.write
+        monkeypatch.setattr(CacheRequest, "write", lambda self, kv: real_write(self, kv[:, :, :, :5]))  # short KV
         out = generate(c, model, layout, ids, max_new_tokens=N_NEW, keep_logits=True)
         _same_as_plain(model, ids, out, want_tokens, want_logits)
         assert out.prefill.stored_chunks == 0 and out.cache_error.startswith("store: INVALID_ARGUMENT: kv covers 5 tokens")
         assert fail_open_total("store", "INVALID_ARGUMENT") - before == 1
-        assert c.lookup(layout, ids) == 0
-        monkeypatch.setattr(c, "put", real_put)
+        c.sync()  # the failed request's reservation was aborted on the session stream
+        assert c.lookup(layout, ids) == 0 and c.stats()["reservations_active"] == 0
+        monkeypatch.setattr(CacheRequest, "write", real_write)
         assert generate(c, model, layout, ids, max_new_tokens=N_NEW).prefill.stored_chunks == 2
     assert "store works again" in caplog.text
 
@@ -164,24 +166,24 @@ def test_lease_read_that_breaks_is_released_and_the_prompt_computed(hf_daemon, m
     with Client(hf_daemon.socket) as c:
         prefill(c, model, layout, ids)
         leases = []
-        real_acquire = c.acquire
+        real_acquire = c.acquire_reserve
 
-        def acquire(layout, tokens):
-            lease = real_acquire(layout, tokens)
-            leases.append(lease)
+        def acquire(layout, tokens, **kw):
+            req = real_acquire(layout, tokens, **kw)
+            leases.append(req.lease)
 
             def broken_kv():
                 raise InvalidArgumentError("chunk 1 failed its checksum")  # any error while reading
 
-            lease.kv = broken_kv
-            return lease
+            req.lease.kv = broken_kv
+            return req
 
-        monkeypatch.setattr(c, "acquire", acquire)
+        monkeypatch.setattr(c, "acquire_reserve", acquire)
         out = generate(c, model, layout, ids, max_new_tokens=N_NEW, keep_logits=True)
         _same_as_plain(model, ids, out, want_tokens, want_logits)
         assert out.cached_tokens == 0 and out.cache_error == "acquire: INVALID_ARGUMENT: chunk 1 failed its checksum"
         assert len(leases) == 1 and leases[0].released and leases[0].matched_tokens == 3 * CT
-        monkeypatch.setattr(c, "acquire", real_acquire)
+        monkeypatch.setattr(c, "acquire_reserve", real_acquire)
         assert generate(c, model, layout, ids, max_new_tokens=N_NEW).cached_tokens == 3 * CT - 1
 
 

@@ -21,7 +21,7 @@ from tests.service.test_daemon import FAT, PROMPT, demote_prompt
 
 @pytest.fixture
 def fat_daemon(make_daemon):
-    return make_daemon(pool_bytes="2M", pool_block_bytes="128K")
+    return make_daemon(pool_bytes="2M", writeback=False)  # exact demotions, as in test_daemon
 
 
 def pool_device(monkeypatch, device: str) -> None:
@@ -57,7 +57,9 @@ def record_calls(monkeypatch, client_cls) -> list:
     """Record torch.cuda.synchronize and the client's Release RPC, in the order they happen."""
     calls: list = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("synchronize", str(device))))
-    rpc = client_cls.release
+    # The sync client's lease release goes on the session stream (_release_later); the async one's is the RPC.
+    name = "_release_later" if client_cls is Client else "release"
+    rpc = getattr(client_cls, name)
     if asyncio.iscoroutinefunction(rpc):
         async def release(self, *a, **kw):
             calls.append(("Release",))
@@ -66,7 +68,7 @@ def record_calls(monkeypatch, client_cls) -> list:
         def release(self, *a, **kw):
             calls.append(("Release",))
             return rpc(self, *a, **kw)
-    monkeypatch.setattr(client_cls, "release", release)
+    monkeypatch.setattr(client_cls, name, release)
     return calls
 
 

@@ -56,12 +56,11 @@ VOCAB = KVLayout("test/reliability-vocab@1", num_layers=LAYOUT.num_layers, num_k
 #: Daemon settings the corpus is written for (tests pass them to ``make_daemon``).
 MAX_PROMPT_TOKENS = 2048
 MAX_MESSAGE_BYTES = 128 * 1024
-POOL_BLOCK_BYTES = 64 * 1024
 BYPASS_GENERATION_TOKENS = 8192  # the daemon default
 #: Chunks of the long cached prompt: their bytes do not fit in one reply.
 LONG_CHUNKS = MAX_MESSAGE_BYTES // LAYOUT.chunk_bytes + 2
 DAEMON_SETTINGS = {"max_prompt_tokens": MAX_PROMPT_TOKENS, "max_message_bytes": "128K",
-                   "pool_bytes": "4M", "pool_block_bytes": "64K"}
+                   "pool_bytes": "4M"}
 
 SERVICE = pb.DESCRIPTOR.services_by_name["KVCache"]
 METHODS = [m.name for m in SERVICE.methods]
@@ -80,7 +79,7 @@ CATEGORIES = {
     "huge-tokens": "prompts over max_prompt_tokens",
     "oversized-message": "requests over the daemon's max_message_bytes",
     "bad-ttl": "negative, NaN, infinite and over-limit TTLs",
-    "bad-layout": "layout fields zero, negative-as-uint, huge, unsupported, or a chunk larger than a pool block",
+    "bad-layout": "layout fields zero, negative-as-uint, huge, unsupported, or a chunk larger than the whole pool",
     "kv-size-mismatch": "PutBytes payload counts and sizes that do not match the layout; Commit chunk counts",
     "foreign-lease": "a live lease of another session released or kept alive under this session",
     "unknown-id": "ids that were never issued, empty ids, ids of the wrong kind",
@@ -664,10 +663,10 @@ def _messages(w: World) -> Iterator[Case]:
                       ("head_dim", (0, 65537, 2**32 - 1)), ("chunk_tokens", (65537, 2**31, 2**32 - 1))):
         for v in values:
             bad_layouts.append((f"{f}={v}", {f: v}, ("layout",)))
-    for v in (65536, 4096, 257):  # valid alone, but a chunk no longer fits a 64 KiB pool block
-        bad_layouts.append((f"chunk_tokens={v}-over-block", {"chunk_tokens": v}, ("pool block",)))
-    bad_layouts.append(("max-dims-over-block", {"num_layers": 4096, "num_kv_heads": 4096, "head_dim": 65536,
-                                                "chunk_tokens": 65536}, ("pool block",)))
+    for v in (65536, 32768, 16385):  # valid alone, but one chunk is larger than the whole 4 MiB pool
+        bad_layouts.append((f"chunk_tokens={v}-over-pool", {"chunk_tokens": v}, ("whole pool",)))
+    bad_layouts.append(("max-dims-over-pool", {"num_layers": 4096, "num_kv_heads": 4096, "head_dim": 65536,
+                                               "chunk_tokens": 65536}, ("whole pool",)))
     for dt in ("float64", "FLOAT16", "int4", " bfloat16", "bfloat16\x00", "ｂｆｌｏａｔ１６", "🙂", "torch.float16"):
         bad_layouts.append((f"dtype={dt!r}", {"dtype": dt}, ("dtype",)))
     for model in ("", "x" * 513, "🙂" * 513, "\x00" * 513, "\u202e" * 600):

@@ -40,7 +40,7 @@ MAX_DETAILS = 1024  # an error message longer than this is not one a person read
 def snapshot(stub: pb_grpc.KVCacheStub) -> tuple:
     s = json.loads(stub.Stats(pb.StatsRequest(), timeout=10).json)
     return (("indexed_chunks", s["indexed_chunks"]), ("leases_active", s["leases_active"]),
-            ("reservations_active", s["reservations_active"]), ("pool_blocks_free", s["pool"]["blocks_free"]),
+            ("reservations_active", s["reservations_active"]), ("pool_free_bytes", s["pool"]["free_bytes"]),
             ("nvme_chunks", s["nvme"]["chunks"]), ("layouts", s["layouts"]), ("sessions_open", s["sessions_open"]))
 
 

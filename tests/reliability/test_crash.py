@@ -359,7 +359,7 @@ class CrashLoop:
         os.makedirs(self.run_dir, exist_ok=True)
         sockets = {"default": os.path.join(root, "kv.sock"), "wt": os.path.join(root, "wt.sock")}
         self.lanes = [(name, sockets[dom], dom, wt) for name, dom, wt in LANES]
-        sizes = {"pool_bytes": pool_bytes, "pool_block_bytes": f"{LAYOUT.chunk_bytes}", "nvme_bytes": nvme_bytes}
+        sizes = {"pool_bytes": pool_bytes, "nvme_bytes": nvme_bytes}
         self.daemon = Daemon(root, **sizes, write_through=False,
                              domains={"wt": {"socket": sockets["wt"], "write_through": True, **sizes}})
         self.cfg = {"dir": self.run_dir, "seed": seed, "workers": workers, "flush_every": flush_every,
@@ -726,7 +726,7 @@ def test_a_direct_nvme_reader_keeps_working_across_restarts_as_the_file_grows(ma
     from kvcached_client import Client
 
     fat = KVLayout("test/crash-fat@1", num_layers=4, num_kv_heads=4, head_dim=64, dtype="float32", chunk_tokens=16)
-    d = make_daemon(pool_bytes="2M", pool_block_bytes="128K", nvme_bytes="256M")  # 16 blocks of one chunk
+    d = make_daemon(pool_bytes="2M", nvme_bytes="256M")  # 16 blocks of one chunk
     a = torch.randn(2, 4, 4, 2 * 16, 64)
     with Client(d.socket, nvme_read="direct") as c:
         c.put(fat, list(range(32)), a)

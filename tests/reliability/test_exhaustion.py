@@ -36,9 +36,9 @@ def kv(i: int, chunks: int) -> torch.Tensor:
 
 
 def test_pool_full_of_leased_chunks_refuses_new_puts_and_evicts_nothing_leased(make_daemon):
-    d = make_daemon(pool_bytes="256K", pool_block_bytes="4K", nvme_bytes="64M")
+    d = make_daemon(pool_bytes="256K", nvme_bytes="64M")
     with Client(d.socket) as c:
-        blocks = c.stats()["pool"]["blocks_total"]
+        blocks = c.stats()["pool"]["capacity_bytes"]
         assert blocks == 64
         n = blocks // 16
         for i in range(n):
@@ -46,7 +46,7 @@ def test_pool_full_of_leased_chunks_refuses_new_puts_and_evicts_nothing_leased(m
         leases = [c.acquire(LAYOUT, prompt(i, 16)) for i in range(n)]
         assert all(lease.matched_tokens == 16 * CT for lease in leases)
         before = c.stats()
-        assert before["pool"]["blocks_free"] == 0 and before["pool"]["blocks_leased"] == blocks
+        assert before["pool"]["free_bytes"] == 0 and before["pool"]["leased_chunks"] == blocks
 
         for attempt in range(3):  # repeated refusals change nothing either
             with pytest.raises(ResourceExhaustedError) as e:
@@ -123,7 +123,7 @@ def _readable(c: Client, i: int) -> bool:
 def test_full_lmdb_map_acknowledges_only_what_it_wrote_and_serves_on(make_daemon):
     # 256 KiB of map hold a few dozen 4 KiB chunks (each spills into LMDB overflow pages);
     # 120 chunks go through write-through.
-    d = make_daemon(pool_bytes="256K", pool_block_bytes="4K", nvme_bytes="64M", nvme_map_bytes="256K",
+    d = make_daemon(pool_bytes="256K", nvme_bytes="64M", nvme_map_bytes="256K",
                     write_through=True)
     with Client(d.socket) as c:
         receipts = _fill_through_nvme(d, c, 30)
@@ -144,7 +144,7 @@ def test_full_lmdb_map_acknowledges_only_what_it_wrote_and_serves_on(make_daemon
 def tiny_disk(tmp_path):
     """The state directory on a 1 MiB tmpfs: a real ENOSPC from the kernel."""
     require(os.geteuid() == 0, "mounting a 1 MiB tmpfs needs root (CI runs as root)")
-    d = Daemon(str(tmp_path), pool_bytes="256K", pool_block_bytes="4K", nvme_bytes="64M", write_through=True)
+    d = Daemon(str(tmp_path), pool_bytes="256K", nvme_bytes="64M", write_through=True)
     os.makedirs(d.state_dir)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", d.state_dir], check=True)
     try:

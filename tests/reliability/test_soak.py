@@ -70,8 +70,8 @@ def test_soak_bounded(monkeypatch):
     assert c.get("client_errors", 0) == 0, r["client_errors"]
     assert r["evictions"]["pool_evictions"] > 0 and r["evictions"]["nvme_evictions"] > 0, r["evictions"]
 
-    assert r["leaked"] == dict(leases_active=0, reservations_active=0, sessions_open=0, pool_blocks_leased=0,
-                               pool_blocks_reserved=0), r["after_clients"]
+    assert r["leaked"] == dict(leases_active=0, reservations_active=0, sessions_open=0, pool_leased_chunks=0,
+                               pool_reserved_chunks=0), r["after_clients"]
     assert c.get("release_not_live", 0) == 0 and r["final_counters"]["leases_expired"] == 0
     assert r["final_counters"]["leases_session_released"] == r["abrupt_session_ends"]
 

@@ -33,7 +33,7 @@ def tokens(n: int, start: int = 0) -> bytes:
 
 def state(c: Client) -> tuple:
     s = c.stats()
-    return (s["indexed_chunks"], s["leases_active"], s["reservations_active"], s["pool"]["blocks_free"],
+    return (s["indexed_chunks"], s["leases_active"], s["reservations_active"], s["pool"]["free_bytes"],
             s["nvme"]["chunks"], s["layouts"])
 
 
@@ -214,6 +214,7 @@ def test_ids_are_bound_to_the_session_that_obtained_them(ready, daemon):
         assert (s["leases_active"], s["reservations_active"]) == (1, 1)
     assert stub.Commit(pb.CommitRequest(reservation_id=r.reservation_id, session_id=sid)).committed_chunks == 2
     lease.release()
+    c.sync()  # the release travels on the session stream
     assert c.stats()["leases_active"] == 0
 
 

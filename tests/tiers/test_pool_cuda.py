@@ -12,7 +12,7 @@ import torch
 
 from kvcached.config import StoreConfig
 from kvcached.service.convert import pool_handle_from_proto, pool_handle_to_proto
-from kvcached.tiers.blocks import CudaIpc, PoolHandle
+from kvcached.tiers.packed import CudaIpc, PoolHandle
 from kvcached.tiers.pool_cuda import CudaUnavailable, check_allocator
 from kvcached.tiers.registry import make_pool
 
@@ -32,7 +32,7 @@ def test_expandable_segments_are_refused(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_cuda_pool_without_cuda_is_a_clear_error(tmp_path):
-    cfg = StoreConfig(state_dir=str(tmp_path), device="cuda:0", pool_bytes=1 << 20, pool_block_bytes=1 << 16)
+    cfg = StoreConfig(state_dir=str(tmp_path), device="cuda:0", pool_bytes=1 << 20)
     with pytest.raises(CudaUnavailable, match="CUDA is not available"):
         make_pool(cfg)
     exe = os.path.join(os.path.dirname(sys.executable), "kvcached")
@@ -87,7 +87,7 @@ def _run(*args: str) -> str:
 
 @gpu
 def test_gpu_pool_shared_across_processes_bit_exact_and_new_generation_after_restart(make_daemon, tmp_path):
-    d = make_daemon(device="cuda", pool_bytes="64M", pool_block_bytes="1M")
+    d = make_daemon(device="cuda", pool_bytes="64M")
     _run(_WRITER, d.socket, str(tmp_path / "w.pt"))
     gen1, promoted = _run(_READER, d.socket, str(tmp_path / "r.pt")).split()
     assert torch.equal(torch.load(tmp_path / "r.pt"), torch.load(tmp_path / "w.pt")) and promoted == "0"
@@ -104,7 +104,7 @@ def test_gpu_lease_spanning_pool_and_nvme_direct_chunks_gives_one_cuda_tensor(ma
     from kvcached_client import Client
     from tests.service.test_daemon import FAT, PROMPT, demote_prompt
 
-    d = make_daemon(device="cuda", pool_bytes="2M", pool_block_bytes="128K")
+    d = make_daemon(device="cuda", pool_bytes="2M")
     a = torch.randn(2, 4, 4, 48, 64)
     with Client(d.socket, nvme_read="direct") as c:
         demote_prompt(c, a)  # chunk 0 stays in the GPU pool, chunks 1 and 2 are NVMe-only
@@ -125,7 +125,7 @@ def test_gpu_blocks_of_a_derived_size_view_as_a_two_byte_dtype(make_daemon):
 
     # 1000017 // 16 is odd: a bare pool // 16 block put block 1 at an odd offset, which a bfloat16
     # view of the CUDA slab refuses ("storage offset must be divisible by the element size").
-    d = make_daemon(device="cuda", pool_bytes=1000017, pool_block_bytes="16M")
+    d = make_daemon(device="cuda", pool_bytes=1000017)
     layout = KVLayout("test/gpu-bf16@1", num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", chunk_tokens=16)
     kv = torch.randn(2, 2, 2, 64, 8).to(torch.bfloat16)
     with Client(d.socket) as c:

@@ -20,37 +20,44 @@ def meta(i: int) -> ChunkMeta:
 
 @pytest.fixture
 def pool():
-    p = HostPool("kvcached.test", BLOCK, 4)
+    p = HostPool("kvcached.test", 4 * BLOCK)
     yield p
     p.close()
 
 
 def test_reserve_write_commit_read(pool):
     s = pool.reserve(BLOCK)
-    assert (s.slot_id, s.offset) == (0, 0)  # a fresh pool hands out the lowest block first
+    assert (s.slot_id, s.offset) == (0, 0)  # a fresh pool hands out the lowest address first
     pool.write(s, b"\x07" * BLOCK)
     assert meta(1).chunk_hash not in pool
     pool.commit(s, meta(1))
     assert bytes(pool.read(meta(1).chunk_hash)) == b"\x07" * BLOCK
     assert pool.slot_of(meta(1).chunk_hash).offset == 0
-    assert pool.used_bytes == BLOCK and pool.free_blocks == 3
+    assert pool.used_bytes == BLOCK and pool.free_bytes == 3 * BLOCK and pool.payload_bytes == BLOCK
 
 
-def test_smaller_chunk_uses_one_block_and_reads_its_own_size(pool):
+def test_a_chunk_takes_its_size_rounded_to_the_alignment(pool):
     s = pool.reserve(100)
     pool.write(s, b"x" * 100)
     pool.commit(s, meta(2))
     assert pool.read(meta(2).chunk_hash).nbytes == 100
+    assert pool.used_bytes == 128 and pool.payload_bytes == 100  # 64-byte grain
+    assert pool.reserve(64).offset == 128  # packed right after it
 
 
-def test_full_pool_and_free_order(pool):
+def test_full_pool_and_best_fit_reuse(pool):
     slots = [pool.reserve(BLOCK) for _ in range(4)]
-    with pytest.raises(TierFull):
+    with pytest.raises(TierFull, match="no free run"):
         pool.reserve(BLOCK)
     pool.abort(slots[2])
     pool.abort(slots[2])  # idempotent
-    assert pool.reserve(BLOCK).slot_id == 2  # last freed, first reused
-    assert pool.free_blocks == 0
+    assert pool.reserve(BLOCK).offset == 2 * BLOCK  # the only gap that fits
+    assert pool.free_bytes == 0
+    pool.abort(slots[1])
+    pool.abort(slots[3])
+    assert pool.largest_free == BLOCK  # two gaps, not adjacent
+    assert pool.reserve(BLOCK // 2).offset == BLOCK  # best fit, lowest address on a tie
+    pool.check()
 
 
 def test_bad_writes_raise(pool):
@@ -58,7 +65,7 @@ def test_bad_writes_raise(pool):
     with pytest.raises(InvalidKV):
         pool.write(s, b"short")
     with pytest.raises(InvalidKV):
-        pool.reserve(BLOCK + 1)
+        pool.reserve(4 * BLOCK + 1)  # more than the whole pool
     pool.abort(s)
     with pytest.raises(InternalInvariantError):
         pool.write(s, b"\x00" * BLOCK)  # no longer reserved
@@ -72,11 +79,11 @@ def test_delete_frees_the_block(pool):
     pool.commit(s, meta(1))
     assert pool.delete(meta(1).chunk_hash) is True
     assert pool.delete(meta(1).chunk_hash) is False
-    assert pool.free_blocks == 4
+    assert pool.free_bytes == 4 * BLOCK and pool.free_runs == 1  # merged back into one run
 
 
 def test_close_unlinks_the_segment():
-    p = HostPool("kvcached.test", BLOCK, 2)
+    p = HostPool("kvcached.test", 2 * BLOCK)
     path = f"/dev/shm/{p.name}"
     assert os.path.exists(path)
     assert os.stat(path).st_mode & 0o777 == 0o600
@@ -116,7 +123,7 @@ def test_second_process_maps_pool_and_reads_exact_bytes(pool):
 def test_mapping_checks_size_and_bounds(pool):
     import dataclasses
 
-    bad = dataclasses.replace(pool.handle(), num_blocks=99)
+    bad = dataclasses.replace(pool.handle(), size_bytes=99 * BLOCK)
     with pytest.raises(ValueError, match="bytes, handle says"):
         HostPoolMapping(bad)
     with HostPoolMapping(pool.handle(), writable=False) as m:

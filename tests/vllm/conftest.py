@@ -131,7 +131,7 @@ def chunk_bytes(layers: int = 2, kv_heads: int = 2, head_dim: int = 32, chunk: i
 @pytest.fixture
 def vdaemon(tmp_path) -> Iterator[Daemon]:
     """A daemon sized for the tiny model's 128 KiB chunks."""
-    d = Daemon(str(tmp_path / "d"), pool_bytes="16M", pool_block_bytes="128K", nvme_bytes="64M")
+    d = Daemon(str(tmp_path / "d"), pool_bytes="16M", nvme_bytes="64M")
     os.makedirs(d.root, exist_ok=True)
     d.start()
     yield d

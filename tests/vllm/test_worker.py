@@ -138,7 +138,7 @@ def test_a_store_survives_a_step_longer_than_the_reservation_ttl(tmp_path):
     from kvcached_client.vllm.worker import WorkerSide
     from tests.daemon import Daemon
 
-    d = Daemon(str(tmp_path), pool_bytes="16M", pool_block_bytes="128K", reservation_ttl=0.3).start()
+    d = Daemon(str(tmp_path), pool_bytes="16M", reservation_ttl=0.3).start()
     w = WorkerSide(NAMES, BLOCK, CHUNK, 0, CPU, lambda: Client(d.socket))
     try:
         w.register({n: torch.zeros(32, H, BLOCK, 2 * D) for n in NAMES})
