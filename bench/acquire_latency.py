@@ -2,7 +2,7 @@
 index, and how does that compare with only hashing the same tokens?
 
 Setup: one layout with 128-token chunks (1 layer, 1 KV head, head_dim 8, float16: 4 KiB per
-chunk, so a pool of ~100k blocks fits in /dev/shm), an 8,192-token prompt (64 chunks) put
+chunk, so a pool of ~100k chunks fits in /dev/shm), an 8,192-token prompt (64 chunks) put
 first, then ~100k other chunks committed so the index is not trivially small (a quarter of
 the filler prompts share a random-length prefix with the measured prompt, so its chunks are
 inner trie nodes, as a popular system prompt's would be). Every measured acquire is a full
@@ -70,12 +70,12 @@ def build_store(fill_chunks: int, state_dir: str, seed: int) -> tuple[Store, str
         "bench/acquire-latency@1", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16",
         chunk_tokens=CHUNK_TOKENS,
     )
-    blocks = PROMPT_CHUNKS + fill_chunks + 64
+    pool_chunks = PROMPT_CHUNKS + fill_chunks + 64  # a packed pool of N * chunk_bytes holds exactly N chunks
     cfg = StoreConfig(
         state_dir=state_dir,
-        pool_bytes=layout.chunk_bytes * blocks,
-        pool_block_bytes=layout.chunk_bytes,
+        pool_bytes=layout.chunk_bytes * pool_chunks,
         pool_prefault=False,
+        writeback=False,  # steady-state latency: no background writer (and no NVMe tier to write to)
         nvme_bytes=0,
         cache_ttl=1e12,
         lease_ttl=1e9,
@@ -102,7 +102,8 @@ def build_store(fill_chunks: int, state_dir: str, seed: int) -> tuple[Store, str
     shape = {
         "layout": layout.to_dict(),
         "chunk_bytes": layout.chunk_bytes,
-        "pool_blocks": cfg.pool_blocks,
+        "pool_bytes": store.pool.capacity_bytes,
+        "pool_chunks": pool_chunks,
         "index_chunks": len(store.index),
         "filler_chunks": filled,
         "prompt_tokens": PROMPT_TOKENS,
@@ -162,8 +163,8 @@ def breakdown_pieces(store: Store, lid: str, inputs: dict, hashes: list, lease) 
     fns["what-if: tier check with a plain int mask"] = lambda: [n for n in nodes if not n.tiers & 1]
 
     def plain_receipt_maker():
-        committed, bb = store.pool._committed, store.pool.block_bytes
-        return lambda: tuple((i, n.hash, b, b * bb, nb) for i, n in enumerate(nodes) for b, nb in (committed[n.hash],))
+        committed = store.pool._committed  # hash -> (offset, nbytes)
+        return lambda: tuple((i, n.hash, off, nb) for i, n in enumerate(nodes) for off, nb in (committed[n.hash],))
 
     internal("what-if: receipt as plain tuples", plain_receipt_maker)
     return fns, skipped

@@ -3,9 +3,9 @@ owns, from the mapped pool, from NVMe (through the daemon's promotion, or straig
 file), over the gRPC bytes fallback and from Redis, next to a plain memcpy of the same size?
 
 Setup, per chunk size: one real ``kvcached serve`` (own temp dir, default write-back) whose pool
-has P = K + 16 blocks of exactly one chunk; K chunks (K x chunk >= 64 MiB, more than the 32 MiB
+is ``pool_bytes`` = P x chunk, so it holds exactly P = K + 16 chunks (packed pool); K chunks (K x chunk >= 64 MiB, more than the 32 MiB
 L3 here) are put and pinned by held leases for the pool reads; M = 17 other chunks (one 128-token
-prompt each) cycle through the 16 free blocks, so under LRU every acquire of the next one misses
+prompt each) cycle through the 16 free chunk slots, so under LRU every acquire of the next one misses
 the pool and is promoted from NVMe (checked with the daemon's promotion counter; after the warm-up
 cycle every one of them has an NVMe copy, so no timed op writes NVMe). 16 MiB = Llama-3-8B (32
 layers, 8 KV heads, head_dim 128, bf16, 128 tokens); 2 MiB = the same with 4 layers. Payloads are
@@ -23,12 +23,13 @@ order each round, with a 5 ms untimed pause between contenders:
 * (a) ``pool hot, view reused`` the copy alone from a view made once; ``lease.chunk(0) alone``
                            the view creation alone (attribution)
 * (a) ``pool cold``        the same, cycling over the K pinned chunks
-* (b) ``nvme via promotion`` ``lease = c.acquire(...)``: the daemon reads LMDB (CRC checked) into
-                           a pool block; then ``dst.copy_(lease.chunk(0))``. Timed: acquire + copy;
+* (b) ``nvme via promotion`` ``lease = c.acquire(...)``: the daemon reads LMDB (checksum checked) into
+                           the pool; then ``dst.copy_(lease.chunk(0))``. Timed: acquire + copy;
                            ``+ release`` adds the Release RPC that must follow
 * (c) ``nvme direct (LMDB)`` the client's own read-only LMDB env: read txn (buffers=True), get,
-                           ``decode_header`` + ``check_payload`` (CRC-32 of the payload), copy
-                           (the data path alone: no RPC)
+                           ``copy_verified`` (header check, then copy + XXH3-64 of the payload
+                           fused, 1 MiB at a time), the data path alone: no RPC. Every record is
+                           written by this daemon, so in format 2 (checked: ``nvme_record_formats``)
 * (c') ``api Client(nvme_read=direct)`` the client library's direct mode, complete: acquire (the
                            daemon pins the NVMe-only chunk and returns its key), ``lease.chunk(0)``
                            (the library reads LMDB, checks, copies into a new tensor), then copy
@@ -37,10 +38,13 @@ order each round, with a 5 ms untimed pause between contenders:
                            This row against (b) decides the client's default.
 * (c) what-ifs:            ``no payload CRC``; ``isal CRC-32`` (same polynomial and values as
                            zlib.crc32, if the ``isal`` package is importable), also ``fused with
-                           the copy`` (copy 1 MiB, CRC it while in cache, next); ``+ 1 empty RPC``
-                           (a lower bound for the control call a real client would need to learn
-                           the key and pin the chunk)
-* ``crc32 zlib / isal``    the payload checksum alone (attribution)
+                           the copy`` (copy 1 MiB, CRC it while in cache, next: how format 1
+                           records are read); ``+ 1 empty RPC`` (a lower bound for the control
+                           call a real client would need to learn the key and pin the chunk). The
+                           CRC rows check against the CRC-32 a format-1 record of the payload holds
+* ``xxh3-64 / crc32 isal / crc32 zlib alone`` the payload checksum alone over one in-memory
+                           buffer of the chunk size (attribution: format 2's XXH3-64 vs format
+                           1's CRC-32, ratios in ``verdicts.checksum_alone``)
 * (d) ``get_bytes (gRPC)`` ``c.get_bytes(layout, tokens)`` of a pool-resident chunk, then copy
 * (e) ``redis GET``        GET of the same bytes from 127.0.0.1:6379 (SET once, key prefix
                            ``kvcached-bench:``, deleted at the end), then copy;
@@ -90,7 +94,9 @@ import numpy as np
 import torch
 from kvcached_client import Client, KvcachedError, KVLayout
 
-from kvcached.tiers.record import copy_verified, HEADER_SIZE, decode_header
+import xxhash
+
+from kvcached.tiers.record import copy_verified, decode_header, record_version
 
 try:  # optional: a what-if row (drop-in CRC-32, same values as zlib.crc32)
     from isal import isal_zlib  # type: ignore
@@ -99,9 +105,9 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 MiB = 1 << 20
 COLD_BYTES = 64 * MiB  # > the 32 MiB L3 of the box these numbers come from
-CYCLE = 17  # chunks cycling through the pool's free blocks (16): every acquire misses
+CYCLE = 17  # chunks cycling through the pool's free chunk slots (16): every acquire misses
 DIRECT = 4  # NVMe-only chunks the client API reads itself (never promoted, so they stay NVMe-only)
-FREE_BLOCKS = CYCLE - 1
+FREE_SLOTS = CYCLE - 1
 REDIS_PREFIX = "kvcached-bench:"
 API_DIRECT = "c' api Client(nvme_read=direct): acquire + copy_chunk(0, dst)"
 API_DIRECT_ONLY = "c' api Client(nvme_read=direct): acquire + chunk(0), no copy"
@@ -141,7 +147,8 @@ class Setup:
         self.rng = np.random.default_rng(args.seed)
         self.c = Client(daemon.socket, nvme_read="promote")  # the promotion contender (b) and the builder
         self.cd = None  # Client(nvme_read="direct"), if this client version has it
-        self.crc_of: list[int] = []  # payload CRC per chunk index
+        self.crc_of: list[int] = []  # payload CRC-32 per chunk index (what a format-1 record stores)
+        self.xxh_of: list[int] = []  # payload XXH3-64 per chunk index (what a format-2 record stores)
         self.tokens: list[np.ndarray] = []
         self.held: list = []
         self.env = None
@@ -162,6 +169,7 @@ class Setup:
         assert self.c.put(self.layout, toks, kv).stored_chunks == 1
         self.tokens.append(toks)
         self.crc_of.append(zlib.crc32(payload))
+        self.xxh_of.append(xxhash.xxh3_64_intdigest(payload))
         return j
 
     def build(self) -> None:
@@ -208,14 +216,19 @@ class Setup:
         self.env = lmdb.open(self.d.nvme_path, readonly=True, lock=True, max_dbs=4, subdir=True, readahead=False)
         self.env_owned = True
         self.db = self.env.open_db(b"chunks", create=False)
-        by_crc = {crc: j for j, crc in enumerate(self.crc_of)}
+        by_sum = {x: j for j, x in enumerate(self.xxh_of)}
         self.key_of: dict[int, bytes] = {}
+        self.record_formats: dict[str, int] = {}
         with self.env.begin(db=self.db, buffers=True) as txn:
             for key, value in txn.cursor():
-                _meta, plen, pcrc = decode_header(value, key)
-                j = by_crc.get(pcrc)
-                if j is not None and plen == self.nbytes:
+                v = str(record_version(value))
+                self.record_formats[v] = self.record_formats.get(v, 0) + 1
+                hdr = decode_header(value, key)
+                j = by_sum.get(hdr.checksum)
+                if j is not None and hdr.payload_len == self.nbytes:
                     self.key_of[j] = bytes(key)
+        if set(self.record_formats) != {"2"}:
+            raise RuntimeError(f"the daemon wrote NVMe records of formats {self.record_formats}; expected only 2")
         missing = [j for j in self.cycle if j not in self.key_of]
         if missing:
             raise RuntimeError(f"cycling chunks {missing} have no LMDB record")
@@ -267,7 +280,7 @@ class Setup:
         dst_np = dst_u8.numpy()
         n_cold = max(2, math.ceil(COLD_BYTES / self.nbytes))
         srcs = []
-        for _ in range(n_cold):  # torch-allocated (64-byte aligned, like dst and the pool blocks)
+        for _ in range(n_cold):  # torch-allocated (64-byte aligned, like dst and the pool's chunks)
             t = torch.empty(shape, dtype=torch.bfloat16)
             np.copyto(u8(t).numpy(), np.frombuffer(self.rng.bytes(self.nbytes), dtype=np.uint8))
             srcs.append(t)
@@ -335,18 +348,18 @@ class Setup:
                     raise RuntimeError(f"promotion acquire matched {lease.matched_tokens} tokens")
                 lease.release()
 
+        # The CRC-32 what-ifs read format-2 records but check what a format-1 record would hold.
+        crc_by_key = {self.key_of[j]: self.crc_of[j] for j in self.cycle}
+
         def lmdb_read(key: bytes, crc) -> None:
             with env.begin(db=db, buffers=True) as txn:
                 value = txn.get(key)
-                _meta, plen, pcrc = decode_header(value, key)
-                if plen != nbytes:
-                    raise RuntimeError(f"payload is {plen} bytes, expected {nbytes}")
-                if crc is None:
-                    payload = value[HEADER_SIZE:]
-                else:
-                    payload = value[HEADER_SIZE:]
-                    if crc(payload) != pcrc:
-                        raise RuntimeError("payload CRC mismatch")
+                hdr = decode_header(value, key)
+                if hdr.payload_len != nbytes:
+                    raise RuntimeError(f"payload is {hdr.payload_len} bytes, expected {nbytes}")
+                payload = value[hdr.header_size:]
+                if crc is not None and crc(payload) != crc_by_key[key]:
+                    raise RuntimeError("payload CRC mismatch")
                 dst_u8.copy_(torch.frombuffer(payload, dtype=torch.uint8))
 
         cd = self.cd
@@ -374,7 +387,7 @@ class Setup:
         dst_mv = memoryview(dst_u8.numpy())
 
         def nvme_direct() -> None:
-            # What the client library does: kvcached.tiers.record.copy_verified (CRC fused with the copy).
+            # What the client library does: kvcached.tiers.record.copy_verified (XXH3-64 fused with the copy).
             key = keys[nxt("c", len(keys))]
             with env.begin(db=db, buffers=True) as txn:
                 copy_verified(txn.get(key), key, dst_mv)
@@ -394,15 +407,15 @@ class Setup:
             key = keys[nxt("c5", len(keys))]
             with env.begin(db=db, buffers=True) as txn:
                 value = txn.get(key)
-                _meta, plen, pcrc = decode_header(value, key)
-                if plen != nbytes:
-                    raise RuntimeError(f"payload is {plen} bytes, expected {nbytes}")
-                payload = value[HEADER_SIZE:]
+                hdr = decode_header(value, key)
+                if hdr.payload_len != nbytes:
+                    raise RuntimeError(f"payload is {hdr.payload_len} bytes, expected {nbytes}")
+                payload = value[hdr.header_size:]
                 crc = 0
                 for off in range(0, nbytes, piece):  # copy a piece, CRC it while it is in cache
                     np.copyto(dst_np[off:off + piece], np.frombuffer(payload[off:off + piece], dtype=np.uint8))
                     crc = isal_zlib.crc32(dst_np[off:off + piece], crc)
-                if crc != pcrc:
+                if crc != crc_by_key[key]:
                     raise RuntimeError("payload CRC mismatch")
 
         def nvme_direct_rpc() -> None:
@@ -416,6 +429,9 @@ class Setup:
 
         def crc_isal() -> None:
             isal_zlib.crc32(crc_buf)
+
+        def xxh3_alone() -> None:
+            xxhash.xxh3_64_intdigest(crc_buf)
 
         hot_tokens = tokens[self.pinned[0]]
 
@@ -439,6 +455,7 @@ class Setup:
             "c before: zlib CRC-32, then a separate copy": (nvme_direct_zlib, None),
             "c what-if: + 1 empty RPC": (nvme_direct_rpc, None),
             "crc32 zlib alone": (crc_zlib, None),
+            "xxh3-64 alone": (xxh3_alone, None),
             "d get_bytes (gRPC)": (get_bytes, None),
         }
         if cd is not None:
@@ -568,7 +585,7 @@ def measure(setup: Setup, args: argparse.Namespace) -> dict:
     return {
         "chunk_bytes": setup.nbytes,
         "layout": setup.layout.to_dict(),
-        "pool_blocks": setup.n_pinned + FREE_BLOCKS,
+        "pool_chunks": setup.n_pinned + FREE_SLOTS,
         "pinned_chunks": setup.n_pinned,
         "cycling_chunks": CYCLE,
         "reps_per_round": reps,
@@ -578,6 +595,7 @@ def measure(setup: Setup, args: argparse.Namespace) -> dict:
         "verified": checked,
         "daemon_after_build": setup.stats_after_build,
         "notes": setup.notes,
+        "nvme_record_formats": setup.record_formats,
         "latency": stats,
     }
 
@@ -632,6 +650,15 @@ def verdicts(m: dict) -> dict:
         "nvme >= 0.6x memcpy (best method vs memcpy hot)": v["nvme"]["best_over_memcpy_hot"] >= TARGET_NVME,
         "nvme >= 0.6x memcpy (best method vs memcpy cold)": v["nvme"]["best_over_memcpy_cold"] >= TARGET_NVME,
     }
+    xxh, crc_isal, crc_zlib = gb["xxh3-64 alone"], gb.get("crc32 isal alone"), gb["crc32 zlib alone"]
+    v["checksum_alone"] = {  # GB/s at p50 of the checksum over one chunk-sized buffer, and ratios
+        "xxh3_64_gb_s": xxh,
+        "crc32_isal_gb_s": crc_isal,
+        "crc32_zlib_gb_s": crc_zlib,
+        "xxh3_over_crc32_isal": ratio(xxh, crc_isal) if crc_isal else None,
+        "xxh3_over_crc32_zlib": ratio(xxh, crc_zlib),
+        "crc32_isal_over_crc32_zlib": ratio(crc_isal, crc_zlib) if crc_isal else None,
+    }
     isal = max(gb.get("c what-if: isal CRC-32") or 0.0, gb.get("c what-if: isal CRC-32 fused with the copy") or 0.0)
     if isal:
         v["what_if_isal_crc"] = {
@@ -673,6 +700,8 @@ def print_report(res: dict) -> None:
                   f"(incl. release {nv['api_direct_over_api_promote_incl_release']:.2f}x)")
         print(f"  data path only: raw direct / promotion = {nv['direct_over_promotion']:.2f}x; "
               f"raw direct + empty RPC / promotion = {nv['direct_plus_empty_rpc_over_promotion']:.2f}x")
+        print(f"  c nvme direct (LMDB, format-2 records {m['nvme_record_formats']}) / memcpy hot = "
+              f"{nv['direct_over_memcpy_hot']:.2f}x")
         for t, ok in v["targets"].items():
             print(f"  target {t:50s} {'MET' if ok else 'NOT MET'}")
         if "what_if_isal_crc" in v:
@@ -682,15 +711,24 @@ def print_report(res: dict) -> None:
                   + (f", {w['direct_isal_over_redis_get']:.1f}x redis GET" if w["direct_isal_over_redis_get"] else ""))
         for note in m["notes"]:
             print(f"  note: {note}")
+    print("\n== payload checksum alone (GB/s at p50) and the direct NVMe read, per chunk size ==")
+    rows = []
+    for size, m in res["sizes"].items():
+        ck, nv = m["verdicts"]["checksum_alone"], m["verdicts"]["nvme"]
+        nan = float("nan")
+        rows.append([size, ck["xxh3_64_gb_s"], ck["crc32_isal_gb_s"] or nan, ck["crc32_zlib_gb_s"],
+                     ck["xxh3_over_crc32_isal"] or nan, ck["xxh3_over_crc32_zlib"], ck["crc32_isal_over_crc32_zlib"] or nan,
+                     nv["direct_over_memcpy_hot"]])
+    print(format_table(["size", "XXH3-64", "CRC-32 isal", "CRC-32 zlib", "xxh3/isal", "xxh3/zlib", "isal/zlib",
+                        "direct/memcpy hot"], rows))
 
 
 def run_size(size: str, args: argparse.Namespace) -> dict:
     layout = make_layout(size)
     n_pinned = max(1, math.ceil(COLD_BYTES / layout.chunk_bytes))
-    blocks = n_pinned + FREE_BLOCKS
+    pool_chunks = n_pinned + FREE_SLOTS
     settings = {
-        "pool_bytes": blocks * layout.chunk_bytes,
-        "pool_block_bytes": layout.chunk_bytes,
+        "pool_bytes": pool_chunks * layout.chunk_bytes,  # exactly pool_chunks chunks of this layout
         "nvme_bytes": 4 * (CYCLE + n_pinned) * (layout.chunk_bytes + 4096),
         "lease_ttl": 3600.0,
         "log_level": "warning",
@@ -734,6 +772,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "torch_threads": {"default": args.default_threads, "used": 1},
         "isal": getattr(isal_zlib, "__name__", None) and __import__("isal").__version__,
+        "xxhash": xxhash.VERSION,
         "sizes": {},
     }
     for size in sizes:

@@ -17,7 +17,7 @@ is write-back + Flush, ``wt`` is write-through.
 Question 2 (``--mode client-death``): client processes holding leases and half-written
 reservations, some holding still and some in the middle of operations, are SIGKILLed in
 random order; how long until the daemon has released every pin (session end), is any chunk
-left in flight or torn, and is the pool fully reclaimable (evict all -> every block free, one
+left in flight or torn, and is the pool fully reclaimable (evict all -> every pool byte free, one
 put fills the whole pool)? Plus a session-less client, released by the TTL.
 
 The workload and the checks are those of ``tests/reliability/test_crash.py`` and
@@ -127,8 +127,8 @@ def run_client_death(args: argparse.Namespace) -> tuple[dict, list[str]]:
                 print(f"client-death round {k + 1}: {out['kills']} clients killed ({', '.join(out['kill_kinds'])}) "
                       f"holding {out['held_leases']} leases, {out['held_reservations']} reservations; all released "
                       f"in {out['released_s'] * 1e3:.1f} ms; in flight left {out['in_flight_tokens']}, torn "
-                      f"{out['chunks_wrong']}/{out['chunks_checked']}, blocks free after evict "
-                      f"{out['blocks_free_after_evict']}/{out['blocks_total']}, fill stored {out['fill_stored']}")
+                      f"{out['chunks_wrong']}/{out['chunks_checked']}, pool bytes free after evict "
+                      f"{out['free_bytes_after_evict']}/{out['capacity_bytes']}, fill stored {out['fill_stored']} chunks")
                 try:
                     death.assert_reclaimed(out)
                     assert out["released_s"] < 2.0 and out["sessions_ended_logged"] == out["kills"], out
@@ -158,7 +158,7 @@ def run_client_death(args: argparse.Namespace) -> tuple[dict, list[str]]:
         "in_flight_tokens_left": sum(r["in_flight_tokens"] for r in rounds) + ttl["in_flight_tokens"],
         "torn_chunks": sum(r["chunks_wrong"] for r in rounds) + ttl["chunks_wrong"],
         "chunks_checked": sum(r["chunks_checked"] for r in rounds),
-        "pool_fully_reclaimed": all(r["blocks_free_after_evict"] == r["blocks_total"] and r["fill_whole"]
+        "pool_fully_reclaimed": all(r["free_bytes_after_evict"] == r["capacity_bytes"] and r["fill_whole"]
                                     for r in rounds + [ttl]),
         "ttl": ttl,
     }

@@ -3,7 +3,7 @@
 Question: does the daemon's CUDA pool work across processes bit-exactly, how fast is a
 leased chunk read compared with a plain device-to-device copy of the same footprint, how fast
 does the daemon promote NVMe chunks into GPU memory compared with a plain host-to-device copy,
-and is every block free again after a client that held leases is killed?
+and is every pool byte free again after a client that held leases is killed?
 
 One run, all on one GPU, in steps; each step is a dict in the JSON with ``ok``, ``error`` (and
 its traceback), ``figures``, ``processes`` (every child's exit status, stdout and stderr) and
@@ -31,9 +31,14 @@ and once more at the end (also on an exception or SIGTERM), with the daemon's lo
    in each layout a GPU backend uses (``channel-split``: FlashAttention's token-major NHD and the
    head-major order; kvcached_client/vllm/paged.py), and gathered back: bit-exact, and the
    scatter's GPU time vs a plain device copy of the same bytes (CUDA events).
-6. ``killed_client``: a holder process (``nvme_read="promote"``) leases the prompt's pool blocks
+6. ``killed_client``: a holder process (``nvme_read="promote"``) leases the prompt's pool chunks
    and is killed with SIGKILL; its leases must end with its session, and after evicting the
-   unpinned chunks every block must be free.
+   unpinned chunks every pool byte must be free (``free_bytes == capacity_bytes``).
+
+The pool is packed (one slab, chunks at 64-byte aligned offsets): ``pool_bytes`` of POOL_PROMPTS
+prompts holds exactly that many prompts. Write-back (the daemon's default) is on. A lease the
+check releases is released asynchronously (on the session stream), so each step ends with
+``c.sync()``: the next step's puts find the room back.
 
 Exit status: 0 only if every step succeeded, 1 otherwise, 2 when CUDA is not available.
 Writes $OUT/gpu_check.json when $OUT is set (the device tool), else bench/results/gpu_check.json.
@@ -62,7 +67,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "clients")]
 
 #: The pool holds this many prompts: one more pushes the least recently used out.
 POOL_PROMPTS = 2
-MIN_POOL_BLOCKS = 16  # a smaller pool gets smaller blocks (kvcached.settings.derived_block_bytes)
+POOL_ALIGN = 64  # kvcached.config.BLOCK_ALIGN: the pool's size is rounded down to it, chunks start at it
 START_TIMEOUT = 120.0  # the daemon's start: torch import, CUDA context, pool allocation
 CHILD_TIMEOUT = 120.0  # one child process: torch import, CUDA context, one put or acquire
 RELEASE_TIMEOUT = 30.0  # a killed client's leases ending with its session
@@ -181,13 +186,13 @@ class Report:
 class Daemon:
     """``kvcached serve --device cuda`` with its stdout and stderr in a log file."""
 
-    def __init__(self, tmp: str, pool_bytes: int, block_bytes: int) -> None:
+    def __init__(self, tmp: str, pool_bytes: int) -> None:
         self.socket = os.path.join(tmp, "kv.sock")
         self.config = os.path.join(tmp, "kvcached.toml")
         self.state_dir = os.path.join(tmp, "state")
         self.log_path = os.path.join(tmp, "daemon.log")
         with open(self.config, "w") as f:
-            f.write(f'device = "cuda"\npool_bytes = {pool_bytes}\npool_block_bytes = {block_bytes}\n'
+            f.write(f'device = "cuda"\npool_bytes = {pool_bytes}\n'
                     'nvme_bytes = "16G"\nprefetch_distance = 0\nmetrics_addr = "127.0.0.1:0"\n')
         self.proc: subprocess.Popen | None = None
 
@@ -282,13 +287,12 @@ class GpuCheck:
         self.layout = KVLayout("bench/gpu-check@1", layers, 8, 128, "bfloat16", chunk_tokens=128)
         # A prompt of 128 MiB by default: the leased-copy footprint (2 x the prompt) is several times the L2.
         self.chunks = args.chunks or max(1, (128 << 20) // self.layout.chunk_bytes)
-        if POOL_PROMPTS * self.chunks < MIN_POOL_BLOCKS:  # else the daemon shrinks its blocks below a chunk
-            raise SystemExit(f"gpu_check: --chunks must be at least {MIN_POOL_BLOCKS // POOL_PROMPTS}")
         self.n = self.chunks * self.layout.chunk_tokens
         self.tokens = list(range(self.n))
         self.lay_json = json.dumps(self.layout.to_dict())
         self.want_path = os.path.join(tmp, "kv.pt")
-        self.daemon = Daemon(tmp, POOL_PROMPTS * self.chunks * self.layout.chunk_bytes, self.layout.chunk_bytes)
+        self.pool_bytes = POOL_PROMPTS * self.chunks * self.layout.chunk_bytes  # holds exactly POOL_PROMPTS prompts
+        self.daemon = Daemon(tmp, self.pool_bytes)
         self.fillers = 0
         self.holder: subprocess.Popen | None = None
 
@@ -319,11 +323,12 @@ class GpuCheck:
         self.daemon.start(entry)
         with self.client() as c:
             h = c.pool_handle()
-        entry["figures"].update(pool_kind=h.kind, block_bytes=h.block_bytes, blocks=h.num_blocks)
+        entry["figures"].update(pool_kind=h.kind, size_bytes=h.size_bytes, align_bytes=h.align_bytes,
+                                pool_bytes=self.pool_bytes)
         check(h.kind == "cuda", f"the daemon's pool is {h.kind!r}, not in GPU memory")
-        want = (self.layout.chunk_bytes, POOL_PROMPTS * self.chunks)
-        check((h.block_bytes, h.num_blocks) == want, f"pool of {h.num_blocks} x {h.block_bytes} bytes, expected "
-                                                     f"{want[1]} x {want[0]}")
+        want = (self.pool_bytes // POOL_ALIGN * POOL_ALIGN, POOL_ALIGN)
+        check((h.size_bytes, h.align_bytes) == want, f"pool of {h.size_bytes} bytes aligned to {h.align_bytes}, "
+                                                     f"expected {want[0]} aligned to {want[1]}")
 
     def writer(self, entry: dict) -> None:
         out = run_child(entry, self.daemon, "writer", WRITER, self.daemon.socket, self.lay_json, str(self.n),
@@ -341,10 +346,14 @@ class GpuCheck:
               f"chunks on {out['chunk_devices']}, kv() on {out['kv_device']}: expected the GPU pool")
 
     def leased_copy(self, entry: dict) -> None:
+        with self.client() as c:
+            self._leased_copy(c, entry["figures"])
+            c.sync()  # the release is asynchronous: done before the next step's puts need the room
+
+    def _leased_copy(self, c, fig: dict) -> None:
         import torch
 
-        fig = entry["figures"]
-        with self.client() as c, c.acquire(self.layout, self.tokens) as lease:
+        with c.acquire(self.layout, self.tokens) as lease:
             check(len(lease) == self.chunks and not any(loc.nvme_key for loc in lease.locations),
                   f"lease of {len(lease)} chunks, expected {self.chunks} in the pool")
             views = [lease.chunk(i) for i in range(len(lease))]  # built once, outside the timing
@@ -393,6 +402,7 @@ class GpuCheck:
                 after = c.stats()["counters"]
                 with lease:
                     exact = bool(torch.equal(lease.kv().cpu(), want))
+                c.sync()  # the release is asynchronous: done before the next round's fillers need the room
                 r = {"flushed_chunks": flushed, "promoted_chunks": after["promotions"] - before["promotions"],
                      "demotions_during_acquire": after["demotions"] - before["demotions"], "seconds": dt,
                      "bit_exact": exact}
@@ -426,15 +436,19 @@ class GpuCheck:
         return median_time(once, 5)
 
     def vllm_paged(self, entry: dict) -> None:
+        with self.client() as c:
+            self._vllm_paged(c, entry["figures"])
+            c.sync()  # the release is asynchronous: done before the next step counts leases
+
+    def _vllm_paged(self, c, fig: dict) -> None:
         import torch
 
         from kvcached_client.vllm.paged import CHANNEL_SPLIT
 
-        fig = entry["figures"]
         lay = self.layout
         block = 16  # vLLM's default GPU block size; one chunk spans chunk_tokens / 16 blocks
         per_chunk = lay.chunk_tokens // block
-        with self.client() as c, c.acquire(lay, self.tokens) as lease:
+        with c.acquire(lay, self.tokens) as lease:
             chunks = [lease.chunk(i) for i in range(len(lease))]
             n_blocks = len(chunks) * per_chunk
             for order in ("BNHC", "BHNC"):  # FlashAttention's NHD (token-major), and head-major
@@ -497,23 +511,25 @@ class GpuCheck:
 
                 wait_for("the holder's leases", holding, self.daemon, CHILD_TIMEOUT)
                 fig.update(json.loads(_read(out_path)))
-                fig["blocks_leased_before_kill"] = c.stats()["pool"]["blocks_leased"]
+                fig["leased_chunks_before_kill"] = c.stats()["pool"]["leased_chunks"]
                 self.holder.send_signal(signal.SIGKILL)
                 self.holder.wait(10)
             finally:
                 entry["processes"]["holder"] = {"rc": self.holder.poll(), "stdout": tail(_read(out_path)),
                                                 "stderr": tail(_read(err_path))}
-            check(fig["blocks_leased_before_kill"] > 0, "the holder's leases pinned no pool block")
-            check(fig["nvme_chunks"] == 0, "the holder leased NVMe chunks, not pool blocks")
+            check(fig["leased_chunks_before_kill"] > 0, "the holder's leases pinned no pool chunk")
+            check(fig["nvme_chunks"] == 0, "the holder leased NVMe chunks, not pool chunks")
             t = time.monotonic()
             wait_for("the killed client's leases to end", lambda: c.stats()["leases_active"] == 0, self.daemon,
                      RELEASE_TIMEOUT)
             fig["seconds_until_released"] = time.monotonic() - t
             fig["evicted_chunks"] = c.evict()[0]
             p = c.stats()["pool"]
-        fig.update(blocks_free_after=p["blocks_free"], blocks_total=p["blocks_total"],
-                   all_free=p["blocks_free"] == p["blocks_total"])
-        check(fig["all_free"], f"{p['blocks_total'] - p['blocks_free']} pool blocks still in use")
+        fig.update(free_bytes_after=p["free_bytes"], capacity_bytes=p["capacity_bytes"],
+                   leased_chunks_after=p["leased_chunks"], reserved_chunks_after=p["reserved_chunks"],
+                   all_free=p["free_bytes"] == p["capacity_bytes"])
+        check(fig["all_free"], f"{p['capacity_bytes'] - p['free_bytes']} pool bytes still in use "
+                               f"({p['leased_chunks']} chunks leased, {p['reserved_chunks']} reserved)")
 
 
 def _read(path: str) -> str:

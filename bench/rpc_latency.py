@@ -29,7 +29,11 @@ Contenders, interleaved round by round (order rotated) so the box's noise hits t
 * ``api acquire``, ``api acquire+release``, ``api ping``: the same through the public
                        ``AsyncClient`` (lease objects, session and layout handling); shared
                        channel only
-* ``sync api ...``     the sync ``Client`` at concurrency 1 (what most callers use)
+* ``sync api ...``     the sync ``Client`` at concurrency 1 (what most callers use). Its
+                       ``Lease.release()`` is asynchronous (queued on the session stream), so
+                       ``sync api acquire+release`` latency is the acquire plus queueing the
+                       release; the round's wall time (throughput) and daemon CPU include a
+                       ``c.sync()`` at its end, i.e. the daemon having done every release
 
 The raw rows call the generated stub with prebuilt requests (tokens already packed), with the
 same ``timeout`` the client library passes.
@@ -434,6 +438,11 @@ def measure_sync(sock: str, pid: int, tokens_np: np.ndarray, args) -> dict:
                         t0 = pc()
                         fn()
                         lat.append(pc() - t0)
+                    if name == "sync api acquire+release":
+                        # Lease.release() only queues the release on the session stream: wait until
+                        # the daemon has done them, so the wall (throughput) and the daemon's CPU
+                        # include that work and none of it spills into the next contender.
+                        c.sync()
                     wall = time.perf_counter() - w0
                     c1, d1 = time.process_time_ns(), daemon_usage(pid)
                 finally:
@@ -480,8 +489,10 @@ def breakdown(tokens: bytes, args: argparse.Namespace) -> dict:
     state_dir = tempfile.mkdtemp(prefix="kvc-bench-rpc-inproc-")
     out: dict = {}
     try:
-        cfg = StoreConfig(state_dir=state_dir, pool_bytes=LAYOUT.chunk_bytes * 256, pool_block_bytes=LAYOUT.chunk_bytes,
-                          pool_prefault=False, nvme_bytes=0, lease_ttl=1e9)
+        # 256 chunks of LAYOUT (a packed pool of N * chunk_bytes holds exactly N). Steady-state
+        # latency: no background write-back thread (there is no NVMe tier here either).
+        cfg = StoreConfig(state_dir=state_dir, pool_bytes=LAYOUT.chunk_bytes * 256, pool_prefault=False,
+                          nvme_bytes=0, lease_ttl=1e9, writeback=False)
         with Store(cfg) as store:
             lid = store.register_layout(LAYOUT)
             store.put(lid, tokens, [bytes(LAYOUT.chunk_bytes)] * PROMPT_CHUNKS)
@@ -664,8 +675,7 @@ def measure_daemon(settings: dict, prelude: str | None, tokens: bytes, tokens_np
 
 def run(args: argparse.Namespace) -> dict:
     settings = {
-        "pool_bytes": "16M",
-        "pool_block_bytes": "16K",  # >= the 4 KiB chunk; 1024 blocks
+        "pool_bytes": "16M",  # 4,096 of the 4 KiB chunks (a packed pool)
         "nvme_bytes": "256M",
         "lease_ttl": 3600.0,
         # The "acquire" rows hold every lease of a round (released in one batch after it), far

@@ -5,15 +5,16 @@ right, zero leases / reservations / pins left once the clients are gone, daemon 
 warm-up; and what are the acquire p50 / p99 latencies, hit rate and eviction counts?
 
 Setup: one real ``kvcached serve`` (``_common.Daemon``: temp dir, Unix socket, device cpu, host
-pool in /dev/shm of ``--pool-blocks`` 16 KiB blocks, default clients x (max_chunks + 1) + 512 so
-a put can never find the pool all pinned, NVMe tier on, ``--nvme-mib`` 128 MiB; both tiers are
-filled within seconds and then evict for the rest of the run). N client processes, each a separate
-Python process with one channel and one Session stream, like one inference worker with one
-``Client``. Two models (layouts), both 512-token chunks of 16 KiB: ``--synthetic-share`` (1/4) of
-the clients serve the synthetic trace as model B, the rest the conversation trace as model A.
-Requests of a trace are dealt round-robin to its clients and issued at their trace timestamps
-compressed ``--speed`` times (open loop; a client that falls behind runs back to back and its lag
-is reported); a trace that runs out starts again (same prompts: second-pass hits).
+packed pool in /dev/shm sized to hold ``--pool-chunks`` 16 KiB chunks, default clients x
+(max_chunks + 1) + 512 so a put can never find the pool all pinned, write-back on (the default),
+NVMe tier on, ``--nvme-mib`` 128 MiB; both tiers are filled within seconds and then evict for the
+rest of the run). N client processes, each a separate Python process with one channel and one
+Session stream, like one inference worker with one ``Client``. Two models (layouts), both 512-token
+chunks of 16 KiB: ``--synthetic-share`` (1/4) of the clients serve the synthetic trace as model B,
+the rest the conversation trace as model A. Requests of a trace are dealt round-robin to its
+clients and issued at their trace timestamps compressed ``--speed`` times (open loop; a client that
+falls behind runs back to back and its lag is reported); a trace that runs out starts again (same
+prompts: second-pass hits).
 
 Per request (what the inference service does), block ``h`` = tokens ``h*512 .. h*512+511`` as in
 ``trace_replay.py``, prompts cut to ``--max-chunks`` (64) full chunks:
@@ -28,7 +29,7 @@ Per request (what the inference service does), block ``h`` = tokens ``h*512 .. h
    random base XOR a 64-bit mix of (model, h), so a wrong, stale or shifted byte is caught
 4. ``Release``
 5. ``Reserve`` (with the trace's ``output_length`` as expected output tokens), write the
-   payload of every reserved chunk straight into its pool block, ``Commit``
+   payload of every reserved chunk straight into its place in the pool, ``Commit``
 
 With probability 1/``--crash-every`` per request a client ends abruptly instead: it holds the
 lease of step 2 and a half-written reservation and calls ``os._exit`` (no Release, no Abort, no
@@ -40,7 +41,7 @@ pool mapping (``kvcached_client.pool.PoolMap``), location decoding and LMDB envi
 Measured: ops and failures per RPC type (any failed RPC is listed with its status), bytes
 verified, daemon RSS (VmRSS and its anonymous / file / shmem parts, threads, fds) every second,
 Stats every 2 s, acquire latency per 5 s window; after all clients exited: ``leases_active``,
-``reservations_active``, open sessions, pool blocks leased / reserved (must all reach 0), LMDB
+``reservations_active``, open sessions, pool chunks leased / reserved (must all reach 0), LMDB
 reader slots after ``doctor`` cleared dead readers. RSS "flat": VmRSS and RssAnon at the end
 at most ``--rss-tolerance`` (10 %) above their value at the end of warm-up (``--warmup``, the first
 third of the run; the tiers fill and the index reaches its steady size within it), with the
@@ -85,7 +86,7 @@ RPC_TIMEOUT = 10.0  # what the client library passes on every call
 CRASH_RC = 86  # exit status of a worker that ended abruptly on purpose
 MiB = 1 << 20
 
-#: Two models served by the same daemon; both 512-token chunks of 16 KiB (one pool block each).
+#: Two models served by the same daemon; both 512-token chunks of 16 KiB.
 MODELS = {
     "conversation": dict(model="soak/model-a@1", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16",
                          chunk_tokens=BLOCK),
@@ -105,7 +106,7 @@ class SoakConfig:
     direct_share: float = 0.5
     crash_every: int = 400  # mean requests between abrupt exits of one client; 0 = never
     max_chunks: int = 64
-    pool_blocks: int = 0  # 0: clients * (max_chunks + 1) + 512
+    pool_chunks: int = 0  # chunks the pool holds (pool_bytes = pool_chunks x 16 KiB); 0: clients * (max_chunks + 1) + 512
     nvme_mib: int = 64
     verify: float = 1.0  # fraction of leased chunks whose bytes are compared
     warmup: float = 1 / 3  # fraction of the run before the RSS baseline
@@ -116,8 +117,8 @@ class SoakConfig:
     seed: int = 7
     worker_threads: int = 4
 
-    def resolved_pool_blocks(self) -> int:
-        return self.pool_blocks or self.clients * (self.max_chunks + 1) + 512
+    def resolved_pool_chunks(self) -> int:
+        return self.pool_chunks or self.clients * (self.max_chunks + 1) + 512
 
 
 # -- payloads (shared by workers and tests) --------------------------------------------------
@@ -530,8 +531,9 @@ def _stats_row(d: dict) -> dict:
     return {
         "leases_active": d["leases_active"], "reservations_active": d["reservations_active"],
         "sessions_open": d.get("sessions_open"), "indexed_chunks": d["indexed_chunks"],
-        "pool_blocks_free": pool["blocks_free"], "pool_blocks_leased": pool["blocks_leased"],
-        "pool_blocks_reserved": pool["blocks_reserved"], "nvme_chunks": nv.get("chunks"),
+        "pool_free_bytes": pool["free_bytes"], "pool_largest_free_bytes": pool["largest_free_bytes"],
+        "pool_payload_bytes": pool["payload_bytes"], "pool_leased_chunks": pool["leased_chunks"],
+        "pool_reserved_chunks": pool["reserved_chunks"], "nvme_chunks": nv.get("chunks"),
         "nvme_used_bytes": nv.get("used_bytes"),
         "nvme_file_bytes": nv.get("file_bytes"), "nvme_readers": nv.get("readers"),
         "pool_evictions": c["pool_evictions"], "nvme_evictions": c["nvme_evictions"], "demotions": c["demotions"],
@@ -561,8 +563,7 @@ def _spawn(spec: dict, workdir: str) -> subprocess.Popen:
 def daemon_settings(cfg: SoakConfig) -> dict:
     return {
         "device": "cpu",
-        "pool_bytes": cfg.resolved_pool_blocks() * CHUNK_BYTES,
-        "pool_block_bytes": CHUNK_BYTES,
+        "pool_bytes": cfg.resolved_pool_chunks() * CHUNK_BYTES,  # a packed pool: exactly that many chunks
         "nvme_bytes": cfg.nvme_mib * MiB,
         "expire_interval": 1.0,
         "worker_threads": cfg.worker_threads,
@@ -580,7 +581,7 @@ def run_soak(cfg: SoakConfig, log=print) -> dict:
     wall0 = time.time()
     workdir = tempfile.mkdtemp(prefix="kvc-soak-")
     slots = assign(cfg)
-    result: dict = {"config": dataclasses.asdict(cfg), "pool_blocks": cfg.resolved_pool_blocks(),
+    result: dict = {"config": dataclasses.asdict(cfg), "pool_chunks": cfg.resolved_pool_chunks(),
                     "daemon_settings": daemon_settings(cfg)}
     worker_docs: list[dict] = []
     worker_errors: list[dict] = []
@@ -697,7 +698,7 @@ def run_soak(cfg: SoakConfig, log=print) -> dict:
 
 def _leftover(row: dict) -> int:
     return (row["leases_active"] + row["reservations_active"] + (row["sessions_open"] or 0)
-            + row["pool_blocks_leased"] + row["pool_blocks_reserved"])
+            + row["pool_leased_chunks"] + row["pool_reserved_chunks"])
 
 
 def _read_doc(path: str) -> dict | None:
@@ -823,8 +824,8 @@ def analyze(result: dict, docs: list[dict], cfg: SoakConfig) -> None:
     result["evictions"] = {k: fc.get(k) for k in ("pool_evictions", "nvme_evictions", "demotions", "promotions",
                                                    "prefetched", "dropped_no_room")}
     result["hit_rate_daemon_tokens"] = final.get("hit_rate")
-    leaked = {k: final.get(k) for k in ("leases_active", "reservations_active", "sessions_open", "pool_blocks_leased",
-                                        "pool_blocks_reserved")}
+    leaked = {k: final.get(k) for k in ("leases_active", "reservations_active", "sessions_open", "pool_leased_chunks",
+                                        "pool_reserved_chunks")}
     result["leaked"] = leaked
     crashes = counts["crashes"]
     result["abrupt_session_ends"] = crashes
@@ -854,7 +855,7 @@ def analyze(result: dict, docs: list[dict], cfg: SoakConfig) -> None:
 def print_report(r: dict) -> None:
     cfg = r["config"]
     print(f"\nsoak: {cfg['clients']} clients x {cfg['seconds']:.0f} s, trace speed x{cfg['speed']:g}, "
-          f"pool {r['pool_blocks']:,} x 16 KiB blocks, NVMe {cfg['nvme_mib']} MiB; "
+          f"pool of {r['pool_chunks']:,} x 16 KiB chunks, NVMe {cfg['nvme_mib']} MiB; "
           f"{r['worker_processes']} client processes ran ({r['abrupt_session_ends']} ended abruptly)")
     rows = []
     for k in ("lookup", "acquire", "release", "reserve", "commit"):
@@ -958,7 +959,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--crash-every", type=int, default=d.crash_every,
                    help="mean requests between abrupt exits of one client (0: never)")
     p.add_argument("--max-chunks", type=int, default=d.max_chunks)
-    p.add_argument("--pool-blocks", type=int, default=0, help="default clients * (max_chunks + 1) + 512")
+    p.add_argument("--pool-chunks", type=int, default=0,
+                   help="chunks the pool holds (pool_bytes = that x 16 KiB); default clients * (max_chunks + 1) + 512")
     p.add_argument("--nvme-mib", type=int, default=d.nvme_mib)
     p.add_argument("--verify", type=float, default=d.verify, help="fraction of leased chunks compared (default all)")
     p.add_argument("--warmup", type=float, default=d.warmup, help="fraction of the run before the RSS baseline")
@@ -971,7 +973,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = SoakConfig(clients=args.clients, seconds=args.seconds, speed=args.speed, synthetic_share=args.synthetic_share,
                      direct_share=args.direct_share, crash_every=args.crash_every, max_chunks=args.max_chunks,
-                     pool_blocks=args.pool_blocks, nvme_mib=args.nvme_mib, verify=args.verify, warmup=args.warmup,
+                     pool_chunks=args.pool_chunks, nvme_mib=args.nvme_mib, verify=args.verify, warmup=args.warmup,
                      rss_tolerance=args.rss_tolerance)
     if args.quick:
         cfg = dataclasses.replace(cfg, clients=4, seconds=8.0, crash_every=min(cfg.crash_every or 100, 100),

@@ -180,10 +180,12 @@ def run(args: argparse.Namespace) -> dict:
     n, n_chunks = args.n, args.chunks
     rng = np.random.default_rng(args.seed)
     chunk_bytes = LAYOUT.chunk_bytes
+    # A packed pool: each 512-byte chunk takes 512 bytes, so twice the stored prompts' bytes keeps
+    # every one of them in the pool (well above write-back's low-water mark: nothing is demoted).
     pool = max(16 << 20, int(n * n_chunks * chunk_bytes * 2))
-    settings = {"pool_bytes": pool, "pool_block_bytes": 64 * 1024, "nvme_bytes": "256M", "lease_ttl": 600.0,
+    settings = {"pool_bytes": pool, "nvme_bytes": "256M", "lease_ttl": 600.0,
                 "log_level": "warning", "cache_ttl": 86400.0}
-    domain_b = {"pool_bytes": "16M", "pool_block_bytes": 64 * 1024}
+    domain_b = {"pool_bytes": "16M"}
     d = DomainDaemon(settings, {"tenant_b": domain_b}, prefix="kvc-timing-")
     b_sock = os.path.join(d.dir, "b.sock")
     d.domains["tenant_b"] = {**domain_b, "socket": b_sock}

@@ -177,15 +177,15 @@ class TraceClock:
 def replay_engine(reqs: list[Request], capacity: int | None, distinct_full: int, check: bool) -> dict:
     layout = KVLayout("bench/mooncake-replay@1", num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8",
                       chunk_tokens=BLOCK)  # 2 bytes/token -> 1 KiB chunks
-    blocks = capacity if capacity is not None else distinct_full + 1024
+    pool_chunks = capacity if capacity is not None else distinct_full + 1024
     state_dir = tempfile.mkdtemp(prefix="kvc-bench-replay-")
     clock = TraceClock()
     cfg = StoreConfig(
         state_dir=state_dir,
-        pool_bytes=layout.chunk_bytes * blocks,
-        pool_block_bytes=layout.chunk_bytes,
+        pool_bytes=layout.chunk_bytes * pool_chunks,  # a packed pool: exactly pool_chunks chunks
         pool_prefault=False,
         nvme_bytes=0,
+        writeback=False,  # no background thread: the replay stays deterministic (and there is no NVMe tier)
         cache_ttl=1e12,
         lease_ttl=1e9,
         reservation_ttl=1e9,
@@ -197,7 +197,7 @@ def replay_engine(reqs: list[Request], capacity: int | None, distinct_full: int,
     t0 = time.perf_counter()
     try:
         lid = store.register_layout(layout)
-        assert store.pool.num_blocks == blocks
+        assert store.pool.capacity_bytes == layout.chunk_bytes * pool_chunks
         for r in reqs:
             clock.trace_time = r.ts
             toks = tokens_of(r)
@@ -225,9 +225,9 @@ def replay_engine(reqs: list[Request], capacity: int | None, distinct_full: int,
             "blocks": total,
             "hit_rate": hits / total if total else 0.0,
             "per_request": per_req,
-            "pool_blocks": blocks,
+            "pool_chunks": pool_chunks,
             "index_chunks_at_end": st.indexed_chunks,
-            "pool_committed_at_end": store.pool.committed_blocks,
+            "pool_committed_at_end": store.pool.committed_chunks,
             "pool_evictions": c.pool_evictions,
             "committed_chunks": c.committed_chunks,
             "reserve_tier_full": tier_full,

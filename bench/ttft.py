@@ -72,7 +72,7 @@ def main() -> int:
     lengths = [256, 512] if args.quick else [512, 1024, 2048, 4096, 8192]
     token_bytes = layout.token_bytes
     pool = int(sum(lengths) * token_bytes * 1.5) + 64 * layout.chunk_bytes
-    settings = {"pool_bytes": pool, "pool_block_bytes": layout.chunk_bytes, "nvme_bytes": "1G", "log_level": "warning"}
+    settings = {"pool_bytes": pool, "nvme_bytes": "1G", "log_level": "warning"}  # a packed pool: chunks take their size
     g = torch.Generator().manual_seed(1)
     rows = []
     with Daemon(settings, prefix="kvc-bench-ttft-") as d, Client(d.socket) as c:

@@ -323,7 +323,7 @@ def main() -> int:
     chunk_bytes = BLOCK * token_bytes
     # Every prompt stored: per length, reps measured + the greedy check; plus the warm-up.
     chunks = sum(n // BLOCK for n in lengths) * (reps + 1) + 2 * (min(lengths) // BLOCK) + 64
-    settings = {"pool_bytes": chunks * chunk_bytes, "pool_block_bytes": chunk_bytes,
+    settings = {"pool_bytes": chunks * chunk_bytes,  # a packed pool: exactly `chunks` chunks
                 "nvme_bytes": chunks * chunk_bytes + (1 << 30), "log_level": "warning"}
     engine_cfg = {"max_model_len": longest + 2 * BLOCK, "max_batched_tokens": max(longest + 2 * BLOCK, 2048),
                   # room for one longest request plus what the prefix cache keeps: a few hundred MiB

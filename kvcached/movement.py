@@ -190,7 +190,7 @@ class Mover:
         for attempt in (0, 1):
             if not self.nvme.admitting:
                 # A full map/disk stopped admission: free a tenth of the tier, then retry.
-                self._shrink_nvme()
+                self.shrink_nvme()
             if not self.nvme_room(nbytes):
                 return False
             slot = self.nvme.reserve(nbytes)
@@ -209,7 +209,8 @@ class Mover:
             return True
         return False
 
-    def _shrink_nvme(self) -> None:
+    def shrink_nvme(self) -> None:
+        """Free a tenth of the NVMe tier (oldest leaves first) and resume admission after a full map/disk."""
         assert self.nvme is not None
         target = self.nvme.used_bytes - max(self.nvme.used_bytes // 10, 1)
         while self.nvme.used_bytes > target:

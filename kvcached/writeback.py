@@ -70,7 +70,6 @@ class Batch:
     last_use: list[float] = field(default_factory=list)  # before the pin: unchanged means "not used since"
     deletes: list[ChunkHash] = field(default_factory=list)  # NVMe victims, deleted in the same transaction
     slot: Slot | None = None  # the NVMe space taken for the batch
-    resume_admission: bool = False
     result: BatchResult | None = None
 
     @property
@@ -330,8 +329,6 @@ class WriteBack:
                         extra={"event": "tier_full", "tier": "nvme", "error_kind": "resource_exhausted"})
             self._release(batch)
             return 0
-        if batch.resume_admission:
-            self.nvme.resume_admission()
         written = 0
         for node in batch.dirty:
             if self.index.is_detached(node):
@@ -384,12 +381,16 @@ class WriteBack:
         False if the tier cannot make that much room."""
         nvme = self.nvme
         need = sum(n + HEADER_SIZE for _, n in batch.where)
-        if not nvme.admitting:
-            need += nvme.used_bytes // 10  # a full map or disk stopped admission: free a tenth more
-            batch.resume_admission = True
+        if not nvme.admitting or self._leftover:
+            # A full map or disk stopped admission (or a batch failed): delete first, one chunk per
+            # transaction, as the synchronous path does (a delete can grow a full map; a batch that
+            # deletes and writes in one transaction cannot free a map it has no room to touch).
+            for h in self._leftover:
+                nvme.delete(h)
+            self._leftover = []
+            if not nvme.admitting:
+                self.mover.shrink_nvme()
         pending = 0  # bytes the victims free once the transaction commits
-        batch.deletes.extend(self._leftover)
-        self._leftover = []
         mine = {id(n) for n in batch.nodes}  # pinned, so never leaves: a guard only
         while nvme.used_bytes - pending + need > nvme.capacity_bytes:
             victim = self.index.nvme_leaves.pop()
@@ -405,5 +406,5 @@ class WriteBack:
             self.counters.nvme_evictions += 1
             if not self.index.drop_tier(victim, NVME):
                 self.index.remove(victim)
-        batch.slot = nvme.reserve_unchecked(need - (nvme.used_bytes // 10 if batch.resume_admission else 0))
+        batch.slot = nvme.reserve_unchecked(need)
         return True

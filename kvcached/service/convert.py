@@ -125,8 +125,11 @@ def pool_handle_from_proto(msg: pb.PoolHandle) -> PoolHandle:
     if msg.kind == "cuda":
         cuda = CudaIpc(msg.device_index, msg.device_uuid, msg.ipc_handle, msg.ipc_size_bytes, msg.ipc_offset_bytes,
                        msg.ref_counter_handle, msg.ref_counter_offset, msg.event_handle, msg.event_sync_required)
-    size = msg.size_bytes or msg.block_bytes * msg.num_blocks
-    return PoolHandle(msg.kind, msg.name, size, msg.align_bytes or msg.block_bytes, msg.generation, cuda)
+    if msg.size_bytes:
+        size, align = msg.size_bytes, msg.align_bytes
+    else:  # an older daemon: one chunk per block, and the slab is block_bytes x num_blocks
+        size, align = msg.block_bytes * msg.num_blocks, msg.block_bytes
+    return PoolHandle(msg.kind, msg.name, size, align, msg.generation, cuda)
 
 
 def _check_pool_handle(msg: pb.PoolHandle) -> None:

@@ -198,3 +198,80 @@ def test_benchmark_runs_quick(name, tmp_path):
     data = json.load(open(tmp_path / files[0]))
     assert data["machine"]["nproc"] >= 1 and data["quick"] is True
     CHECKS[name](data)
+
+
+def test_pool_packing_quick(tmp_path):
+    # bench/pool_packing.py: pool bytes holding KV per geometry (scenario A) and under a mixed
+    # churn (scenario B), the shipped extents-64B allocator next to fixed 16 MiB blocks and the
+    # other packed designs; JSON and PNG written.
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "pool_packing.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    files = sorted(os.listdir(tmp_path))
+    assert files == ["pool_packing.quick.json", "pool_packing.quick.png"], files
+    d = json.load(open(tmp_path / files[0]))
+    assert d["machine"]["nproc"] >= 1 and d["quick"] is True
+    names = d["contenders"]
+    assert {"fixed-16MiB", "pages-64KiB", "pages-256KiB", "pages-2MiB", "size-classes", "extents-64B"} <= set(names)
+    assert len(d["scenario_a_fill"]) == 7
+    for geo, g in d["scenario_a_fill"].items():
+        assert positive(g["chunk_bytes"]), geo
+        for c in names:
+            assert fraction(g["contenders"][c]["utilisation"]), (geo, c)
+        assert g["contenders"]["extents-64B"]["utilisation"] > 0.9, geo
+    assert d["scenario_a_fill"]["Llama-3-70B-TP1"]["contenders"]["fixed-16MiB"]["utilisation"] == 0.0
+    churn = d["scenario_b_churn"]["contenders"]
+    for c in names + d["references"]:
+        s = churn[c]
+        assert fraction(s["utilisation_median"]) and fraction(s["utilisation_min"]), c
+        assert s["utilisation_min"] <= s["utilisation_median"], c
+        assert isinstance(s["window_evictions"], int) and positive(s["evicted_per_inserted_byte"]), c
+        assert fraction(s["retouch_hit_rate"]) and s["series"], c
+    assert churn["extents-64B"]["window_evictions"] > 0 and churn["fixed-16MiB"]["window_evictions"] == 0
+    assert positive(d["scenario_b_ratio_to_fixed"]["extents-64B"]["median"])
+    assert all(positive(w["ms_per_call"]) for w in d["window_call_cost"])
+    t = d["targets"]
+    assert t["a_min_utilisation"] == 0.95 and t["b_min_utilisation"] == 0.9
+    assert all(isinstance(t[k], bool) for k in ("a_met", "b_median_met", "b_min_met"))
+
+
+def test_writeback_quick(tmp_path):
+    # bench/writeback.py: puts/s into an empty pool vs a full one (write-back on, and off:
+    # synchronous demotion), the reader's acquire latency idle vs while the pool fills, the NVMe
+    # write bandwidth vs a plain sequential write, and the write-back counters; JSON and PNG written.
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "writeback.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    files = sorted(os.listdir(tmp_path))
+    assert files == ["writeback.quick.json", "writeback.quick.png"], files
+    d = json.load(open(tmp_path / files[0]))
+    assert d["machine"]["nproc"] >= 1 and d["quick"] is True
+    assert d["shape"]["chunk_bytes"] == 1 << 20
+    for case in ("empty", "full/writeback", "full/sync"):
+        assert positive(d["puts_per_s"][case]["median"]), case
+    assert d["partial_puts"] == {"empty": 0, "full/writeback": 0, "full/sync": 0}
+    for k in ("full_writeback_over_empty", "full_sync_over_empty", "full_writeback_over_full_sync"):
+        assert positive(d["puts_ratios"][k]), k
+    for phase in ("idle", "busy/writeback", "busy/sync", "busy, memcpy only (GIL control)"):
+        lat = d["latency"][phase]
+        assert positive(lat["acquire_p50_us"]) and lat["acquire_p99_us"] >= lat["acquire_p50_us"], phase
+        assert lat["misses"] == 0, phase
+    assert positive(d["latency_ratios"]["p99_busy_writeback_over_idle"])
+    assert positive(d["latency_ratios"]["p99_busy_sync_over_idle"])
+    bw = d["bandwidth"]
+    for k in ("writeback_mb_s", "sync_mb_s", "plain_write_mb_s", "plain_write_per_chunk_mb_s"):
+        assert positive(bw[k]), k
+    assert positive(d["bandwidth_ratios"]["writeback_over_plain"])
+    wb, sync = d["counters"]["full/writeback"], d["counters"]["full/sync"]
+    # With write-back on the writer demotes in batches; off, every demotion is synchronous.
+    assert wb["writeback_batches"] >= 1 and wb["writeback_chunks"] >= 1 and wb["writeback_bytes"] > 0
+    assert sync["writeback_batches"] == 0 and sync["sync_demotions"] == sync["demotions"] > 0
+    for k in ("sync_demotions", "writeback_waits", "writeback_wait_seconds"):
+        assert wb[k] >= 0, k
+    t = d["targets"]
+    assert all(isinstance(t[k], bool) for k in ("full_ge_0.8x_empty", "disk_bound", "nvme_bw_ge_0.7x_plain",
+                                                "puts_target_met", "acquire_p99_le_1.2x_idle"))

@@ -9,7 +9,7 @@ written, never committed) are SIGKILLed at random points; everything they pinned
 Either way: ``leases_active`` and ``reservations_active`` drop to 0, no chunk is left marked
 in flight (a new writer can reserve every prompt the dead ones were writing), no torn chunk is
 visible (every committed byte is right), and the pool is fully reclaimable (evict everything ->
-``blocks_free == blocks_total``, then one put fills the whole pool).
+``free_bytes == capacity_bytes``, then one put fills the whole pool).
 
 The holder processes (:func:`holder_main`) and :func:`kill_round` are shared with
 ``bench/crash_loop.py --mode client-death``.
@@ -34,7 +34,7 @@ from tests.reliability.test_crash import ROOT, chunk_bytes_of, chunk_payload, kv
 CT = LAYOUT.chunk_tokens
 #: The servicer's line for a session that ended holding pins (its client went away).
 SESSION_LOST = re.compile(r"session \S+ \(.*\) ended: released (?:[1-9]\d*) leases")
-SETTINGS = {"pool_bytes": "512K", "pool_block_bytes": f"{LAYOUT.chunk_bytes}", "nvme_bytes": "64M"}
+SETTINGS = {"pool_bytes": "512K", "nvme_bytes": "64M"}
 
 
 def holder_main(sock: str, mode: str, seed: int, w: int, record: str) -> None:
@@ -142,7 +142,7 @@ def wait_until(pred: Any, timeout: float, step: float = 0.01) -> float:
 
 def pins(c: Any) -> tuple[int, int, int, int]:
     s = c.stats()
-    return s["leases_active"], s["reservations_active"], s["pool"]["blocks_leased"], s["pool"]["blocks_reserved"]
+    return s["leases_active"], s["reservations_active"], s["pool"]["leased_chunks"], s["pool"]["reserved_chunks"]
 
 
 #: The counters that say who released a pin: a session's end, or a TTL.
@@ -185,14 +185,15 @@ def check_reclaimed(c: Any, records: list[str], ws: list[int]) -> dict:
     assert pins(c) == (0, 0, 0, 0)
     c.evict()
     pool = c.stats()["pool"]
-    free_after_evict, total = pool["blocks_free"], pool["blocks_total"]
-    big = [(1 << 31) + k for k in range(total * CT)]  # one prompt as long as the pool has blocks
+    free_after_evict, total = pool["free_bytes"], pool["capacity_bytes"]
+    n = total // LAYOUT.chunk_bytes  # chunks the pool holds (a packed pool of n * chunk_bytes holds n)
+    big = [(1 << 31) + k for k in range(n * CT)]  # one prompt as long as the pool has room for chunks
     stored = c.put(LAYOUT, big, kv_tensor(big)).stored_chunks
     with c.acquire(LAYOUT, big) as lease:
-        full = lease.matched_tokens == total * CT
-        ends_right = all(chunk_bytes_of(lease, i) == chunk_payload(big, i) for i in (0, total // 2, total - 1))
+        full = lease.matched_tokens == n * CT
+        ends_right = all(chunk_bytes_of(lease, i) == chunk_payload(big, i) for i in (0, n // 2, n - 1))
     return {"prompts": len(prompts), "in_flight_tokens": in_flight, "chunks_checked": checked, "chunks_wrong": wrong,
-            "blocks_free_after_evict": free_after_evict, "blocks_total": total, "fill_stored": stored,
+            "free_bytes_after_evict": free_after_evict, "capacity_bytes": total, "fill_stored": stored,
             "fill_whole": full and ends_right}
 
 
@@ -250,8 +251,8 @@ def kill_round(d: Daemon, root: str, *, n: int, seed: int, round_no: int = 0) ->
 def assert_reclaimed(out: dict) -> None:
     assert out["in_flight_tokens"] == 0, out
     assert out["chunks_wrong"] == 0, out
-    assert out["blocks_free_after_evict"] == out["blocks_total"], out
-    assert out["fill_stored"] == out["blocks_total"] and out["fill_whole"], out
+    assert out["free_bytes_after_evict"] == out["capacity_bytes"], out
+    assert out["fill_stored"] == out["capacity_bytes"] // LAYOUT.chunk_bytes and out["fill_whole"], out
 
 
 def test_killed_session_clients_release_every_pin_at_once(tmp_path):

@@ -243,16 +243,22 @@ pool_handles = st.builds(
     ipc_handle=st.one_of(st.binary(max_size=80), st.binary(min_size=64, max_size=64)),
     block_bytes=st.one_of(st.integers(0, 2**64 - 1), st.integers(0, 1 << 20)),
     num_blocks=st.one_of(st.integers(0, 2**64 - 1), st.integers(0, 1 << 16)),
+    size_bytes=st.one_of(st.just(0), st.integers(0, 2**64 - 1), st.integers(0, 1 << 30)),
+    align_bytes=st.one_of(st.just(0), st.just(64), st.integers(0, 2**64 - 1)),
     generation=short_text, device_uuid=short_text, ipc_size_bytes=st.integers(0, 2**64 - 1), device_index=uint32,
     event_handle=st.one_of(st.just(b""), st.binary(max_size=80)), event_sync_required=st.booleans(),
 )
 
 
 def mappable(msg: pb.PoolHandle) -> bool:
-    """What a handle must satisfy for a client to map it, written out here (not the decoder's code)."""
-    nbytes = msg.block_bytes * msg.num_blocks
-    common = msg.kind in ("shm", "cuda") and msg.block_bytes > 0 and msg.num_blocks > 0 and nbytes < 2**63 \
-        and msg.generation != ""
+    """What a handle must satisfy for a client to map it, written out here (not the decoder's code).
+    A packed pool's handle says size_bytes (a multiple of align_bytes); an older daemon's said
+    block_bytes x num_blocks, which is still accepted when size_bytes is 0."""
+    if msg.size_bytes:
+        nbytes, aligned = msg.size_bytes, msg.align_bytes > 0 and msg.size_bytes % msg.align_bytes == 0
+    else:
+        nbytes, aligned = msg.block_bytes * msg.num_blocks, True
+    common = msg.kind in ("shm", "cuda") and 0 < nbytes < 2**63 and aligned and msg.generation != ""
     if not common:
         return False
     if msg.kind == "shm":  # one file name directly under /dev/shm, never a path
@@ -273,9 +279,9 @@ def test_decoding_pool_handles(msg: pb.PoolHandle) -> None:
         assert str(e).startswith("the daemon's pool handle is unusable: "), e
         return
     assert mappable(msg), f"an unusable handle was accepted: {msg}"
-    assert (h.kind, h.name, h.block_bytes, h.num_blocks, h.generation) == (
-        msg.kind, msg.name, msg.block_bytes, msg.num_blocks, msg.generation)
-    assert h.nbytes == msg.block_bytes * msg.num_blocks
+    size = msg.size_bytes or msg.block_bytes * msg.num_blocks
+    assert (h.kind, h.name, h.size_bytes, h.generation) == (msg.kind, msg.name, size, msg.generation)
+    assert h.align_bytes == (msg.align_bytes if msg.size_bytes else msg.block_bytes) and h.nbytes == size
     if h.kind == "shm":
         assert h.cuda is None and os.path.dirname(os.path.join("/dev/shm", h.name)) == "/dev/shm"
     else:
@@ -287,8 +293,10 @@ def test_decoding_pool_handles(msg: pb.PoolHandle) -> None:
 @pytest.mark.parametrize("fields, why", [
     ({"kind": "tpu", "num_blocks": 0}, "kind"),
     ({"kind": ""}, "kind"),
-    ({"block_bytes": 0}, "blocks of 0 bytes"),
-    ({"num_blocks": 0}, "0 blocks"),
+    ({"block_bytes": 0}, "a pool of 0 bytes"),
+    ({"num_blocks": 0}, "a pool of 0 bytes"),
+    ({"size_bytes": 4100, "align_bytes": 64}, "not a multiple of its alignment"),
+    ({"size_bytes": 4096, "align_bytes": 0}, "not a multiple of its alignment"),
     ({"block_bytes": 2**40, "num_blocks": 2**40}, "more than"),
     ({"generation": ""}, "generation"),
     ({"name": ""}, "segment name"),
