@@ -141,6 +141,15 @@ class LeaseTicket:
     response: bytes  # the serialized AcquireResponse
 
 
+@dataclass(frozen=True)
+class ReservationTicket:
+    """A reservation's slots, for another writer on this host to fill (picklable); the holder
+    commits (see :meth:`kvcached_client.client.Reservation.ticket`)."""
+
+    layout: KVLayout
+    response: bytes  # the serialized ReserveResponse
+
+
 def tokens_array(tokens: bytes) -> np.ndarray:
     return np.frombuffer(tokens, dtype="<u4")
 

@@ -18,6 +18,8 @@ the daemon copies such chunks into the pool before the acquire returns.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import logging
 import os
@@ -209,10 +211,13 @@ class AsyncClient:
         _core.validate_kv(layout, kv, len(packed) // 4)
 
         def reserve(lid: str) -> Awaitable[tuple[pb.ReserveResponse, str]]:
-            return self._with_session(lambda sid: self._call(
-                self._stub.Reserve, pb.ReserveRequest(layout_id=lid, tokens=packed, session_id=sid)))
+            return self._with_session(lambda sid: self._call(self._stub.Reserve, pb.ReserveRequest(
+                layout_id=lid, tokens=packed, session_id=sid, skip_empty=True)))
 
         r, sid = await self._with_layout(layout, reserve)
+        if not r.reservation_id:  # nothing to write (all cached, in flight, or no room): one call
+            return PutReceipt(0, r.cached_tokens, r.durable_tokens, r.in_flight_tokens, r.write_through,
+                              r.not_reserved_tokens, r.not_reserved_reason)
         if r.slots.offsets:
             try:
                 await self._ensure_pool(r.pool_generation)
@@ -225,7 +230,9 @@ class AsyncClient:
                     pass  # its session or daemon is gone, and the reservation with it
                 raise
         resp = await self._call(self._stub.Commit, pb.CommitRequest(reservation_id=r.reservation_id, session_id=sid))
-        return put_receipt(resp, r.in_flight_tokens)
+        receipt = put_receipt(resp, r.in_flight_tokens)
+        return dataclasses.replace(receipt, not_stored_tokens=r.not_reserved_tokens,
+                                   not_stored_reason=r.not_reserved_reason)
 
     async def stats(self) -> dict:
         resp = await self._call(self._stub.Stats, pb.StatsRequest())

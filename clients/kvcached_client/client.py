@@ -117,6 +117,7 @@ class Reservation:
     def __init__(self, client: "Client", layout: KVLayout, resp: pb.ReserveResponse, session_id: str) -> None:
         self._client = client
         self.layout = layout
+        self._response = resp
         self.reservation_id: str = resp.reservation_id
         self.session_id = session_id
         self.slots: tuple[_core.Location, ...] = _core.locations(resp.slots)
@@ -148,9 +149,15 @@ class Reservation:
             raise FailedPreconditionError("the daemon restarted since this reservation was made; reserve again")
         return pool.view(self.layout, slot.offset, slot.nbytes)
 
-    def commit(self, release: Sequence[Lease] = ()) -> PutReceipt:
-        """Publish the written chunks; with ``release``, give those leases back in the same round
-        trip (CommitRelease). A reservation that holds nothing costs no call."""
+    def ticket(self) -> _core.ReservationTicket:
+        """What another client on this host needs to write this reservation's slots
+        (:meth:`Client.open_reservation`); this reservation's holder still commits it."""
+        return _core.ReservationTicket(self.layout, self._response.SerializeToString())
+
+    def commit(self, release: Sequence[Lease] = (), *, chunks: int | None = None) -> PutReceipt:
+        """Publish the written chunks (``chunks``: only the first N slots; the rest are given
+        back); with ``release``, give those leases back in the same round trip (CommitRelease).
+        A reservation that holds nothing costs no call."""
         if not self.opened:
             for lease in release:
                 lease.release()
@@ -167,10 +174,10 @@ class Reservation:
             lease._sync_device()
             lease.released = True
         if not ids:
-            req = pb.CommitRequest(reservation_id=self.reservation_id, session_id=self.session_id)
+            req = pb.CommitRequest(reservation_id=self.reservation_id, session_id=self.session_id, chunks=chunks)
             return put_receipt(self._client._call(self._client._stub.Commit, req), self.in_flight_tokens)
         resp = self._client._call(self._client._stub.CommitRelease, pb.CommitReleaseRequest(
-            reservation_id=self.reservation_id, lease_ids=ids, session_id=self.session_id))
+            reservation_id=self.reservation_id, lease_ids=ids, session_id=self.session_id, chunks=chunks))
         return put_receipt(resp.commit, self.in_flight_tokens)
 
     def abort(self) -> None:
@@ -180,6 +187,17 @@ class Reservation:
             return
         self.done = True
         self._client._release_later([], self.session_id, aborts=[self.reservation_id])
+
+
+class ReservationView(Reservation):
+    """Write access to a reservation another client holds (see :meth:`Client.open_reservation`):
+    :meth:`view` its slots; the holder commits or aborts."""
+
+    def commit(self, release: Sequence[Lease] = (), *, chunks: int | None = None) -> PutReceipt:
+        raise FailedPreconditionError("a reservation view cannot commit: the client that reserved commits")
+
+    def abort(self) -> None:
+        self.done = True  # stops this view; the holder's reservation is untouched
 
 
 class CacheRequest:
@@ -415,6 +433,17 @@ class Client:
                 self._nvme.open(self._handle.nvme_path)
         return view
 
+    def open_reservation(self, ticket: _core.ReservationTicket) -> ReservationView:
+        """Write access to a reservation held by another client of this daemon
+        (:meth:`Reservation.ticket`): maps the pool as a reserve would. No call to the daemon
+        unless the pool is not mapped yet; raises :class:`UnavailableError` if the daemon
+        restarted since (the slots are gone)."""
+        resp = pb.ReserveResponse.FromString(ticket.response)
+        view = ReservationView(self, ticket.layout, resp, "")
+        if view.slots:
+            self._ensure_pool(resp.pool_generation)
+        return view
+
     def reserve(self, layout: KVLayout, tokens: TokenInput, *, skip_empty: bool = False) -> Reservation:
         """Reserve the full chunks of ``tokens`` that are not cached yet, to write in place
         (see :class:`Reservation`); :meth:`put` is reserve, write, commit. ``skip_empty``: open
@@ -436,7 +465,8 @@ class Client:
         return res
 
     def acquire_reserve(self, layout: KVLayout, tokens: TokenInput, *, no_cache: bool = False,
-                        no_store: bool = False, ttl: float | None = None) -> CacheRequest:
+                        no_store: bool = False, ttl: float | None = None,
+                        reservation_ttl: float | None = None) -> CacheRequest:
         """A request's first round trip: pin the cached prefix of ``tokens`` and reserve pool room
         for its uncached full chunks (one AcquireReserve call). ``no_cache``: serve nothing from
         the cache; ``no_store``: reserve nothing. Finish it with :meth:`CacheRequest.finish`."""
@@ -446,7 +476,8 @@ class Client:
         def go(lid: str) -> tuple[pb.AcquireReserveResponse, str]:
             return self._with_session(lambda sid: self._call(self._stub.AcquireReserve, pb.AcquireReserveRequest(
                 layout_id=lid, tokens=packed, session_id=sid, lease_ttl_seconds=ttl or 0,
-                read_nvme_directly=direct, no_cache=no_cache, no_store=no_store)))
+                reservation_ttl_seconds=reservation_ttl or 0, read_nvme_directly=direct, no_cache=no_cache,
+                no_store=no_store)))
 
         resp, sid = self._with_layout(layout, go)
         lease = Lease(self, layout, resp.lease)
@@ -610,4 +641,5 @@ class Client:
         self.close()
 
 
-__all__ = ["CacheRequest", "Client", "Lease", "LeaseView", "Reservation", "KvcachedError", "PutReceipt"]
+__all__ = ["CacheRequest", "Client", "Lease", "LeaseView", "Reservation", "ReservationView", "KvcachedError",
+           "PutReceipt"]

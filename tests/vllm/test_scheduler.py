@@ -126,17 +126,54 @@ def test_not_yet_then_the_answer(side, vdaemon):
     assert s.stats["lookups"] == 1 and s.stats["lookup_not_yet"] >= 2  # asked again, looked up once
 
 
-def test_lease_taken_after_alloc_and_released_when_the_request_ends(side, vdaemon):
+def rpcs(c: Client) -> list[str]:
+    """The unary RPCs ``c`` makes from now on, by request type."""
+    calls: list[str] = []
+    real = c._call
+    c._call = lambda method, request, timeout=None: (calls.append(type(request).__name__), real(method, request, timeout))[1]
+    return calls
+
+
+def test_one_acquire_reserve_pins_and_the_lease_ends_with_the_request(side, vdaemon):
     s = side()
     p = prompt(600, 4)
     store(vdaemon, p)
     r = Req("a", p)
     n, _ = ask(s, r)
-    assert leases(vdaemon) == 0  # the lookup pins nothing
+    assert leases(vdaemon) == 1  # pinned by the request's AcquireReserve (its one call so far)
+    calls = rpcs(s.client)
     s.update_state_after_alloc(r, Blocks([10, 11, 12, 13, 14]), n)
-    assert leases(vdaemon) == 1
+    assert calls == []  # planning the load needs no call
     s.request_finished(r)  # e.g. aborted before its step ran
     assert leases_after_release(vdaemon) == 0 and s.tracked_requests == 0
+    assert calls == []  # the release went on the session stream
+
+
+def test_a_miss_is_stored_with_one_more_call(side, vdaemon):
+    """AcquireReserve reserved the prompt's 4 full chunks; the worker writes them (here: a
+    stand-in report); the scheduler side commits them: the request's second and last call."""
+    from kvcached_client.vllm.plan import KvcachedWorkerMetadata
+
+    s = side()
+    p = prompt(600, 40)
+    r = Req("a", p)
+    assert ask(s, r) == (0, False)
+    calls = rpcs(s.client)
+    new = SimpleNamespace(req_id="a", block_ids=([1, 2, 3, 4, 5],), num_computed_tokens=0)
+    meta = s.build_connector_meta(empty_step(scheduled_new_reqs=[new], num_scheduled_tokens={"a": 600}))
+    (save,) = meta.saves
+    assert (save.from_chunk, save.to_chunk, save.block_ids) == (0, 4, (1, 2, 3, 4))
+    with Client(vdaemon.socket) as w:  # the worker's own client writes the slots through the ticket
+        view = w.open_reservation(save.tickets[0])
+        assert [slot.position for slot in view.slots] == [0, 1, 2, 3]
+        for slot in view.slots:
+            view.view(slot).fill_(1.0)
+    s.update_connector_output(SimpleNamespace(kv_connector_worker_meta=KvcachedWorkerMetadata(set(), {("a", 0): 4})))
+    s._bg.submit(lambda: None).result(timeout=10)  # the commit runs on the connector's thread
+    assert calls == ["CommitRequest"]
+    with Client(vdaemon.socket) as c:
+        assert c.lookup(LAYOUT, p) == 512
+    s.request_finished(r)
 
 
 def test_preemption_releases_the_lease_and_plans_nothing_stale(side, vdaemon):
@@ -164,7 +201,21 @@ def test_plan_loads_then_saves_only_new_chunks(side, vdaemon):
     (load,) = meta.loads
     assert (load.first_block, load.block_ids, load.loadable_blocks) == (0, (20, 21), (1 * 2,))
     (save,) = meta.saves  # chunks 2 and 3 become whole this step; 0 and 1 were loaded
-    assert save.block_ids == (20, 21, 22, 23) and len(save.tokens) == 512 * 4
+    assert (save.from_chunk, save.to_chunk, save.block_ids) == (2, 4, (20, 21, 22, 23))
+    assert save.tickets[0] is not None
+    s.request_finished(r)
+
+
+def test_no_write_is_planned_into_a_reservation_near_its_ttl(side, vdaemon):
+    """A request that waited too long (half the reservation's TTL) stores nothing: the daemon may
+    already have given its room to another writer."""
+    s = side(reservation_ttl_s=0.2)
+    r = Req("a", prompt(600, 41))
+    assert ask(s, r) == (0, False)
+    time.sleep(0.15)
+    new = SimpleNamespace(req_id="a", block_ids=([1, 2, 3, 4, 5],), num_computed_tokens=0)
+    meta = s.build_connector_meta(empty_step(scheduled_new_reqs=[new], num_scheduled_tokens={"a": 600}))
+    assert meta.saves == [] and s.stats["saves_too_late"] == 1
     s.request_finished(r)
 
 

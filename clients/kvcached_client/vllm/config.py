@@ -34,6 +34,10 @@ class ConnectorConfig:
     retry_s: float = 1.0
     #: deadline of each call to the daemon
     rpc_timeout_s: float = 5.0
+    #: how long the daemon holds pool room for a request's uncached chunks: from its arrival (the
+    #: AcquireReserve) until its prefill has written them (the Commit); a queued request plus a
+    #: long CPU prefill can take minutes
+    reservation_ttl_s: float = 600.0
     #: how NVMe-only chunks reach the worker: "direct" (read the LMDB file) or "promote" (the daemon copies)
     nvme_read: str = NVME_READ_DEFAULT
     #: vLLM's load-failure policy must be "recompute" for fail-open loads; the connector sets it unless False

@@ -1,7 +1,7 @@
 """What the scheduler side tells the worker side each step, and what comes back.
 
 Both travel between processes (vLLM pickles them to its workers), so they hold plain data:
-token ids packed as bytes, block ids, lease tickets.
+block ids, lease and reservation tickets.
 """
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from kvcached.keys import KVLayout
-from kvcached_client._core import LeaseTicket
+from kvcached_client._core import LeaseTicket, ReservationTicket
 
 
 @dataclass(frozen=True)
@@ -32,14 +31,15 @@ class LoadPlan:
 
 @dataclass(frozen=True)
 class SavePlan:
-    """Store the request's full prompt chunks computed so far (the daemon skips those it has).
-
-    ``tokens`` are the prompt's first ``len(block_ids) * block_size`` tokens, packed;
-    ``block_ids`` their blocks, in order."""
+    """Write the request's reserved chunks ``from_chunk <= position < to_chunk`` (whole now)
+    into their pool room. ``tickets[r]`` is rank r's reservation (None: nothing to write for
+    it); ``block_ids`` the blocks of the prompt's first ``to_chunk`` chunks, in order. The
+    scheduler side commits once the worker reports them written."""
 
     req_id: str
-    layouts: tuple[KVLayout, ...]  # per tensor-parallel rank
-    tokens: bytes
+    tickets: tuple[ReservationTicket | None, ...]  # per tensor-parallel rank
+    from_chunk: int
+    to_chunk: int
     block_ids: tuple[int, ...]
 
 
@@ -51,10 +51,16 @@ class KvcachedMetadata(KVConnectorMetadata):
 
 @dataclass
 class KvcachedWorkerMetadata(KVConnectorWorkerMetadata):
-    """Requests whose loads of this step are done (so the scheduler may release their leases)."""
+    """Requests whose loads of this step are done (so the scheduler may release their leases),
+    and, per (request, rank), the chunk up to which its reserved chunks are written (-1: a
+    write failed, commit nothing more)."""
 
     loaded: set[str] = field(default_factory=set)
+    saved: dict[tuple[str, int], int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvcachedWorkerMetadata)
-        return KvcachedWorkerMetadata(self.loaded | other.loaded)
+        saved = dict(self.saved)
+        for key, n in other.saved.items():
+            saved[key] = min(saved[key], n) if key in saved else n
+        return KvcachedWorkerMetadata(self.loaded | other.loaded, saved)

@@ -3,20 +3,24 @@
 Runs on vLLM's scheduler thread, so every hook is short and nothing here waits long for
 the daemon:
 
-* ``on_new_request`` / ``get_num_new_matched_tokens``: a Lookup (no pin) starts on the
-  connector's own thread as soon as vLLM has the request; the scheduler waits at most
-  ``lookup_wait_ms`` for it, and an answer that is not there yet is "not yet" (``None``):
-  vLLM asks again on its next step. The hit is whole chunks, cut to whole vLLM blocks and to
-  at least one prompt token left to compute.
-* ``update_state_after_alloc``: once vLLM has allocated the blocks, acquires the lease
-  (pinned: the daemon will not evict or overwrite those chunks) for the tokens to load.
+Two round trips per request, both on the connector's own thread:
+
+* ``on_new_request`` / ``get_num_new_matched_tokens``: one **AcquireReserve** starts as soon as
+  vLLM has the request: it pins the cached prefix (a lease: the daemon will not evict or
+  overwrite those chunks) and reserves pool room for the prompt's uncached full chunks. The
+  scheduler waits at most ``lookup_wait_ms`` for it, and an answer that is not there yet is
+  "not yet" (``None``): vLLM asks again on its next step. The hit is whole chunks, cut to whole
+  vLLM blocks and to at least one prompt token left to compute.
+* ``update_state_after_alloc``: once vLLM has allocated the blocks, plans the load of the
+  leased chunks into them (no call to the daemon).
 * ``build_connector_meta``: hands the worker a :class:`LoadPlan` (lease tickets, target
-  blocks) and a :class:`SavePlan` for the prompt's full chunks computed by the end of the
-  step.
-* ``update_connector_output``: the worker says which loads are done; their leases are
-  released on the connector's thread (the scheduler does not wait for the daemon's answer). Leases are also released on
-  preemption and when the request finishes, whatever happened, so a finished, aborted or
-  preempted request pins nothing.
+  blocks) and a :class:`SavePlan` (reservation tickets) for the reserved chunks that are whole
+  by the end of the step; the worker writes them into the pool.
+* ``update_connector_output``: the worker says which loads are done (their leases are
+  released on the session stream: no round trip) and up to which chunk it wrote; once every
+  reserved chunk is written, one **Commit** publishes them. Leases are also released, and
+  what was written committed (the rest given back), on preemption and when the request
+  finishes, whatever happened, so a finished, aborted or preempted request pins nothing.
 
 Fail open: a daemon that is absent, restarting or refusing makes the request run without
 the cache (0 external tokens), logs once, counts ``kvcached_client_fail_open_total`` and
@@ -37,7 +41,7 @@ from typing import Any, Callable
 
 from kvcached.keys import KVLayout
 from kvcached_client import _core
-from kvcached_client.client import Client, Lease
+from kvcached_client.client import CacheRequest, Client
 from kvcached_client.errors import DeadlineExceededError, KvcachedError, UnavailableError
 from kvcached_client.failopen import FailOpen
 from kvcached_client.policy import CachePolicy
@@ -72,14 +76,19 @@ class _Req:
     policy: CachePolicy
     layouts: tuple[KVLayout, ...]  # per tensor-parallel rank, with the request's LoRA
     skip: str | None = None  # why this request does not use the cache at all
-    lookup: "concurrent.futures.Future[int] | None" = None
+    lookup: "concurrent.futures.Future[list[CacheRequest]] | None" = None
     lookup_started: float = 0.0
     matched: int | None = None  # tokens cached in the daemon (all ranks), once known
     local_computed: int = 0  # vLLM's own (block-aligned) prefix-cache hit at the last ask
-    pending: LoadPlan | None = None  # acquired, not yet handed to the worker
-    leases: list[Lease] = field(default_factory=list)  # held until the worker's load is done
+    pending: LoadPlan | None = None  # planned, not yet handed to the worker
+    cache: list[CacheRequest] | None = None  # per rank: its lease and reservation (AcquireReserve)
+    leases_held: bool = False  # the leases are not released yet
+    written: list[int] = field(default_factory=list)  # per rank: reserved chunks written up to here (-1: failed)
+    committed: list[bool] = field(default_factory=list)  # per rank: its reservation is closed
+    save_tickets: tuple | None = None
+    reserved_at: float = 0.0  # when the reservations were granted (their TTL runs from there)
     block_ids: list[int] = field(default_factory=list)
-    saved_chunks: int = 0  # chunks already handed to the worker to store
+    saved_chunks: int = 0  # chunks already handed to the worker to write
     sched_s: float = 0.0  # time spent for it on the scheduler thread
 
 
@@ -158,19 +167,49 @@ class SchedulerSide:
         st.sched_s += time.perf_counter() - t0
 
     def _start_lookup(self, st: _Req) -> bool:
-        """Start the request's lookup if it has none; False if it cannot (daemon down, ...)."""
+        """Start the request's AcquireReserve if it has none; False if it cannot (daemon down, ...)."""
         if st.lookup is not None or st.matched is not None:
             return True
-        if st.skip or not st.policy.read or self._daemon_down():
+        store = st.policy.should_store(st.n_prompt)
+        if st.skip or not (st.policy.read or store) or self._daemon_down():
             return False
         self.stats["lookups"] += 1
-        st.lookup = self._bg.submit(self._lookup, st.layouts, st.tokens)
+        st.lookup = self._bg.submit(self._lookup, st.layouts, st.tokens, not st.policy.read, not store)
         st.lookup_started = self._clock()
         return True
 
-    def _lookup(self, layouts: tuple[KVLayout, ...], tokens: bytes) -> int:
-        """On the connector's thread: the prefix cached for every tensor-parallel rank."""
-        return min(self.client.lookup(lay, tokens) for lay in layouts)
+    def _lookup(self, layouts: tuple[KVLayout, ...], tokens: bytes, no_cache: bool, no_store: bool) -> list[CacheRequest]:
+        """On the connector's thread: each tensor-parallel rank's lease and reservation."""
+        reqs: list[CacheRequest] = []
+        try:
+            for lay in layouts:
+                reqs.append(self.client.acquire_reserve(lay, tokens, no_cache=no_cache, no_store=no_store,
+                                                        reservation_ttl=self.cfg.reservation_ttl_s))
+        except BaseException:
+            for r in reqs:
+                r.finish(commit=False)
+            raise
+        return reqs
+
+    def _take(self, st: _Req, reqs: list[CacheRequest]) -> None:
+        st.cache = reqs
+        st.leases_held = True
+        st.written = [0] * len(reqs)
+        st.committed = [not r.reservation.opened for r in reqs]
+        st.save_tickets = tuple(r.reservation.ticket() if r.reservation.slots else None for r in reqs)
+        st.reserved_at = self._clock()
+        st.matched = min(r.matched_tokens for r in reqs) if st.policy.read else 0
+
+    def _cache_now(self, st: _Req) -> list[CacheRequest] | None:
+        """The request's AcquireReserve answer if it has come (never waits)."""
+        if st.cache is None and st.lookup is not None and st.lookup.done():
+            try:
+                self._take(st, st.lookup.result())
+            except Exception as e:  # noqa: BLE001 - fail open
+                self._failed("lookup", e)
+                st.lookup = None
+                st.matched = 0 if st.matched is None else st.matched
+        return st.cache
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         t0 = time.perf_counter()
@@ -188,7 +227,7 @@ class SchedulerSide:
             if not self._start_lookup(st) or st.lookup is None:
                 return 0
             try:
-                st.matched = st.lookup.result(timeout=self.cfg.lookup_wait_ms / 1000)
+                self._take(st, st.lookup.result(timeout=self.cfg.lookup_wait_ms / 1000))
                 self.fail.ok("lookup")
             except concurrent.futures.TimeoutError:
                 if self._clock() - st.lookup_started < self.cfg.lookup_timeout_s:
@@ -202,6 +241,7 @@ class SchedulerSide:
             except Exception as e:  # noqa: BLE001 - fail open: whatever went wrong, compute instead
                 self._failed("lookup", e)
                 st.matched = 0
+            assert st.matched is not None
         # Whole blocks (chunks are whole blocks), and at least one prompt token left to compute:
         # vLLM needs the last prompt position's logits.
         end = min(st.matched, (st.n_prompt - 1) // self.block_size * self.block_size)
@@ -217,19 +257,12 @@ class SchedulerSide:
         block_ids = tuple(blocks.get_block_ids()[0][first:last])
         tickets: list[Any] = []
         loadable: list[int] = []
-        for lay in st.layouts:
-            lease = None
-            if not self._daemon_down():
-                try:
-                    lease = self.client.acquire(lay, st.tokens[: end * 4])
-                    self.fail.ok("acquire")
-                except Exception as e:  # noqa: BLE001 - fail open
-                    self._failed("acquire", e)
-            if lease is None:
+        for r in st.cache or [None] * len(st.layouts):
+            lease = r.lease if r is not None and st.leases_held else None
+            if lease is None or not lease.lease_id:
                 tickets.append(None)
                 loadable.append(0)
                 continue
-            st.leases.append(lease)
             tickets.append(lease.ticket())
             loadable.append(max(0, min(lease.matched_tokens, end) // self.block_size - first))
         if min(loadable) < len(block_ids):
@@ -244,8 +277,9 @@ class SchedulerSide:
         for rid in so.preempted_req_ids or ():
             st = self._reqs.get(rid)
             if st is not None:  # its blocks are gone; it starts over (and may load again) when resumed
-                self._release(st)
+                self._end(st)
                 st.block_ids, st.saved_chunks, st.pending, st.matched, st.lookup = [], 0, None, None, None
+                st.cache, st.save_tickets = None, None
         for nr in so.scheduled_new_reqs:
             st = self._reqs.get(nr.req_id)
             if st is not None:
@@ -275,16 +309,23 @@ class SchedulerSide:
                 st.saved_chunks = max(st.saved_chunks, (st.pending.first_block + min(st.pending.loadable_blocks))
                                       // self.blocks_per_chunk)
             st.pending = None
-        if st.skip or not st.policy.should_store(st.n_prompt):
+        if st.skip or not st.policy.should_store(st.n_prompt) or self._cache_now(st) is None:
             return
         ready = min(computed_after_step, st.n_prompt) // self.chunk_tokens
-        if ready <= st.saved_chunks:
+        if ready <= st.saved_chunks or st.save_tickets is None or not any(st.save_tickets):
+            return
+        if self._clock() - st.reserved_at > self.cfg.reservation_ttl_s / 2:
+            # The room may be gone by the time the worker writes (the daemon frees an expired
+            # reservation and may give the room to another writer): store nothing of this request.
+            self.stats["saves_too_late"] += 1
+            st.save_tickets = None
+            for rank in range(len(st.cache or ())):
+                self._close_reservation(st, rank)
             return
         n_blocks = ready * self.blocks_per_chunk
         if len(st.block_ids) < n_blocks:  # should not happen: computed tokens have blocks
             return
-        meta.saves.append(SavePlan(st.req_id, st.layouts, st.tokens[: ready * self.chunk_tokens * 4],
-                                   tuple(st.block_ids[:n_blocks])))
+        meta.saves.append(SavePlan(st.req_id, st.save_tickets, st.saved_chunks, ready, tuple(st.block_ids[:n_blocks])))
         st.saved_chunks = ready
         self.stats["saves"] += 1
 
@@ -297,34 +338,75 @@ class SchedulerSide:
                     t0 = time.perf_counter()
                     self._release(st)
                     st.sched_s += time.perf_counter() - t0
+            for (rid, rank), upto in wm.saved.items():
+                st = self._reqs.get(rid)
+                if st is None or st.cache is None or rank >= len(st.cache) or st.committed[rank]:
+                    continue
+                t0 = time.perf_counter()
+                st.written[rank] = upto if upto < 0 or st.written[rank] < 0 else max(st.written[rank], upto)
+                res = st.cache[rank].reservation
+                if st.written[rank] < 0 or st.written[rank] > res.slots[-1].position:  # all written, or failed
+                    self._close_reservation(st, rank)
+                st.sched_s += time.perf_counter() - t0
 
     def request_finished(self, request: Any) -> None:
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return
         t0 = time.perf_counter()
-        self._release(st)
+        self._end(st)
         st.sched_s += time.perf_counter() - t0
         self.request_seconds.append(st.sched_s)
 
-    def _release(self, st: _Req) -> None:
-        if st.leases:
-            leases, st.leases = st.leases, []
-            self._bg.submit(self._release_now, leases)
+    def _end(self, st: _Req) -> None:
+        """The request is done with the cache (finished or preempted): release its leases,
+        commit what was written, give back the rest. Never waits for the daemon. A lookup still
+        in flight is cleaned up when it lands."""
+        if st.cache is None and st.lookup is not None and not st.lookup.done():
+            st.lookup.add_done_callback(lambda f: self._bg.submit(self._drop_late, f))
+        self._cache_now(st)
+        self._release(st)
+        for rank in range(len(st.cache or ())):
+            self._close_reservation(st, rank)
 
     @staticmethod
-    def _release_now(leases: list[Lease]) -> None:
-        """On the connector's thread. A release that fails is not retried: the daemon frees the
-        lease anyway when its TTL runs out or this client's session ends."""
-        for lease in leases:
-            try:
-                lease.release()
-            except Exception as e:  # noqa: BLE001
-                log.debug("kvcached connector: release failed (the lease expires on the daemon): %s", e)
+    def _drop_late(fut: "concurrent.futures.Future[list[CacheRequest]]") -> None:
+        if fut.exception() is None:
+            for r in fut.result():
+                r.finish(commit=False)
+
+    def _release(self, st: _Req) -> None:
+        """Release the request's leases: on the session stream, so no round trip at all."""
+        if st.cache is not None and st.leases_held:
+            st.leases_held = False
+            for r in st.cache:
+                r.lease.release()
+
+    def _close_reservation(self, st: _Req, rank: int) -> None:
+        """Commit rank ``rank``'s written chunks (the rest are given back), on the connector's
+        thread: the request's second round trip. Nothing written: an abort on the stream."""
+        if st.cache is None or st.committed[rank]:
+            return
+        st.committed[rank] = True
+        res = st.cache[rank].reservation
+        n = sum(1 for slot in res.slots if slot.position < st.written[rank])
+        if n <= 0:
+            res.abort()
+            return
+        self._bg.submit(self._commit_now, res, n)
+
+    def _commit_now(self, res: Any, n: int) -> None:
+        try:
+            receipt = res.commit(chunks=n)
+        except Exception as e:  # noqa: BLE001 - fail open: the request was served, just not stored
+            self._failed("store", e)
+            return
+        self.fail.ok("store")
+        self.stats["stored_chunks"] += receipt.stored_chunks
 
     def close(self) -> None:
         for st in self._reqs.values():
-            self._release(st)
+            self._end(st)
         self._reqs.clear()
         self._bg.shutdown(wait=True)
         if self._client is not None:

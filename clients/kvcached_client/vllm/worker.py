@@ -8,11 +8,11 @@ Per step, in vLLM's order:
    blocks. On a CUDA engine the copies run on a side stream, layer by layer, and
    ``wait_for_layer_load`` makes the forward wait for its layer only; on the CPU they are
    done at once (the copies and the model compete for the same cores anyway).
-3. ``finish_step`` (wait_for_save, after the forward): for each :class:`SavePlan`, reserves
-   the chunks the daemon does not have yet, copies them out of the paged cache, commits; then
-   reports the loads done (the scheduler then releases their leases). Stores are not done
-   layer by layer in ``save_kv_layer``: that needs the reservation before the forward, and a
-   long prefill outlives the reservation's TTL.
+3. ``finish_step`` (wait_for_save, after the forward): for each :class:`SavePlan`, copies
+   the reserved chunks that are whole now out of the paged cache into their pool room (the
+   scheduler side reserved them with the request's AcquireReserve; no call to the daemon
+   here), then reports the loads done and the chunks written; the scheduler side releases the
+   leases and commits.
 
 Fail open: a lease that cannot be read (daemon restarted, pool not mappable, an NVMe read
 error) turns its blocks into load errors, which vLLM recomputes
@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from kvcached_client.client import Client, LeaseView, Reservation
+from kvcached_client.client import Client, LeaseView, ReservationView
 from kvcached_client.errors import KvcachedError
 from kvcached_client.failopen import FailOpen
 from kvcached_client.vllm.paged import PagedLayout
@@ -62,6 +62,7 @@ class WorkerSide:
         self.fail = FailOpen("vllm")
         self._save_plans: list[SavePlan] = []
         self._loaded: set[str] = set()
+        self._saved: dict[tuple[str, int], int] = {}
         self._failed_blocks: set[int] = set()
         self._stream: "torch.cuda.Stream | None" = None
         self._layer_events: dict[int, "torch.cuda.Event"] = {}
@@ -174,30 +175,31 @@ class WorkerSide:
         self._save_plans = list(meta.saves)
 
     def _store(self, sp: SavePlan) -> None:
-        """Reserve the chunks the daemon lacks, copy them out of the paged cache, commit.
-
-        All after the forward, so a reservation lives only for its copies: reserving before the
-        forward let a long prefill (an 8k-token CPU prefill takes over a minute) outlive the
-        daemon's reservation TTL, and the commit failed (bench/vllm_ttft.py found it)."""
-        try:
-            res = self.client.reserve(sp.layouts[self.rank], sp.tokens)
-        except KvcachedError as e:
-            self.fail.failed("store", e)
-            self.stats["store_failures"] += 1
+        """Copy this rank's reserved chunks ``from_chunk .. to_chunk - 1`` into their pool room
+        and report how far they are written (-1 on failure: the scheduler commits what was
+        written before and gives the rest back)."""
+        ticket = sp.tickets[self.rank] if self.rank < len(sp.tickets) else None
+        if ticket is None:
             return
         try:
+            res = self.client.open_reservation(ticket)
+            slots = [slot for slot in res.slots if sp.from_chunk <= slot.position < sp.to_chunk]
             for layer, cache in enumerate(self.caches):
-                self._copy_out(sp, res, layer, cache)
+                self._copy_out(sp, res, slots, layer, cache)
+            if slots and self.caches and self.caches[0].is_cuda:
+                torch.cuda.synchronize(self.caches[0].device)  # the commit must not overtake the copies
         except (KvcachedError, RuntimeError, ValueError) as e:
             self.fail.failed("store", e)
             self.stats["store_failures"] += 1
-            res.abort()
+            self._saved[(sp.req_id, self.rank)] = -1
             return
-        self._commit(res)  # also when there was nothing to write: the daemon had it all, or others write it
+        self.fail.ok("store")
+        self.stats["stored_chunks"] += len(slots)
+        self._saved[(sp.req_id, self.rank)] = sp.to_chunk
 
-    def _copy_out(self, sp: SavePlan, res: Reservation, layer: int, cache: torch.Tensor) -> None:
+    def _copy_out(self, sp: SavePlan, res: ReservationView, slots: list, layer: int, cache: torch.Tensor) -> None:
         k = self.blocks_per_chunk
-        for slot in res.slots:
+        for slot in slots:
             ids = torch.tensor(sp.block_ids[slot.position * k : (slot.position + 1) * k],
                                dtype=torch.long, device=cache.device)
             dst = res.view(slot)[:, layer]
@@ -219,18 +221,8 @@ class WorkerSide:
         for v in views:
             v.release()
         loaded, self._loaded = self._loaded, set()
-        return KvcachedWorkerMetadata(loaded) if loaded else None
-
-    def _commit(self, res: Reservation) -> None:
-        try:
-            receipt = res.commit()
-        except KvcachedError as e:
-            self.fail.failed("store", e)
-            self.stats["store_failures"] += 1
-            res.abort()
-            return
-        self.fail.ok("store")
-        self.stats["stored_chunks"] += receipt.stored_chunks
+        saved, self._saved = self._saved, {}
+        return KvcachedWorkerMetadata(loaded, saved) if loaded or saved else None
 
     def close(self) -> None:
         self._save_plans = []
