@@ -114,7 +114,7 @@ class StoreConfig:
     max_leases_per_session: int = 16384
     max_reservations_per_session: int = 1024
     writeback: bool = True
-    writeback_low: float = 0.05
+    writeback_low: float = 0.08
     writeback_high: float = 0.10
     writeback_batch_bytes: int = 64 * MiB
     writeback_wait: float = 2.0

@@ -120,7 +120,7 @@ class DaemonSettings:
     max_leases_per_session: int = 16384
     max_reservations_per_session: int = 1024
     writeback: bool = True  # background demotion to NVMe (kvcached.writeback)
-    writeback_low: float = 0.05  # fraction of the pool kept free...
+    writeback_low: float = 0.08  # when less of the pool is free, the writer starts...
     writeback_high: float = 0.10  # ...by demoting batches until this much is free
     writeback_batch_bytes: int = 64 * MiB
     writeback_wait: float = 2.0  # how long a reservation waits for room before demoting itself

@@ -384,7 +384,7 @@ class Store:
             return self._reserve(layout_id, hashes, session, ttl, store_nothing, open_empty)
 
     def _reserve(self, layout_id: LayoutId, hashes: list[ChunkHash], session: SessionId, ttl: float | None,
-                 store_nothing: bool, open_empty: bool) -> ReservationReceipt:
+                 store_nothing: bool, open_empty: bool, touch: bool = True) -> ReservationReceipt:
         cap = self.config.max_reservations_per_session
         if self.writes.reservations.count(session) >= cap:
             raise LimitReached(f"session {session} already holds {cap} open reservations "
@@ -392,7 +392,7 @@ class Store:
         if store_nothing:
             hashes = hashes[: len(self.index.match(hashes))]
         r = self.writes.reserve(layout_id, hashes, session, ttl or self.config.reservation_ttl, self._clock(),
-                                open_empty=open_empty)
+                                open_empty=open_empty, touch=touch)
         if self.writeback is not None:
             self.writeback.kick()
         return r
@@ -418,7 +418,9 @@ class Store:
                 if self.reads.needs_promotion(nodes, not offsets or min(offsets) >= 0):
                     raise WouldBlock  # before anything changes
             self._check_lease_cap(session)
-            r = self._reserve(layout_id, hashes, session, reservation_ttl, store_nothing, open_empty=False)
+            # No touch: the lease below pins (and on release re-dates) the same prefix.
+            r = self._reserve(layout_id, hashes, session, reservation_ttl, store_nothing, open_empty=False,
+                              touch=no_cache)
             try:
                 lease = self.acquire(layout_id, tokens, session, ttl=ttl, promote=promote,
                                      max_chunks=0 if no_cache else None, keep_empty=False)

@@ -395,7 +395,10 @@ class WriteBack:
         while nvme.used_bytes - pending + need > nvme.capacity_bytes:
             victim = self.index.nvme_leaves.pop()
             if victim is None:
-                self._leftover.extend(batch.deletes)  # already gone from the index: delete them next time
+                # Not enough room even with every leaf gone: the victims chosen so far are out of
+                # the index already, so delete their records now (rare: a tier full of pinned chunks).
+                for h in batch.deletes:
+                    nvme.delete(h)
                 batch.deletes = []
                 return False
             if id(victim) in mine:  # pragma: no cover - batch nodes are pinned, so never leaves

@@ -89,7 +89,7 @@ class WritePath:
 
     def reserve(
         self, layout_id: LayoutId, hashes: list[ChunkHash], session: SessionId, ttl: float, now: float, *,
-        open_empty: bool = True,
+        open_empty: bool = True, touch: bool = True,
     ) -> ReservationReceipt:
         """Reserve pool room for the prompt's full chunks that are not cached yet.
 
@@ -100,7 +100,8 @@ class WritePath:
         the reservation covers as many leading chunks as it could get and
         says how many it could not, and why: a full cache is never an error.
         With nothing reserved and ``open_empty`` False no reservation is
-        opened (the receipt's id is empty: nothing to commit).
+        opened (the receipt's id is empty: nothing to commit). ``touch`` False
+        leaves the cached prefix's recency alone (the caller pins it anyway).
         """
         layout = self._layout_of(layout_id)[0]
         cached, todo, in_flight = self.plan(hashes)
@@ -111,7 +112,15 @@ class WritePath:
         k = len(cached)
         if in_flight:
             self.counters.in_flight_conflicts += 1
-        self.index.touch(cached, now)
+        ct = layout.chunk_tokens
+        if not todo and not open_empty:  # nothing to write: no reservation, nothing pinned
+            if touch:
+                self.index.touch(cached, now)
+            durable = next((i for i, node in enumerate(cached) if not node.tiers & NVME), k)
+            return ReservationReceipt(ReservationId(""), session, layout_id, k * ct, in_flight * ct, (), now,
+                                      self.pool.generation, durable * ct, self.write_through)
+        if touch:
+            self.index.touch(cached, now)
         parent = cached[-1] if cached else None
         if parent is not None:
             # Pin first: making room below must not evict the prefix we extend.
@@ -137,7 +146,6 @@ class WritePath:
                       "could not be evicted")
         todo = todo[: len(slots)]
         durable = next((i for i, node in enumerate(cached) if not node.tiers & NVME), k)
-        ct = layout.chunk_tokens
         if not slots and not open_empty:
             if parent is not None:
                 self._unpin([parent], now)

@@ -168,6 +168,27 @@ def check_rpc_latency(d: dict) -> None:
     assert batched and all(positive(times[k]["cpu_us_per_call"]) for k in batched), times
     assert d["what_if"]["floor"]["daemon_exit_code"] == 0 and d["daemon_exit_code"] == 0
     assert d["targets"] == {"acquire_p50_over_ping_p50_max": 1.3, "acquire_throughput_over_ping_min": 0.8}
+    # The per-request rows (sync Client, one per thread): ping, a full hit, a miss, with RPCs counted.
+    pr = d["per_request"]
+    for c in (1, 16, 64):
+        level = pr["results"][f"c{c}"]
+        for name in ("ping", "request full hit", "request miss"):
+            row = level[name]
+            assert positive(row["p50_ms"]) and positive(row["p99_ms"]), (c, name)
+            assert positive(row["throughput_ops_s_median"]), (c, name)
+            assert row["wrong_outcomes"] == 0, (c, name)
+        r = pr["ratios"][f"c{c}"]
+        for k in ("hit_p50_over_ping_p50", "miss_p50_over_ping_p50", "hit_throughput_over_ping",
+                  "miss_throughput_over_ping"):
+            assert positive(r[k]), (c, k)
+        for k in ("hit_p50_target_met", "miss_p50_target_met", "hit_throughput_target_met",
+                  "miss_throughput_target_met"):
+            assert isinstance(r[k], bool), (c, k)
+    rpcs = {name: v["rpcs_per_request"] for name, v in pr["rpcs_per_request"].items()}
+    assert rpcs == {"ping": 1, "request full hit": 1, "request miss": 2}, rpcs
+    assert pr["daemon_counters_after"]["pool_evictions"] == 0 and pr["daemon_exit_code"] == 0
+    assert pr["targets"] == {"hit_p50_over_ping_p50_max": 1.3, "miss_p50_over_ping_p50_max": 2.3,
+                             "hit_throughput_over_ping_min": 0.8, "miss_throughput_over_ping_min": 0.45}
 
 
 CHECKS = {
