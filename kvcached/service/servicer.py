@@ -282,7 +282,9 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                 if msg.client_name:
                     self._sessions[sid] = msg.client_name
                 if msg.release_lease_ids or msg.abort_reservation_ids or msg.seq:
-                    yield await self._stream_work(sid, msg)
+                    ack = await self._stream_work(sid, msg)
+                    if msg.seq:  # only a message that asks for an ack gets one: a client that never
+                        yield ack  # reads the stream must not fill its flow-control window with them
         finally:
             name = self._sessions.pop(sid, "?")
             # Not awaited: this also runs when the stream was cancelled, and the release
