@@ -17,7 +17,7 @@ Ownership
 ---------
 A lease receipt's chunks stay in the pool, unchanged, until the lease is
 released, expires (``lease_ttl`` unless renewed) or its session is released.
-Pool blocks of a reservation belong to its writer until commit or abort; a
+Pool room of a reservation belongs to its writer until commit or abort; a
 reservation that is neither committed nor aborted within
 ``reservation_ttl`` is aborted by :meth:`expire`, which the daemon calls
 periodically (tests call it with a controlled clock).
@@ -465,7 +465,7 @@ class Store:
             return r
 
     def abort(self, reservation_id: ReservationId, session: SessionId | None = None) -> bool:
-        """Free a reservation's blocks. Idempotent: False if it was already closed (or, with
+        """Free a reservation's pool room. Idempotent: False if it was already closed (or, with
         ``session``, belongs to another session); an id never issued raises :class:`UnknownReservation`."""
         with self._lock:
             return self.writes.abort(reservation_id, self._clock(), session)

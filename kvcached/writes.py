@@ -2,11 +2,11 @@
 
 ::
 
-    reserve  -> pool blocks for the chunks not cached and not in flight;
+    reserve  -> pool room for the chunks not cached and not in flight;
                 the deepest cached chunk (the parent) is pinned
-    write    -> the writer fills its blocks (in place, through the mapped pool)
-    commit   -> blocks become indexed chunks, in prompt order, under the parent
-    abort    -> blocks go back to the free list (also on expiry or session end)
+    write    -> the writer fills its room (in place, through the mapped pool)
+    commit   -> the runs become indexed chunks, in prompt order, under the parent
+    abort    -> the runs go back to the pool's free space (also on expiry or session end)
 
 The in-flight registry maps each reserved chunk hash to its reservation, so a
 second writer of the same prompt learns the chunk is being written instead
@@ -252,7 +252,7 @@ class WritePath:
         return entry
 
     def close(self, pending: PendingPut, now: float, committed: int) -> None:
-        """Return uncommitted blocks, clear in-flight marks, unpin the parent."""
+        """Return uncommitted runs, clear in-flight marks, unpin the parent."""
         for slot in pending.slots[committed:]:
             self.pool.abort(slot)
         for h in pending.hashes:

@@ -275,6 +275,7 @@ class Client:
         self._session_end: queue.Queue[pb.SessionRequest | None] | None = None
         self._session_call: Any = None
         self._seq = 0
+        self._unsynced = False  # releases or aborts sent on the stream since the last sync()
 
     # -- plumbing ----------------------------------------------------------------------
 
@@ -504,6 +505,7 @@ class Client:
                 assert self._session_end is not None
                 self._session_end.put(pb.SessionRequest(release_lease_ids=list(lease_ids),
                                                         abort_reservation_ids=list(aborts)))
+                self._unsynced = True
                 return
         if session_id:
             return  # that session ended: the daemon released everything it held
@@ -517,8 +519,10 @@ class Client:
 
     def sync(self, timeout: float | None = None) -> None:
         """Wait until the daemon has done every release and abort this client sent on its
-        session stream (tests, and callers that need the pool room back now)."""
+        session stream (callers that need the pool room back now). :meth:`stats`, :meth:`evict`,
+        :meth:`flush` and :meth:`drain` do it first, so they see this client's own releases."""
         with self._lock:
+            self._unsynced = False
             if self._session_end is None or not self._session_alive():
                 return
             self._seq += 1
@@ -531,6 +535,10 @@ class Client:
                         return
             except grpc.RpcError:
                 return  # the session ended: the daemon released everything
+
+    def _sync_own(self) -> None:
+        if self._unsynced:
+            self.sync()
 
     def keep_alive(self, lease_ids: Sequence[str], ttl: float | None = None, *, session_id: str | None = None) -> float:
         req = pb.KeepAliveRequest(lease_ids=list(lease_ids), ttl_seconds=ttl or 0, session_id=self._sid(session_id))
@@ -595,6 +603,7 @@ class Client:
 
     def stats(self, *, doctor: bool = False) -> dict:
         """The daemon's counters; ``doctor`` adds the troubleshooting probes (``d["doctor"]``)."""
+        self._sync_own()
         import json
 
         resp = self._call(self._stub.Stats, pb.StatsRequest(doctor=doctor))
@@ -607,14 +616,17 @@ class Client:
 
     def evict(self, layout_id: str = "", prefix: TokenInput | None = None) -> tuple[int, int]:
         """Drop unpinned chunks: all, one layout's, or (with ``prefix``) prompts starting with it."""
+        self._sync_own()
         packed = _core.pack_tokens(prefix) if prefix is not None else b""
         r = self._call(self._stub.Evict, pb.EvictRequest(layout_id=layout_id, prefix_tokens=packed))
         return r.chunks, r.bytes
 
     def flush(self) -> int:
+        self._sync_own()
         return self._call(self._stub.Flush, pb.FlushRequest(), timeout=max(self.timeout, 300)).chunks
 
     def drain(self) -> tuple[int, int]:
+        self._sync_own()
         r = self._call(self._stub.Drain, pb.DrainRequest(), timeout=max(self.timeout, 300))
         return r.flushed_chunks, r.leases_active
 

@@ -7,7 +7,7 @@ keep where; a tier only keeps it.
 Writes are two-phase, so that nobody ever reads a half-written chunk::
 
     slot = tier.reserve(nbytes)      # space is set aside (TierFull if none)
-    tier.write(slot, data)           # or: a client writes into the pool block in place
+    tier.write(slot, data)           # or: a client writes into its pool run in place
     tier.commit(slot, meta)          # now readable under meta.chunk_hash
     # ...or tier.abort(slot)         # space returned, nothing visible
 

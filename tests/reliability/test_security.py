@@ -197,7 +197,9 @@ def _read(c: Client, how: str, toks: list[int]) -> tuple[int, torch.Tensor | Non
         return len(chunks) * CT, (from_payloads(chunks) if chunks else None), 0
     with c.acquire(LAYOUT, toks) as lease:
         direct = sum(off == _core.NVME_CHUNK for off in lease._offsets)
-        return lease.matched_tokens, (lease.kv() if lease.matched_tokens else None), direct
+        out = lease.matched_tokens, (lease.kv() if lease.matched_tokens else None), direct
+    c.sync()  # the release travels on the session stream: done before the caller evicts or looks
+    return out
 
 
 @pytest.mark.parametrize("how", READS)
