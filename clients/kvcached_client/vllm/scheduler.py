@@ -363,7 +363,7 @@ class SchedulerSide:
         commit what was written, give back the rest. Never waits for the daemon. A lookup still
         in flight is cleaned up when it lands."""
         if st.cache is None and st.lookup is not None and not st.lookup.done():
-            st.lookup.add_done_callback(lambda f: self._bg.submit(self._drop_late, f))
+            st.lookup.add_done_callback(self._drop_late)  # runs on the connector's thread, when it lands
         self._cache_now(st)
         self._release(st)
         for rank in range(len(st.cache or ())):
@@ -371,9 +371,14 @@ class SchedulerSide:
 
     @staticmethod
     def _drop_late(fut: "concurrent.futures.Future[list[CacheRequest]]") -> None:
-        if fut.exception() is None:
-            for r in fut.result():
+        """A request that ended before its AcquireReserve answered: give back what it got."""
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        for r in fut.result():
+            try:
                 r.finish(commit=False)
+            except Exception as e:  # noqa: BLE001 - the session's end frees it anyway
+                log.debug("kvcached connector: giving back a late lease failed: %s", e)
 
     def _release(self, st: _Req) -> None:
         """Release the request's leases: on the session stream, so no round trip at all."""
