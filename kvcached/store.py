@@ -226,44 +226,49 @@ class Store:
         """
         with self._lock:
             self._check_admitting()
-            hashes = self.hashes(layout_id, tokens)
-            layout = self._layouts[layout_id][0]
-            self._check_lease_cap(session)
-            now = self._clock()
-            nodes, offsets = self.index.match_located(hashes if max_chunks is None else hashes[:max_chunks])
-            in_pool = not offsets or min(offsets) >= 0
-            # On the event loop, disk I/O (promotion, prefetch) must go to a worker thread; once
-            # checked, nothing below the match needs promoting, so prefetch need not look again.
-            checked = self._inline and self.nvme is not None and promote
-            if checked and self.reads.needs_promotion(nodes, in_pool):
-                raise WouldBlock
-            self.index.pin(nodes, now)
-            self.index.note_path(nodes)
-            try:
-                if promote or self.nvme is None:
-                    matched = len(nodes)
-                    if not in_pool:
-                        nodes = self.reads.ensure_in_pool(nodes, now)
-                        offsets = [n.pool_offset for n in nodes]
-                    if (nodes and len(nodes) == matched and self.nvme is not None and self.config.prefetch_distance
-                            and not checked):
-                        self.reads.prefetch(nodes[-1], now)
-            except BaseException:
-                self._unpin(nodes, now)  # an I/O error must not leave pins behind
-                raise
-            if not nodes and not keep_empty:
-                entry = Entry("", session, (), now, now)  # no lease: nothing to release
-            else:
-                entry = self._leases.add(session, tuple(nodes), ttl or self.config.lease_ttl, now)
-            c = self.counters
-            c.acquires += 1
-            c.lookups += 1
-            c.lookup_tokens += len(hashes) * layout.chunk_tokens
-            c.hit_tokens += len(nodes) * layout.chunk_tokens
-            self._count_layout(layout_id, len(hashes) * layout.chunk_tokens, len(nodes) * layout.chunk_tokens)
-            c.acquired_tokens += len(nodes) * layout.chunk_tokens
-            # Pinned, so prefetch's evictions cannot have moved them: the offsets still hold.
-            return self.reads.receipt(entry, layout_id, layout, hashes[:len(nodes)], offsets)
+            return self._acquire(layout_id, self.hashes(layout_id, tokens), session, ttl, max_chunks, promote,
+                                 keep_empty)
+
+    def _acquire(self, layout_id: LayoutId, hashes: list[ChunkHash], session: SessionId, ttl: float | None,
+                 max_chunks: int | None, promote: bool, keep_empty: bool) -> LeaseReceipt:
+        """:meth:`acquire` of already validated chunk hashes (lock held)."""
+        layout = self._layouts[layout_id][0]
+        self._check_lease_cap(session)
+        now = self._clock()
+        nodes, offsets = self.index.match_located(hashes if max_chunks is None else hashes[:max_chunks])
+        in_pool = not offsets or min(offsets) >= 0
+        # On the event loop, disk I/O (promotion, prefetch) must go to a worker thread; once
+        # checked, nothing below the match needs promoting, so prefetch need not look again.
+        checked = self._inline and self.nvme is not None and promote
+        if checked and self.reads.needs_promotion(nodes, in_pool):
+            raise WouldBlock
+        self.index.pin(nodes, now)
+        self.index.note_path(nodes)
+        try:
+            if promote or self.nvme is None:
+                matched = len(nodes)
+                if not in_pool:
+                    nodes = self.reads.ensure_in_pool(nodes, now)
+                    offsets = [n.pool_offset for n in nodes]
+                if (nodes and len(nodes) == matched and self.nvme is not None and self.config.prefetch_distance
+                        and not checked):
+                    self.reads.prefetch(nodes[-1], now)
+        except BaseException:
+            self._unpin(nodes, now)  # an I/O error must not leave pins behind
+            raise
+        if not nodes and not keep_empty:
+            entry = Entry("", session, (), now, now)  # no lease: nothing to release
+        else:
+            entry = self._leases.add(session, tuple(nodes), ttl or self.config.lease_ttl, now)
+        c = self.counters
+        c.acquires += 1
+        c.lookups += 1
+        c.lookup_tokens += len(hashes) * layout.chunk_tokens
+        c.hit_tokens += len(nodes) * layout.chunk_tokens
+        self._count_layout(layout_id, len(hashes) * layout.chunk_tokens, len(nodes) * layout.chunk_tokens)
+        c.acquired_tokens += len(nodes) * layout.chunk_tokens
+        # Pinned, so prefetch's evictions cannot have moved them: the offsets still hold.
+        return self.reads.receipt(entry, layout_id, layout, hashes[:len(nodes)], offsets)
 
     def _check_lease_cap(self, session: SessionId) -> None:
         cap = self.config.max_leases_per_session
@@ -422,8 +427,7 @@ class Store:
             r = self._reserve(layout_id, hashes, session, reservation_ttl, store_nothing, open_empty=False,
                               touch=no_cache)
             try:
-                lease = self.acquire(layout_id, tokens, session, ttl=ttl, promote=promote,
-                                     max_chunks=0 if no_cache else None, keep_empty=False)
+                lease = self._acquire(layout_id, hashes, session, ttl, 0 if no_cache else None, promote, False)
             except BaseException:
                 if r.opened:
                     self.writes.abort(r.reservation_id, self._clock())
