@@ -56,6 +56,7 @@ class TimedTable(Generic[P]):
         self._deadlines: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
         self._closed: OrderedDict[str, str] = OrderedDict()  # id -> why it closed
+        self._ended: OrderedDict[SessionId, None] = OrderedDict()  # sessions that ended, newest last
         self._rand = b""
         self._rand_pos = 0
 
@@ -136,6 +137,29 @@ class TimedTable(Generic[P]):
 
     def sessions(self) -> int:
         return len(self._by_session)
+
+    def end_session(self, session: SessionId, *, closed: bool = False) -> list[Entry[P]]:
+        """Remove and return every entry of ``session``; with ``closed``, also remember that
+        the session is gone for good (its id will never be used again).
+
+        A call already past the daemon's "is this session open" check when the session ended
+        (its client died with an RPC in flight) must not then pin something in the dead
+        session's name: nobody would ever release it but a TTL. The caller asks
+        :meth:`ended` under the same lock, before it pins. The memory is bounded
+        (``CLOSED_MEMORY`` sessions); the daemon's ids are random, so an old id never comes back.
+        """
+        entries = self.of_session(session)
+        for entry in entries:
+            self.remove(entry.id, "session ended")
+        if closed:
+            self._ended[session] = None
+            if len(self._ended) > CLOSED_MEMORY:
+                self._ended.popitem(last=False)
+        return entries
+
+    def ended(self, session: SessionId) -> bool:
+        """Whether ``session`` ended here (recently: see :meth:`end_session`)."""
+        return session in self._ended
 
     def pop_expired(self, now: float) -> list[Entry[P]]:
         """Remove and return every entry whose deadline is at or before ``now``."""

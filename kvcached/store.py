@@ -41,6 +41,7 @@ from kvcached.errors import (
     InvalidTokens,
     LeaseExpired,
     LimitReached,
+    SessionNotOpen,
     StoreClosed,
     StoreDraining,
     StoreLocked,
@@ -234,6 +235,8 @@ class Store:
         """:meth:`acquire` of already validated chunk hashes (lock held)."""
         layout = self._layouts[layout_id][0]
         self._check_lease_cap(session)
+        if self._leases.ended(session):  # it ended while this call was on its way (client died)
+            raise SessionNotOpen(f"session {shown(session)} ended while this call ran; open a new Session")
         now = self._clock()
         nodes, offsets = self.index.match_located(hashes if max_chunks is None else hashes[:max_chunks])
         in_pool = not offsets or min(offsets) >= 0
@@ -518,15 +521,21 @@ class Store:
 
     # -- sessions, expiry ------------------------------------------------------------
 
-    def release_session(self, session: SessionId) -> SessionReleaseReceipt:
-        """Release every lease and abort every reservation of a session (its client went away)."""
+    def release_session(self, session: SessionId, *, closed: bool = False) -> SessionReleaseReceipt:
+        """Release every lease and abort every reservation of a session (its client went away).
+
+        ``closed`` says the session is gone for good (the daemon's Session stream ended): a call
+        in its name that was already on its way then gets :class:`SessionNotOpen` instead of
+        pinning something only a TTL would give back. Without it the name stays usable (an
+        in-process caller may release everything of a label and go on using it)."""
+        if closed and session == DEFAULT_SESSION:
+            raise ValueError("the default session cannot be closed")
         with self._lock:
             now = self._clock()
-            leases = self._leases.of_session(session)
+            leases = self._leases.end_session(session, closed=closed)
             for entry in leases:
-                self._leases.remove(entry.id, "session ended")
                 self._unpin(entry.payload, now)
-            puts = self.writes.end_session(session, now)
+            puts = self.writes.end_session(session, now, closed=closed)
             self.counters.leases_session_released += len(leases)
             if leases or puts:
                 log.info("session %s ended: released %d leases, aborted %d reservations", session, len(leases), puts)

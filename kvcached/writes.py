@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kvcached.config import StoreConfig
-from kvcached.errors import InvalidKV, ReservationClosed, UnknownReservation, shown
+from kvcached.errors import InvalidKV, ReservationClosed, SessionNotOpen, UnknownReservation, shown
 from kvcached.index import Node, PrefixIndex
 from kvcached.keys import ChunkHash, KVLayout, LayoutId
 from kvcached.leases import Entry, ReservationId, SessionId, TimedTable
@@ -109,6 +109,8 @@ class WritePath:
         if todo and self.pool.free_bytes < need:
             self._wait_room(need)  # may release the lock: plan again
             cached, todo, in_flight = self.plan(hashes)
+        if self.reservations.ended(session):  # it ended while this call ran (or waited, above)
+            raise SessionNotOpen(f"session {shown(session)} ended while this call ran; open a new Session")
         k = len(cached)
         if in_flight:
             self.counters.in_flight_conflicts += 1
@@ -224,10 +226,10 @@ class WritePath:
         self.counters.aborts += 1
         return True
 
-    def end_session(self, session: SessionId, now: float) -> int:
-        puts = self.reservations.of_session(session)
+    def end_session(self, session: SessionId, now: float, *, closed: bool = False) -> int:
+        """Abort every reservation of ``session`` (see :meth:`TimedTable.end_session`)."""
+        puts = self.reservations.end_session(session, closed=closed)
         for p in puts:
-            self.reservations.remove(p.id, "session ended")
             self.close(p.payload, now, committed=0)
         return len(puts)
 

@@ -10,6 +10,7 @@ from kvcached.errors import (
     InvalidTokens,
     LeaseExpired,
     ReservationClosed,
+    SessionNotOpen,
     TierFull,
     UnknownLayout,
     UnknownLease,
@@ -145,6 +146,32 @@ def test_session_release_frees_leases_and_reservations(store, lid):
     assert (store.pool.free_bytes // TINY.chunk_bytes) == free_before + 2
     assert store.release_session(s) == type(rec)(0, 0)
     store.index.check_invariants()
+
+
+def test_a_closed_session_pins_nothing_more(store, lid):
+    """The daemon closes a session when its stream ends; a call in its name that was already on
+    its way (the client died mid-RPC) is refused and leaves nothing pinned for a TTL to find."""
+    toks, _ = put(store, lid, 2)
+    s = SessionId("session-dead")
+    store.acquire(lid, toks, s)
+    store.reserve(lid, prompt(4), s)
+    rec = store.release_session(s, closed=True)
+    assert (rec.leases, rec.reservations) == (1, 1)
+    before = snapshot(store)
+    for call in (lambda: store.acquire(lid, toks, s), lambda: store.reserve(lid, prompt(4), s),
+                 lambda: store.acquire_reserve(lid, prompt(4), s),
+                 lambda: store.put(lid, prompt(2, start=500), [payload(i) for i in range(2)], s)):
+        with pytest.raises(SessionNotOpen):
+            call()
+        assert snapshot(store) == before
+    st = store.stats()
+    assert (st.leases_active, st.reservations_active) == (0, 0)
+    assert all(n.refcount == 0 for n in store.index.nodes())
+    # Not closed: the label stays usable (in-process callers release everything and go on).
+    store.release_session(SessionId("worker"))
+    assert len(store.acquire(lid, toks, SessionId("worker")).chunks) == 2
+    with pytest.raises(ValueError):
+        store.release_session(SessionId("local"), closed=True)
 
 
 # -- reservations --------------------------------------------------------------------

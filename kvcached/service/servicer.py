@@ -21,6 +21,7 @@ it wants to (tests, shutdown).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -289,7 +290,9 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             name = self._sessions.pop(sid, "?")
             # Not awaited: this also runs when the stream was cancelled, and the release
             # must happen even if nobody is left to wait for it.
-            fut = asyncio.get_running_loop().run_in_executor(self._pool, self.store.release_session, SessionId(sid))
+            # closed=True: a call of this session still on its way is refused, not left pinned.
+            release = functools.partial(self.store.release_session, SessionId(sid), closed=True)
+            fut = asyncio.get_running_loop().run_in_executor(self._pool, release)
             fut.add_done_callback(lambda f: _log_session_end(sid, name, f))
 
     async def GetPoolHandle(self, request: pb.PoolHandleRequest, context) -> pb.PoolHandle:
