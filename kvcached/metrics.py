@@ -125,6 +125,21 @@ class StoreCollector:
         ev = counter("kvcached_evictions", "Evictions per tier", ("tier",))
         ev.add_metric([dom, "pool"], c.pool_evictions)
         ev.add_metric([dom, "nvme"], c.nvme_evictions)
+        adm = counter("kvcached_admission_chunks", "Chunks a reservation asked pool room for, by the decision: "
+                      "admitted; refused by the admission policy (value) or for want of room (no_room)",
+                      ("decision", "reason"))
+        adm.add_metric([dom, "admitted", ""], c.admitted_chunks)
+        adm.add_metric([dom, "refused", "value"], c.refused_value_chunks)
+        adm.add_metric([dom, "refused", "no_room"], c.not_reserved_chunks)
+        if s.eviction is not None:
+            e = s.eviction
+            gauge("kvcached_eviction_policy", "The eviction policy in use (1)", ("policy", "admission")).add_metric(
+                [dom, e.policy, e.admission], 1)
+            gauge("kvcached_eviction_weight", "Pool turnovers one more hit is worth (frequency policy)").add_metric(
+                [dom], e.weight)
+            gauge("kvcached_eviction_turnover_seconds",
+                  "Measured time to use a pool's worth of chunks (the frequency policy's time scale)").add_metric(
+                [dom], e.turnover_seconds)
         if s.hash_memo is not None:
             hm = counter("kvcached_chunk_hashes", "Chunk hashes by source: the hash memo or SHA-256", ("source",))
             hm.add_metric([dom, "memo"], s.hash_memo.memo_chunks)

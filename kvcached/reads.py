@@ -78,7 +78,7 @@ class ReadPath:
         targets = self.index.branch(last, self._config().prefetch_distance)
         if not any(not n.tiers & POOL for n in targets):
             return
-        self.index.pin(targets, now)
+        self.index.pin(targets, now, touch=False)  # not a use: no hit counted (the release re-dates them)
         try:
             for node in targets:
                 if node.tiers & POOL:

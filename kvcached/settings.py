@@ -26,10 +26,10 @@ DEFAULT_CONFIG_FILE = "/etc/kvcached/kvcached.toml"
 #: Settings SIGHUP may change on a running daemon; everything else needs a restart.
 RELOADABLE = frozenset({"cache_ttl", "lease_ttl", "reservation_ttl", "call_timeout", "log_level",
                         "bypass_generation_tokens", "max_sessions", "max_leases_per_session",
-                        "max_reservations_per_session"})
+                        "max_reservations_per_session", "eviction_weight"})
 #: The reloadable settings the store itself applies (Store.reconfigure).
 STORE_RELOADABLE = ("cache_ttl", "lease_ttl", "reservation_ttl", "max_leases_per_session",
-                    "max_reservations_per_session")
+                    "max_reservations_per_session", "eviction_weight")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)?\s*$", re.IGNORECASE)
 
@@ -124,6 +124,10 @@ class DaemonSettings:
     writeback_high: float = 0.10  # ...by demoting batches until this much is free
     writeback_batch_bytes: int = 64 * MiB
     writeback_wait: float = 2.0  # how long a reservation waits for room before demoting itself
+    eviction_policy: str = "frequency"  # or "lru" (kvcached.index.eviction); restart to change
+    eviction_weight: float = 1.0  # pool turnovers one more hit is worth (reloadable)
+    eviction_memory_chunks: int = 1 << 20  # evicted chunks whose use counts are remembered (4 B each)
+    eviction_admission: str = "always"  # or "frequency": a doorkeeper (costs hit rate on documents)
     metrics_addr: str = "127.0.0.1:9464"
     tcp_listen: str = ""  # e.g. "127.0.0.1:50551"; empty: Unix socket only
     tls_cert: str = ""
@@ -219,6 +223,10 @@ class DaemonSettings:
             writeback_high=self.writeback_high,
             writeback_batch_bytes=self.writeback_batch_bytes,
             writeback_wait=self.writeback_wait,
+            eviction_policy=self.eviction_policy,
+            eviction_weight=self.eviction_weight,
+            eviction_memory_chunks=self.eviction_memory_chunks,
+            eviction_admission=self.eviction_admission,
             file_access=FileAccess.for_socket(self.socket_mode, self.socket_gid()),
         )
 
@@ -302,7 +310,7 @@ DOMAIN_KEYS = frozenset({
     "nvme_map_bytes", "cache_ttl", "lease_ttl", "reservation_ttl", "write_through", "prefetch_distance",
     "max_prompt_tokens", "hash_memo_bytes", "bypass_generation_tokens", "max_sessions", "max_leases_per_session",
     "max_reservations_per_session", "writeback", "writeback_low", "writeback_high", "writeback_batch_bytes",
-    "writeback_wait",
+    "writeback_wait", "eviction_policy", "eviction_weight", "eviction_memory_chunks", "eviction_admission",
 })
 
 

@@ -47,6 +47,8 @@ class Counters:
     writeback_wait_timeouts: int = 0  # ...and gave up waiting (then demoted themselves)
     legacy_rewritten: int = 0  # format-1 NVMe records rewritten in the current format
     not_reserved_chunks: int = 0  # chunks a reservation could not get room for (reported, not an error)
+    admitted_chunks: int = 0  # chunks a reservation got pool room for (the admission decision: yes)
+    refused_value_chunks: int = 0  # ...refused by the admission policy: worth less than their victims
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,17 @@ class HashMemoStats:
 
 
 @dataclass(frozen=True)
+class EvictionStats:
+    """The eviction policy (kvcached.index.eviction) and what it measured."""
+
+    policy: str
+    admission: str
+    weight: float = 0.0
+    turnover_seconds: float = 0.0  # time the workload takes to use a pool's worth of chunks
+    memory_chunks: int = 0  # the sketch's width: evicted chunks whose counts it remembers
+
+
+@dataclass(frozen=True)
 class StoreStats:
     domain: str
     layouts: int
@@ -104,6 +117,7 @@ class StoreStats:
     nvme: NvmeStats | None
     counters: Counters = field(default_factory=Counters)
     hash_memo: HashMemoStats | None = None
+    eviction: EvictionStats | None = None
 
     @property
     def hit_rate(self) -> float:

@@ -51,7 +51,7 @@ from kvcached.errors import (
     UnknownLease,
     UnknownReservation,
 )
-from kvcached.index import Node, PrefixIndex
+from kvcached.index import FrequencyPolicy, Node, PrefixIndex, make_policy
 from kvcached.hashmemo import HashMemo
 from kvcached.keys import ChunkHash, ChunkHasher, KVLayout, LayoutId, Namespace, TokenInput, load_or_create_key, normalize_tokens
 from kvcached.leases import Entry, LeaseId, ReservationId, SessionId, TimedTable
@@ -68,7 +68,15 @@ from kvcached.receipts import (
 from kvcached.rebuild import rebuild_index
 from kvcached.reads import ReadPath
 from kvcached.writes import WritePath
-from kvcached.stats import Counters, HashMemoStats, HitRateHistory, NvmeStats, PoolStats, StoreStats
+from kvcached.stats import (
+    Counters,
+    EvictionStats,
+    HashMemoStats,
+    HitRateHistory,
+    NvmeStats,
+    PoolStats,
+    StoreStats,
+)
 from kvcached.tiers.nvme import NvmeTier
 from kvcached.tiers.packed import PoolHandle
 from kvcached.tiers.registry import make_pool
@@ -92,7 +100,9 @@ class Store:
         self._hasher = ChunkHasher(load_or_create_key(os.path.join(config.state_dir, "hash.key")))
         self._memo = HashMemo(config.hash_memo_bytes)
         self._layouts: dict[LayoutId, tuple[KVLayout, ChunkHash]] = {}
-        self.index = PrefixIndex()
+        self.index = PrefixIndex(make_policy(config.eviction_policy, weight=config.eviction_weight,
+                                             memory_chunks=config.eviction_memory_chunks,
+                                             admission=config.eviction_admission))
         self.counters = Counters()
         self._by_layout: dict[LayoutId, list[int]] = {}
         self.hit_history = HitRateHistory()
@@ -172,6 +182,22 @@ class Store:
     def _add_layout(self, layout: KVLayout) -> None:
         root = self._hasher.root(Namespace(self.config.domain, layout))
         self._layouts[layout.layout_id] = (layout, root)
+        self._rescale_policy()
+
+    def _rescale_policy(self) -> None:
+        """Tell the eviction policy how many chunks the pool holds: by the mean size of the
+        chunks it holds now, or (empty) of the smallest registered layout's."""
+        policy = self.index.policy
+        if not isinstance(policy, FrequencyPolicy):
+            return
+        pool = self.pool
+        if pool.committed_chunks and pool.payload_bytes:
+            chunk = pool.payload_bytes / pool.committed_chunks
+        elif self._layouts:
+            chunk = min(layout.chunk_bytes for layout, _ in self._layouts.values())
+        else:
+            return
+        policy.set_scale(int(pool.capacity_bytes // max(chunk, 1)))
 
     def _layout(self, layout_id: LayoutId) -> tuple[KVLayout, ChunkHash]:
         try:
@@ -546,6 +572,7 @@ class Store:
         with self._lock:
             now = self._clock()
             self.hit_history.sample(now, self.counters.lookup_tokens, self.counters.hit_tokens)
+            self._rescale_policy()
             leases = self._leases.pop_expired(now)
             for entry in leases:
                 self._unpin(entry.payload, now)
@@ -646,13 +673,22 @@ class Store:
                 self.config.domain, len(self._layouts), len(self.index), len(self._leases), len(self.writes.reservations),
                 self._leases.sessions(), pstats, nstats, Counters(**vars(self.counters)),
                 HashMemoStats(len(m), m.bytes, m.max_bytes, m.hit_chunks, m.missed_chunks),
+                self._eviction_stats(),
             )
+
+    def _eviction_stats(self) -> EvictionStats:
+        d = self.index.policy.describe()
+        return EvictionStats(str(d["policy"]), str(d["admission"]), float(d.get("weight", 0.0)),
+                             float(d.get("turnover_seconds", 0.0)), int(d.get("sketch_width", 0)))
 
     def reconfigure(self, **reloadable: Any) -> None:
         """Apply reloadable settings (SIGHUP): TTLs and per-session caps. Existing leases keep
         their deadlines; a session already over a lowered cap keeps what it holds."""
         with self._lock:
             self.config = dataclasses.replace(self.config, **reloadable)
+            policy = self.index.policy
+            if isinstance(policy, FrequencyPolicy):
+                policy.set_weight(self.config.eviction_weight)
 
     def doctor_facts(self) -> dict[str, Any]:
         """What ``kvcachectl doctor`` judges: recent vs baseline hit rate, long-held leases,

@@ -126,10 +126,17 @@ class WritePath:
         parent = cached[-1] if cached else None
         if parent is not None:
             # Pin first: making room below must not evict the prefix we extend.
-            self.index.pin([parent], now)
+            self.index.pin([parent], now, touch=False)  # touched above if at all; a pin is no hit
         slots: list[Slot] = []
+        refused = 0
+        policy = self.index.policy
         try:
-            for _ in todo:
+            for i, h in enumerate(todo):
+                if not self.pool.can_admit(layout.chunk_bytes):
+                    victim = self.index.pool_lru.peek()
+                    if victim is not None and not policy.admits(h, now, victim):
+                        refused = len(todo) - i  # a chunk is only stored after its whole prefix
+                        break
                 if not self.mover.pool_room(layout.chunk_bytes):
                     break
                 slots.append(self.pool.reserve(layout.chunk_bytes))
@@ -141,7 +148,12 @@ class WritePath:
             raise
         missing = len(todo) - len(slots)
         reason = ""
-        if missing:
+        self.counters.admitted_chunks += len(slots)
+        if refused:
+            self.counters.refused_value_chunks += refused
+            reason = (f"the admission policy kept {refused} chunks out: they rank below the cached chunks "
+                      "they would evict (eviction_admission = frequency)")
+        elif missing:
             self.counters.not_reserved_chunks += missing
             reason = (f"the pool has no room for {missing} more chunks of {layout.chunk_bytes} bytes: "
                       f"{self.pool.used_bytes} of {self.pool.capacity_bytes} bytes are leased, reserved or "

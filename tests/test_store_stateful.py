@@ -45,6 +45,9 @@ def chunk_payload(prefix: tuple[int, ...]) -> bytes:
 
 class StoreMachine(RuleBasedStateMachine):
     write_through = False
+    #: Every eviction policy must keep the same guarantees; the subclasses below run the others.
+    policy = "frequency"
+    admission = "always"
 
     def __init__(self) -> None:
         super().__init__()
@@ -60,9 +63,15 @@ class StoreMachine(RuleBasedStateMachine):
                 lease_ttl=20,
                 reservation_ttl=20,
                 writeback=False,  # no thread: the writeback rule runs its batches in step with the rest
+                eviction_policy=self.policy,
+                eviction_admission=self.admission,
             ),
             clock=self.clock,
         )
+        if self.policy == "frequency":
+            # One more hit is worth 10 s of recency from the start (measured, it would take a
+            # quarter pool's worth of uses to be known): the order really differs from LRU here.
+            self.store.index.policy.fix_turnover(10.0)
         self.lid = self.store.register_layout(TINY)
         self.leases: dict[str, tuple[SessionId, tuple[bytes, ...], tuple[int, ...]]] = {}
         self.puts: dict[str, tuple[SessionId, bytes | None, tuple[int, ...]]] = {}
@@ -95,10 +104,12 @@ class StoreMachine(RuleBasedStateMachine):
     def _state(self) -> dict:
         """What a put that stored nothing must leave as it was: every indexed chunk (tiers, pins),
         both tiers' stats, the open leases and reservations, the chunks in flight, and every
-        counter but ``in_flight_conflicts`` and ``not_reserved_chunks`` (the put may have met
-        another writer's chunks in flight, or found no room, and that is counted)."""
+        counter but ``in_flight_conflicts``, ``not_reserved_chunks`` and ``refused_value_chunks``
+        (the put may have met another writer's chunks in flight, found no room, or been refused
+        by the admission policy, and that is counted)."""
         s = self.store
-        counters = dataclasses.replace(s.counters, in_flight_conflicts=0, not_reserved_chunks=0)
+        counters = dataclasses.replace(s.counters, in_flight_conflicts=0, not_reserved_chunks=0,
+                                       refused_value_chunks=0)
         return {
             "index": sorted((n.hash, n.tiers, n.refcount, n.pool_offset) for n in s.index.nodes()),
             "pool": s.stats().pool, "nvme": s.stats().nvme,
@@ -255,4 +266,24 @@ class WriteThroughMachine(StoreMachine):
 TestStoreWriteThrough = WriteThroughMachine.TestCase
 TestStoreWriteThrough.settings = settings(
     max_examples=30, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
+)
+
+
+class LruMachine(StoreMachine):
+    policy = "lru"
+
+
+TestStoreLru = LruMachine.TestCase
+TestStoreLru.settings = settings(
+    max_examples=40, stateful_step_count=50, deadline=None, suppress_health_check=list(HealthCheck)
+)
+
+
+class DoorkeeperMachine(StoreMachine):
+    admission = "frequency"
+
+
+TestStoreDoorkeeper = DoorkeeperMachine.TestCase
+TestStoreDoorkeeper.settings = settings(
+    max_examples=40, stateful_step_count=50, deadline=None, suppress_health_check=list(HealthCheck)
 )

@@ -17,14 +17,20 @@ the NVMe rebuild, eviction and corruption handling need.
 
 Eviction bookkeeping (all incremental, see :mod:`kvcached.index.eviction`):
 
-* ``leaves``: refcount 0 and no children at all. Only these may leave the
-  index entirely (TTL expiry, last-tier eviction), so every indexed chunk
-  always has its whole prefix indexed.
-* ``pool_lru``: in the pool tier, refcount 0, and no child in the pool. A
-  pool copy is evicted leaf-first within the pool; the chunk may stay indexed
-  on NVMe.
-* ``nvme_leaves``: the members of ``leaves`` that have an NVMe copy; what the
-  NVMe tier evicts when it needs room.
+* ``leaves``: refcount 0 and no children at all, least recently used first.
+  Only these may leave the index entirely (TTL expiry, last-tier eviction), so
+  every indexed chunk always has its whole prefix indexed.
+* ``pool_lru``: in the pool tier, refcount 0, and no child in the pool, in the
+  eviction policy's order (the name is historical: with the default policy it
+  is frequency-boosted recency, see :mod:`kvcached.index.eviction`). A pool
+  copy is evicted leaf-first within the pool; the chunk may stay indexed on NVMe.
+* ``nvme_leaves``: the members of ``leaves`` that have an NVMe copy, in the
+  policy's order; what the NVMe tier evicts when it needs room.
+
+Each node counts its ``hits``: the acquires that matched it (a pin that
+touches) plus the commit that stored it. The policy ranks by them; a chunk
+leaving the index hands its count to the policy's sketch, and a chunk
+inserted again starts from the remembered count.
 
 Not thread-safe; the store serialises all calls.
 """
@@ -34,7 +40,7 @@ from __future__ import annotations
 from typing import Iterable, Iterator, Sequence
 
 from kvcached.errors import InternalInvariantError, RefcountUnderflow
-from kvcached.index.eviction import EvictionQueue
+from kvcached.index.eviction import EvictionPolicy, EvictionQueue, LruPolicy
 from kvcached.keys import ChunkHash, LayoutId
 from kvcached.locations import NVME, POOL, TierId
 
@@ -59,6 +65,7 @@ class Node:
         "last_use",
         "tiers",
         "qflags",
+        "hits",
         "hot_child",
         "pool_offset",
     )
@@ -76,6 +83,7 @@ class Node:
         self.last_use = now
         self.tiers = int(tiers)
         self.qflags = 0
+        self.hits = 1  # uses: the acquires that matched it, plus the commit that stored it
         self.hot_child: Node | None = None  # the child most recently inserted or used: the branch to prefetch
         self.pool_offset = -1  # byte offset of the pool copy, -1 without one (what a lease receipt names)
 
@@ -87,11 +95,12 @@ class Node:
 
 
 class PrefixIndex:
-    def __init__(self) -> None:
+    def __init__(self, policy: EvictionPolicy | None = None) -> None:
         self._nodes: dict[ChunkHash, Node] = {}
-        self.leaves = EvictionQueue(_IN_LEAVES)
-        self.pool_lru = EvictionQueue(_IN_POOL_LRU)
-        self.nvme_leaves = EvictionQueue(_IN_NVME_LEAVES)
+        self.policy: EvictionPolicy = policy if policy is not None else LruPolicy()
+        self.leaves = EvictionQueue(_IN_LEAVES)  # by last use: TTL expiry walks it oldest first
+        self.pool_lru = EvictionQueue(_IN_POOL_LRU, self.policy.key)
+        self.nvme_leaves = EvictionQueue(_IN_NVME_LEAVES, self.policy.key)
         self.pinned_in_pool = 0  # nodes with refcount > 0 and a pool copy: the pool's leased chunks
         self.newest_use = 0.0  # the latest last_use given to any node (the recency span's young end)
 
@@ -145,6 +154,8 @@ class PrefixIndex:
             raise InternalInvariantError("a chunk must live in at least one tier")
         node = Node(h, parent, layout_id, tiers, now)
         node.pool_offset = pool_offset
+        node.hits = self.policy.initial_hits(h)
+        self.policy.used(1, now)
         self._nodes[h] = node
         self.newest_use = max(self.newest_use, now)
         if parent is not None:
@@ -181,8 +192,11 @@ class PrefixIndex:
         self.newest_use = max(self.newest_use, now)
         out: list[Node] = []
         prev = parent
+        initial_hits = self.policy.initial_hits
+        self.policy.used(len(hashes), now)
         for i, h in enumerate(hashes):
             node = Node(h, prev, layout_id, tiers, now)
+            node.hits = initial_hits(h)
             if pool:
                 node.pool_offset = pool_offsets[i]
             self._nodes[h] = node
@@ -207,6 +221,7 @@ class PrefixIndex:
             raise InternalInvariantError(f"{node!r} is not indexed")
         del self._nodes[node.hash]
         self._dequeue(node)
+        self.policy.forget(node)
         parent = node.parent
         if parent is not None:
             if parent.hot_child is node:
@@ -255,21 +270,28 @@ class PrefixIndex:
     # -- pins and recency -----------------------------------------------------
 
     def pin(self, nodes: Iterable[Node], now: float, *, touch: bool = True) -> None:
-        """Pin ``nodes`` (never evicted or dropped while pinned). ``touch=False`` keeps their
-        recency: the write-back thread pins chunks while it writes them, which is no use."""
+        """Pin ``nodes`` (never evicted or dropped while pinned). A pin that touches is a use
+        (an acquire): each node's recency and ``hits``. ``touch=False`` changes neither: the
+        write-back thread pins chunks while it writes them, which is no use."""
+        n = 0
         for node in nodes:
+            n += 1
             node.refcount += 1
             if touch:
                 node.last_use = now
+                node.hits += 1
                 if now > self.newest_use:
                     self.newest_use = now
             if node.refcount == 1 and node.tiers & POOL:
                 self.pinned_in_pool += 1
             if node.qflags & _QUEUED:
                 self._dequeue(node)
+        if touch and n:
+            self.policy.used(n, now)
 
     def unpin(self, nodes: Iterable[Node], now: float, *, touch: bool = True) -> list[Node]:
-        """Release one pin on each node; a release counts as a use.
+        """Release one pin on each node; a release refreshes recency (not ``hits``: the pin
+        that it ends was the use).
 
         Raises :class:`RefcountUnderflow` instead of clamping: an unpin
         without a matching pin is a bookkeeping bug that would otherwise let

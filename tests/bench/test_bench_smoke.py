@@ -70,10 +70,18 @@ def check_trace_replay(d: dict) -> None:
         by_label = {c["label"]: c for c in t["capacities"]}
         assert {"1000", "inf"} <= set(by_label), list(by_label)
         for c in by_label.values():
-            assert fraction(c["engine"]["hit_rate"]) and fraction(c["lru"]["hit_rate"]), (name, c["label"])
+            for who in ("engine", "engine_lru", "lru", "optimum"):
+                assert fraction(c[who]["hit_rate"]), (name, c["label"], who)
             assert isinstance(c["engine_ge_lru"], bool)
-        assert by_label["inf"]["engine"]["hit_rate"] > 0, name
+            # MIN with bypass bounds every online cache (issue 16)
+            assert c["optimum"]["hit_rate"] >= max(c[w]["hit_rate"] for w in ("engine", "engine_lru", "lru"))
+            assert c["engine"]["policy"]["policy"] == "frequency" and c["engine_lru"]["policy"]["policy"] == "lru"
+            assert positive(c["engine_time_over_engine_lru"])
+        assert by_label["inf"]["engine"]["hit_rate"] == by_label["inf"]["optimum"]["hit_rate"] > 0, name
+        assert by_label["inf"]["engine"]["hit_rate"] == t["infinite_capacity_hit_rate"], name
         assert by_label["1000"]["lru"]["hit_rate"] > 0, name  # the 1k ratio has a denominator
+        tg = t["targets"]
+        assert set(tg) >= {"engine_ge_lru_everywhere", "engine_over_optimum_min", "infinite_equal", "all_met"}
     assert isinstance(d["target_met"], bool)
 
 

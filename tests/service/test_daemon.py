@@ -192,18 +192,20 @@ def test_second_daemon_on_same_socket_is_refused(daemon):
 def test_sighup_reloads_reloadable_settings(make_daemon):
     d = make_daemon(lease_ttl=30.0)
     d.settings["lease_ttl"] = 5.0
+    d.settings["eviction_weight"] = 2.5
     d.settings["pool_bytes"] = "8M"
     d.write_config()
     d.proc.send_signal(signal.SIGHUP)
     deadline = time.monotonic() + 10
     while "reloaded" not in d.log() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert "reloaded: lease_ttl" in d.log()
+    assert "reloaded: eviction_weight, lease_ttl" in d.log()
     assert "pool_bytes need a restart" in d.log()
     with Client(d.socket) as c:
         c.put(LAYOUT, list(range(CT)), torch.zeros(2, 2, 2, CT, 8))
         with c.acquire(LAYOUT, list(range(CT))) as lease:
             assert 4.0 < lease.keep_alive() <= 5.0
+        assert c.stats()["eviction"]["weight"] == 2.5
 
 
 def test_kvcachectl_against_a_daemon(daemon):
@@ -218,6 +220,7 @@ def test_kvcachectl_against_a_daemon(daemon):
     assert r.returncode == 0 and "3 indexed in 1 layouts" in r.stdout
     s = json.loads(ctl("stats", "--json").stdout)
     assert s["indexed_chunks"] == 3 and s["pool"]["cached_chunks"] == 3
+    assert s["eviction"]["policy"] == "frequency" and s["eviction"]["admission"] == "always"
     assert s["hash_memo"]["hashed_chunks"] == 3 and s["hash_memo"]["runs"] == 1  # the put hashed its prompt once
     r = ctl("stats")
     assert "hash_memo.memo_chunks" in r.stdout and "pool.cached_chunks" in r.stdout

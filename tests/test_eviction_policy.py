@@ -1,0 +1,122 @@
+"""The eviction policy inside the store: a one-hit flood does not evict a hot shared prefix, the
+doorkeeper refuses and says why, and stats and metrics report the policy."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvcached.config import StoreConfig
+from kvcached.metrics import StoreCollector
+from kvcached.settings import DaemonSettings, SettingsError, load_settings
+from tests.conftest import TINY, payload, prompt
+
+CT = TINY.chunk_tokens
+HOT = prompt(4, start=10_000)  # a shared system prompt: 4 chunks
+
+
+def serve(store, lid, clock, tokens: list[int]) -> int:
+    """One request as an engine makes it: acquire the prompt's cached prefix, release it, store
+    the rest. Returns the chunks it found cached."""
+    lease = store.acquire(lid, tokens)
+    store.release(lease.lease_id)
+    n = len(tokens) // CT
+    store.put(lid, tokens, [payload(i) for i in range(n)])
+    clock.advance(1.0)
+    return lease.matched_tokens // CT
+
+
+def flood(make_store, clock, policy: str, state_dir: str) -> tuple[int, int]:
+    """20 requests that share HOT (each with its own 2-chunk question), then a scan of 40 unique
+    4-chunk prompts, each used once, through a pool of 16 chunks. Returns (chunks of HOT still
+    cached after the scan, the pool's evictions)."""
+    store = make_store(pool_blocks=16, nvme_chunks=None, eviction_policy=policy, state_dir=state_dir)
+    lid = store.register_layout(TINY)
+    for q in range(20):
+        serve(store, lid, clock, HOT + prompt(2, start=20_000 + 100 * q))
+    for k in range(40):
+        serve(store, lid, clock, prompt(4, start=50_000 + 100 * k))
+    kept = store.lookup(lid, HOT) // CT
+    store.index.check_invariants()
+    return kept, store.stats().counters.pool_evictions
+
+
+def test_a_one_hit_flood_does_not_evict_the_hot_shared_prefix(make_store, clock, tmp_path):
+    kept, evictions = flood(make_store, clock, "frequency", str(tmp_path / "frequency"))
+    assert evictions >= 160 - 16  # the scan went through the whole pool several times over
+    assert kept == 4
+    # the control: plain recency loses it after four prompts of the scan
+    kept_lru, _ = flood(make_store, clock, "lru", str(tmp_path / "lru"))
+    assert kept_lru == 0
+
+
+def test_the_doorkeeper_refuses_one_hit_chunks_and_says_why(make_store, clock):
+    store = make_store(pool_blocks=4, nvme_chunks=None, eviction_admission="frequency")
+    lid = store.register_layout(TINY)
+    store.index.policy.fix_turnover(100.0)  # one more hit: 100 s
+    hot = prompt(4)
+    store.put(lid, hot, [payload(i) for i in range(4)])
+    for _ in range(3):
+        clock.advance(1.0)
+        store.release(store.acquire(lid, hot).lease_id)  # hot: 4 hits, ranked 300 s ahead
+    clock.advance(1.0)
+    r = store.reserve(lid, prompt(2, start=900))  # a newcomer would have to evict hot chunks
+    assert r.slots == () and r.not_reserved_tokens == 2 * CT
+    assert "admission policy" in r.not_reserved_reason
+    c = store.stats().counters
+    assert (c.refused_value_chunks, c.not_reserved_chunks, c.pool_evictions) == (2, 0, 0)
+    if r.reservation_id:
+        store.abort(r.reservation_id)
+    assert store.lookup(lid, hot) == 4 * CT
+
+
+def test_stats_and_metrics_report_the_policy(make_store, clock):
+    store = make_store(pool_blocks=8, nvme_chunks=None)
+    lid = store.register_layout(TINY)
+    e = store.stats().eviction
+    assert (e.policy, e.admission, e.weight, e.memory_chunks) == ("frequency", "always", 1.0, 1 << 20)
+    assert store.stats().to_dict()["eviction"]["policy"] == "frequency"
+    for k in range(6):
+        serve(store, lid, clock, prompt(3, start=1000 * k))
+    reg = CollectorRegistry()
+    reg.register(StoreCollector(store))
+    v = reg.get_sample_value
+    d = {"domain": "default"}
+    assert v("kvcached_eviction_policy", {**d, "policy": "frequency", "admission": "always"}) == 1
+    assert v("kvcached_eviction_weight", d) == 1.0
+    assert v("kvcached_admission_chunks_total", {**d, "decision": "admitted", "reason": ""}) == 18
+    assert v("kvcached_admission_chunks_total", {**d, "decision": "refused", "reason": "value"}) == 0
+    assert v("kvcached_evictions_total", {**d, "tier": "pool"}) == 10
+    lru = make_store(pool_blocks=8, nvme_chunks=None, eviction_policy="lru", state_dir=str(store.config.state_dir) + "2")
+    assert lru.stats().eviction.policy == "lru"
+
+
+def test_reload_changes_the_weight(make_store, clock):
+    store = make_store(pool_blocks=8, nvme_chunks=None)
+    store.index.policy.fix_turnover(10.0)
+    assert store.index.policy.boost == 10.0
+    store.reconfigure(eviction_weight=0.5)
+    assert store.index.policy.boost == 5.0 and store.stats().eviction.weight == 0.5
+
+
+@pytest.mark.parametrize("bad", [
+    {"eviction_policy": "clock"},
+    {"eviction_admission": "tinylfu"},
+    {"eviction_policy": "lru", "eviction_admission": "frequency"},
+    {"eviction_weight": -1.0},
+    {"eviction_memory_chunks": 1000},
+])
+def test_bad_policy_settings_are_refused(tmp_path, bad):
+    with pytest.raises(ValueError):
+        StoreConfig(state_dir=str(tmp_path), pool_bytes=1 << 20, **bad)
+    with pytest.raises((SettingsError, ValueError)):
+        load_settings(None, {"state_dir": str(tmp_path), **bad}).store_config(1 << 20)
+
+
+def test_policy_settings_reach_the_store_config(tmp_path):
+    s = load_settings(None, {"state_dir": str(tmp_path), "eviction_policy": "lru", "eviction_weight": 2.5})
+    cfg = s.store_config(1 << 20)
+    assert (cfg.eviction_policy, cfg.eviction_weight, cfg.eviction_admission) == ("lru", 2.5, "always")
+    assert next(f for f in dataclasses.fields(DaemonSettings) if f.name == "eviction_policy").default == "frequency"
