@@ -12,8 +12,10 @@ inserted with ``PrefixIndex.insert(h, parent, layout_id, TierId.POOL, now, pool_
 with its own 16 MiB-block byte offset (an int object per chunk, as in the daemon).
 
 Equal records: both contenders hold the same per-chunk record (a ``kvcached.index.Node``, the
-12-slot object the engine uses) and the same incremental eviction queues (pygtrie's contender
-subclasses ``PrefixIndex`` and only swaps the container), so the difference measured is the
+13-slot object the engine uses) and the same incremental eviction queues under the store's
+default eviction policy, ``frequency``, whose 4 MiB count-min sketch of evicted chunks' hits is
+counted too (pygtrie's contender subclasses ``PrefixIndex`` and only swaps the container), so
+the difference measured is the
 container: one dict entry per chunk vs one pygtrie ``_Node`` (+ its children mapping) per chunk.
 
 Memory: ``tracemalloc`` current bytes after ``gc.collect()`` once the index is built (and the
@@ -56,7 +58,7 @@ from _common import (
     write_json,
 )
 
-from kvcached.index import Node, PrefixIndex
+from kvcached.index import Node, PrefixIndex, make_policy
 from kvcached.locations import TierId
 
 TARGET_BYTES_PER_CHUNK = 300
@@ -75,7 +77,7 @@ class PygtrieIndex(PrefixIndex):
     """
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(make_policy("frequency"))
         self._nodes = None  # type: ignore[assignment]
         self.trie: pygtrie.Trie = pygtrie.Trie()
         self._count = 0
@@ -155,7 +157,8 @@ def make_prompts(n_chunks: int, seed: int) -> tuple[list[list[bytes]], list[int]
 
 
 def build_flat(prompts: list[list[bytes]], shared: list[int]) -> PrefixIndex:
-    index = PrefixIndex()
+    # the store's default policy: its sketch of evicted chunks' hits (4 MiB) is part of the cost
+    index = PrefixIndex(make_policy("frequency"))
     insert, get = index.insert, index.get
     now = 0.0
     for path, s in zip(prompts, shared):
