@@ -226,7 +226,7 @@ class TraceClock:
 
 
 def replay_engine(reqs: list[Request], capacity: int | None, distinct_full: int, check: bool,
-                  policy: str = "frequency") -> dict:
+                  policy: str = "frequency", weight: float | None = None) -> dict:
     layout = KVLayout("bench/mooncake-replay@1", num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8",
                       chunk_tokens=BLOCK)  # 2 bytes/token -> 1 KiB chunks
     pool_chunks = capacity if capacity is not None else distinct_full + 1024
@@ -242,6 +242,7 @@ def replay_engine(reqs: list[Request], capacity: int | None, distinct_full: int,
         lease_ttl=1e9,
         reservation_ttl=1e9,
         eviction_policy=policy,
+        **({} if weight is None else {"eviction_weight": weight}),
     )
     store = Store(cfg, clock=clock)
     hits = total = 0
@@ -334,7 +335,7 @@ def run(args: argparse.Namespace) -> dict:
         for cap in caps:
             lru = replay_lru(reqs, cap)
             opt = replay_optimum(reqs, cap)
-            eng = replay_engine(reqs, cap, stats["distinct_full_block_ids"], check=args.check)
+            eng = replay_engine(reqs, cap, stats["distinct_full_block_ids"], check=args.check, weight=args.weight)
             base = replay_engine(reqs, cap, stats["distinct_full_block_ids"], check=args.check, policy="lru")
             cmp_ = compare(eng.pop("per_request"), lru.pop("per_request"))
             base.pop("per_request")
@@ -477,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="first requests only, capacities 1k/10k/inf (a few seconds)")
     p.add_argument("--quick-requests", type=int, default=800, help="requests per trace with --quick (default 800)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests of each trace")
+    p.add_argument("--weight", type=float, default=None,
+                   help="the engine's eviction_weight (default: the engine's default, 1.0)")
     p.add_argument("--check", action="store_true", help="run the index's O(n) invariant check after each replay")
     p.add_argument("--out", default=None, help=f"results directory (default {RESULTS_DIR})")
     args = p.parse_args(argv)

@@ -14,11 +14,11 @@ Rules it keeps:
   returned, so nothing half-written is ever matched.
 * Pool eviction demotes to NVMe (write-back) unless the chunk already has an
   NVMe copy (write-through, or demoted before, or written by the background
-  writer of :mod:`kvcached.writeback`, which keeps the least recently used
-  chunks clean so that evicting them costs no disk I/O). If NVMe cannot take
+  writer of :mod:`kvcached.writeback`, which keeps the chunks next in eviction
+  order clean so that evicting them costs no disk I/O). If NVMe cannot take
   it, a leaf is dropped; an inner chunk stays in the pool for now.
-* Room in the packed pool is made for a number of bytes: first in LRU order
-  until that many bytes are free, then, if no free run is long enough (the
+* Room in the packed pool is made for a number of bytes: first in eviction
+  order (the policy's, :mod:`kvcached.index.eviction`) until that many bytes are free, then, if no free run is long enough (the
   pool is fragmented), by evicting the contiguous window that frees the fewest
   bytes (:meth:`kvcached.tiers.packed.PackedPool.victims_for`).
 """
@@ -68,7 +68,7 @@ class Mover:
     # -- pool ----------------------------------------------------------------------
 
     def pool_room(self, nbytes: int) -> bool:
-        """Evict unpinned pool copies until a run of ``nbytes`` fits: least recently used first
+        """Evict unpinned pool copies until a run of ``nbytes`` fits: in eviction order first
         until that many bytes are free, then the cheapest contiguous window. False if it cannot
         (everything in the way is pinned, reserved, or cannot leave the pool).
 

@@ -4,15 +4,15 @@ A pool chunk without an NVMe copy is *dirty*: evicting it means writing it to
 disk first (one fsync'd LMDB transaction, ~2 ms here). If that happens inside a
 reservation, under the store lock, every put waits for the disk. Instead a
 background thread keeps the pool's free space at or above ``writeback_low`` of
-the pool: when it falls below, it takes the least recently used unpinned
-chunks, writes the dirty ones to NVMe in **one transaction and one sync per
+the pool: when it falls below, it takes the unpinned chunks next in eviction
+order (:mod:`kvcached.index.eviction`), writes the dirty ones to NVMe in **one transaction and one sync per
 batch** (up to ``writeback_batch_bytes``), and evicts pool copies until
 ``writeback_high`` is free. Chunks it wrote but did not need to evict stay in
 the pool *clean*: evicting them later costs no I/O.
 
 Phases of a batch (:class:`Batch`), so that the disk I/O runs outside the lock:
 
-1. ``prepare`` (store lock held): pick victims in LRU order; evict clean ones at
+1. ``prepare`` (store lock held): pick victims in eviction order; evict clean ones at
    once; *pin* the dirty ones without touching their recency (so nothing
    evicts, drops or reuses their bytes while they are written), take the NVMe
    room the batch needs (leaf victims to delete in the same transaction) and
@@ -256,14 +256,14 @@ class WriteBack:
     # -- the three phases ----------------------------------------------------------------------------
 
     def prepare(self, goal: int, limit: int, *, evict_clean: bool) -> Batch | None:
-        """Phase 1 (lock held): LRU victims until ``goal`` bytes would be free, evicting clean
+        """Phase 1 (lock held): victims in eviction order until ``goal`` bytes would be free, evicting clean
         ones right away and pinning up to ``limit`` bytes of dirty ones. None if nothing dirty.
 
         A chunk leaves the pool leaf-first, so a parent becomes a victim only once its last
         pool child is one. The dirty children stay in the pool until the batch is written, so
-        their parents never join the LRU queue meanwhile; this walk therefore queues them
-        itself (``later``), merged with the queue by last use, which keeps the order exact LRU:
-        a prompt's chunks go from its end, oldest prompts first."""
+        their parents never join the queue meanwhile; this walk therefore queues them itself
+        (``later``), merged with the queue by the eviction policy's key, which keeps the order
+        exactly the policy's: a prompt's chunks go from its end, lowest-ranked prompts first."""
         lru = self.index.pool_lru
         pool = self.pool
         picked: list[Node] = []
@@ -274,7 +274,7 @@ class WriteBack:
         seq = 0
         while pool.free_bytes + picked_bytes < goal and picked_bytes < limit:
             head = lru.peek()
-            if later and (head is None or later[0][0] <= head.last_use):
+            if later and (head is None or later[0][0] <= lru.key(head)):
                 node = heapq.heappop(later)[2]
             else:
                 node = lru.pop()
@@ -295,7 +295,7 @@ class WriteBack:
                 n = waiting[id(parent)] = waiting.get(id(parent), 0) + 1
                 if n == parent.pool_children:
                     seq += 1
-                    heapq.heappush(later, (parent.last_use, seq, parent))
+                    heapq.heappush(later, (lru.key(parent), seq, parent))
         for node in skipped:
             lru.add(node)
         if not any(self._dirty(n) for n in picked):

@@ -28,25 +28,43 @@ Policies
     prompt's prefix gains a hit whenever any longer prompt through it is used, so a node's
     value grows with the requests that pass through it and a long single-request tail has
     ``hits == 1``: it is the first to go, while a shared system prompt or a document asked
-    about many times stays.
+    about many times stays. Counts and the sketch live in memory only: after a restart the
+    chunks rebuilt from NVMe start at one hit again.
 
-Why this one, by measurement (bench/trace_replay.py on the Mooncake FAST'25 traces, 512-token
-blocks, ratio to the offline optimum, Belady's MIN with bypass; the candidates replayed with the
-same prefix-hit rule and leaf-first eviction):
+Why this one, by measurement. ``bench/eviction_candidates.py`` replays the candidates on the
+Mooncake FAST'25 traces (512-token blocks) with the engine's rules (prefix hits, leaf-first
+eviction, the extended prefix pinned); ratios to the offline optimum (Belady's MIN with bypass)
+at 1k / 10k blocks, conversation then synthetic:
 
-* frequency-boosted recency with the sketch: conversation 0.35 / 0.64 (1k / 10k blocks),
-  synthetic 0.33 / 0.72; LRU: 0.24 / 0.59 and 0.31 / 0.70.
-* the same without the sketch (counts forgotten on eviction): 0.24 / 0.61 and 0.33 / 0.71.
-  The sketch is what earns the gain at small capacities: a conversation's next turn comes
-  hundreds of requests later, long after its chunks were evicted.
-* LFU with aging (GDSF-style inflation), pure LFU, LRU-2 (backward 2-distance), hyperbolic
-  caching (hits / time in cache, sampled), a one-hit doorkeeper (TinyLFU-style admission:
-  refuse a chunk whose count is below its victim's): all at or below the above; admission
-  cost up to 0.08 of the optimum on the synthetic trace, whose first-time documents are
-  re-read half of the time, and hill-climbing ``weight`` online was too noisy to help.
-* Even an oracle that admits exactly the chunks that will ever be used again reaches only
-  0.36 / 0.41 of the optimum at 1k blocks under LRU: at small capacities the optimum's edge is
-  knowing *when* a chunk returns, which no policy here can know.
+=========================  ===========  ===========  ==================================
+candidate                  conversation synthetic    note
+=========================  ===========  ===========  ==================================
+lru                        0.24 / 0.59  0.31 / 0.70  the old order
+frequency, weight 1        0.35 / 0.64  0.33 / 0.72  kept: the best mean but one, never
+                                                     more than 0.15 % below LRU anywhere
+frequency, no sketch       0.24 / 0.61  0.33 / 0.71  counts forgotten on eviction
+frequency, weight 0.5 / 2  0.29 / 0.64  0.34 / 0.72  no weight is best everywhere
+                           0.40 / 0.59  0.33 / 0.71
+frequency + doorkeeper     0.35 / 0.64  0.31 / 0.71  TinyLFU-style admission (option)
+frequency, hill-climbed    0.40 / 0.63  0.32 / 0.72  gains only where one epoch is short
+LFU (counts remembered)    0.41 / 0.51  0.31 / 0.69  collapses from 10k up (0.85x LRU at 30k)
+GDSF (LFU with aging)      0.29 / 0.62  0.33 / 0.72
+LRU-2                      0.27 / 0.60  0.29 / 0.73
+hyperbolic (sampled, 32)   0.40 / 0.64  0.30 / 0.71  below LRU at synthetic 1k; needs 32
+                                                     scores per eviction, no heap
+oracle admission + LRU     0.36 / 0.89  0.41 / 0.84  knows which chunks come back
+=========================  ===========  ===========  ==================================
+
+* The sketch is what earns the gain at small capacities: a conversation's next turn comes
+  hundreds of requests later, long after its chunks were evicted (without it, 0.24 at 1k).
+* A key fixed at push time keeps the policy a heap: O(log n) per use, no sampling; in the
+  engine it costs <= 1.1x LRU's time per request in ``bench/trace_replay.py``.
+* At 1k blocks nothing online comes near 0.7 of the optimum: even the oracle that admits exactly
+  the chunks that will ever be used again reaches 0.36 / 0.41 under LRU. The optimum's edge
+  there is knowing *when* a chunk returns. At 10k, admission is what is missing (the oracle
+  reaches 0.89), but no signal seen at a chunk's first use predicts its reuse on the
+  conversation trace (depth, position, request length, parent's count, output length: 0.12-0.43
+  reuse probability against 0.26 overall).
 
 Not thread-safe: the owning index's caller holds the store lock.
 """
