@@ -70,7 +70,7 @@ class StoreMachine(RuleBasedStateMachine):
         )
         if self.policy == "frequency":
             # One more hit is worth 10 s of recency from the start (measured, it would take a
-            # quarter pool's worth of uses to be known): the order really differs from LRU here.
+            # pool's worth of uses (at least 64) to be known): the order really differs from LRU here.
             self.store.index.policy.fix_turnover(10.0)
         self.lid = self.store.register_layout(TINY)
         self.leases: dict[str, tuple[SessionId, tuple[bytes, ...], tuple[int, ...]]] = {}

@@ -154,7 +154,7 @@ class FrequencyPolicy:
             raise ValueError(f"unknown admission {admission!r}; one of {', '.join(ADMISSIONS)}")
         self.admission = admission
         self.weight = float(weight)
-        self.epoch_uses = int(epoch_uses)  # uses between two rate measurements; 0: a quarter pool (64..4096)
+        self.epoch_uses = int(epoch_uses)  # uses between two rate measurements; 0: a pool's worth (64..4096)
         self._fixed: float | None = None
         self.scale_chunks = max(int(scale_chunks), 1)
         self.sketch = FrequencySketch(memory_chunks)
@@ -174,7 +174,7 @@ class FrequencyPolicy:
             self._epoch_start = now
             return
         self._epoch_uses += n
-        if self._epoch_uses < (self.epoch_uses or min(4096, max(64, self.scale_chunks // 4))):
+        if self._epoch_uses < (self.epoch_uses or min(4096, max(64, self.scale_chunks))):
             return
         span = now - self._epoch_start
         if span > 0:
