@@ -35,7 +35,9 @@ ALL ``hash_ids`` (partial last blocks included): prefix hits, and "id seen befor
 
 Targets (issue 16): engine >= 0.7x the optimum at 1k and 10k blocks on both traces; engine >=
 plain LRU at every capacity; at infinite capacity equal to the infinite-capacity hit rate;
-engine time per request <= 1.2x the LRU engine's (median over the capacities).
+engine time per request <= 1.2x the LRU engine's. The full replays above run once each, one after
+the other, so their us/request are only indicative; the cost is judged on separate runs (the first
+3,000 requests at 1k and 10k blocks, both policies replayed alternately three times, medians).
 
 Run:   .venv/bin/python bench/trace_replay.py          (~2 min on a 2-core box)
        .venv/bin/python bench/trace_replay.py --quick  (a few seconds; first requests only,
@@ -312,7 +314,28 @@ def compare(engine: list[int], lru: list[int]) -> dict:
 
 #: Where the engine must reach this fraction of the optimum (issue 16).
 OPTIMUM_TARGET = {"ratio": 0.7, "capacities": (1_000, 10_000)}
-TIME_TARGET = 1.2  # engine us/request over the LRU engine's, median over the capacities
+TIME_TARGET = 1.2  # engine us/request over the LRU engine's (the interleaved cost runs)
+#: The cost runs: the first requests of each trace at these capacities, both engine policies
+#: replayed alternately ``reps`` times (the box's noise then hits both alike); medians compared.
+COST = {"requests": 3000, "capacities": (1_000, 10_000), "reps": 3}
+QUICK_COST = {"requests": 400, "capacities": (1_000,), "reps": 2}
+
+
+def measure_cost(reqs: list[Request], distinct_full: int, cost: dict) -> dict:
+    """Engine time per request, frequency policy vs lru policy, interleaved repetitions."""
+    part = reqs[: cost["requests"]]
+    out: dict = {"requests": len(part), "reps": cost["reps"], "capacities": {}}
+    for cap in cost["capacities"]:
+        times: dict[str, list[float]] = {"frequency": [], "lru": []}
+        for rep in range(cost["reps"]):
+            order = ("frequency", "lru") if rep % 2 == 0 else ("lru", "frequency")
+            for policy in order:
+                times[policy].append(replay_engine(part, cap, distinct_full, False, policy=policy)["us_per_request"])
+        med = {k: float(np.median(v)) for k, v in times.items()}
+        out["capacities"][str(cap)] = {"us_per_request": times, "median_us_per_request": med,
+                                       "frequency_over_lru": ratio(med["frequency"], med["lru"])}
+    out["max_frequency_over_lru"] = max(c["frequency_over_lru"] for c in out["capacities"].values())
+    return out
 
 
 def ratio(a: float, b: float) -> float:
@@ -364,11 +387,16 @@ def run(args: argparse.Namespace) -> dict:
         inf_all.pop("per_request")
         by_cap = {r["capacity"]: r for r in rows}
         checked = [c for c in OPTIMUM_TARGET["capacities"] if c in by_cap]
-        time_ratio = float(np.median([r["engine_time_over_engine_lru"] for r in rows]))
+        cost = measure_cost(reqs, stats["distinct_full_block_ids"], QUICK_COST if args.quick else COST)
+        time_ratio = cost["max_frequency_over_lru"]
+        print(f"  cost, first {cost['requests']} requests, {cost['reps']} interleaved runs: engine time "
+              + ", ".join(f"{c['frequency_over_lru']:.2f}x at {k}" for k, c in cost["capacities"].items())
+              + " the LRU engine's", flush=True)
         inf_row = by_cap.get(None)
         out["traces"][name] = {
             "stats": stats,
             "capacities": rows,
+            "cost": cost,
             "infinite_capacity_hit_rate": infinite_rate,
             "lru_infinite_all_hash_ids_prefix": inf_all,
             "lru_infinite_all_hash_ids_seen_before": replay_seen_before(reqs),
@@ -379,7 +407,7 @@ def run(args: argparse.Namespace) -> dict:
                                             for c in checked},
                 "infinite_equal": (inf_row is None
                                    or abs(inf_row["engine"]["hit_rate"] - infinite_rate) < 1e-12),
-                "engine_time_over_engine_lru_median": time_ratio,
+                "engine_time_over_engine_lru_max": time_ratio,
                 "engine_time_met": time_ratio <= TIME_TARGET,
             },
         }
@@ -421,7 +449,7 @@ def print_report(res: dict) -> None:
               f"{res['optimum_target']['ratio']}x optimum "
               + ", ".join(f"at {c}: {yes[v]}" for c, v in tg["engine_over_optimum_min"].items())
               + f"; infinite = {t['infinite_capacity_hit_rate']:.4f}: {yes[tg['infinite_equal']]}; engine time "
-              f"{tg['engine_time_over_engine_lru_median']:.2f}x the LRU engine's (<= {res['time_target']}): "
+              f"{tg['engine_time_over_engine_lru_max']:.2f}x the LRU engine's at most (<= {res['time_target']}): "
               f"{yes[tg['engine_time_met']]}")
     print(f"\nwall {res['wall_seconds']:.0f} s")
 

@@ -121,7 +121,7 @@ class StoreConfig:
     #: Eviction order of the pool and NVMe tiers (kvcached.index.eviction): "frequency"
     #: (recency boosted by hits, the default) or "lru". ``eviction_weight``: pool turnovers
     #: one more hit is worth; ``eviction_memory_chunks``: evicted chunks whose use counts
-    #: the policy's sketch remembers (a power of two; 4 bytes each).
+    #: the policy's sketch remembers (a power of two; 2 bytes each).
     eviction_policy: str = "frequency"
     eviction_weight: float = 1.0
     eviction_memory_chunks: int = 1 << 20

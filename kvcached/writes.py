@@ -132,7 +132,7 @@ class WritePath:
         policy = self.index.policy
         try:
             for i, h in enumerate(todo):
-                if not self.pool.can_admit(layout.chunk_bytes):
+                if policy.screens and not self.pool.can_admit(layout.chunk_bytes):
                     victim = self.index.pool_lru.peek()
                     if victim is not None and not policy.admits(h, now, victim):
                         refused = len(todo) - i  # a chunk is only stored after its whole prefix

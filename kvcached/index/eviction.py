@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Protocol
+from typing import Callable, Protocol
 
 from kvcached.index.sketch import FrequencySketch
 from kvcached.keys import ChunkHash
@@ -94,6 +94,8 @@ class EvictionPolicy(Protocol):
     """How the index ranks evictable chunks. Lower keys leave first."""
 
     name: str
+    #: Whether :meth:`admits` can ever say no (the write path skips asking otherwise).
+    screens: bool
 
     def key(self, node: Queued) -> float: ...
 
@@ -118,6 +120,7 @@ class LruPolicy:
     """Least recently used first."""
 
     name = "lru"
+    screens = False
 
     def key(self, node: Queued) -> float:
         return node.last_use
@@ -153,6 +156,7 @@ class FrequencyPolicy:
         if admission not in ADMISSIONS:
             raise ValueError(f"unknown admission {admission!r}; one of {', '.join(ADMISSIONS)}")
         self.admission = admission
+        self.screens = admission != "always"
         self.weight = float(weight)
         self.epoch_uses = int(epoch_uses)  # uses between two rate measurements; 0: a pool's worth (64..4096)
         self._fixed: float | None = None
@@ -244,16 +248,12 @@ def make_policy(name: str, *, weight: float = 1.0, scale_chunks: int = 1, memory
     raise ValueError(f"unknown eviction policy {name!r}; one of {', '.join(POLICIES)}")
 
 
-def _last_use(node: Queued) -> float:
-    return node.last_use
-
-
 class EvictionQueue:
-    """Evictable members in ``key`` order (default: last use). Not thread-safe."""
+    """Evictable members in ``key`` order (None: last use). Not thread-safe."""
 
     __slots__ = ("_bit", "_heap", "_key", "_live", "_seq")
 
-    def __init__(self, bit: int, key=_last_use) -> None:  # noqa: ANN001 - a key function
+    def __init__(self, bit: int, key: Callable[[Queued], float] | None = None) -> None:
         self._bit = bit
         self._key = key
         self._heap: list[tuple[float, int, Queued, float, int]] = []
@@ -268,7 +268,7 @@ class EvictionQueue:
 
     def key(self, node: Queued) -> float:
         """The rank ``node`` would have if pushed now (lower leaves first)."""
-        return self._key(node)
+        return node.last_use if self._key is None else self._key(node)
 
     def add(self, node: Queued) -> None:
         """Make ``node`` a member (no-op if it already is)."""
@@ -307,7 +307,8 @@ class EvictionQueue:
         return node
 
     def _push(self, node: Queued) -> None:
-        heapq.heappush(self._heap, (self._key(node), next(self._seq), node, node.last_use, node.hits))
+        key = node.last_use if self._key is None else self._key(node)
+        heapq.heappush(self._heap, (key, next(self._seq), node, node.last_use, node.hits))
         if len(self._heap) > 2 * self._live + 1024:
             self._compact()
 

@@ -99,8 +99,9 @@ class PrefixIndex:
         self._nodes: dict[ChunkHash, Node] = {}
         self.policy: EvictionPolicy = policy if policy is not None else LruPolicy()
         self.leaves = EvictionQueue(_IN_LEAVES)  # by last use: TTL expiry walks it oldest first
-        self.pool_lru = EvictionQueue(_IN_POOL_LRU, self.policy.key)
-        self.nvme_leaves = EvictionQueue(_IN_NVME_LEAVES, self.policy.key)
+        key = None if isinstance(self.policy, LruPolicy) else self.policy.key  # None: last use, inline
+        self.pool_lru = EvictionQueue(_IN_POOL_LRU, key)
+        self.nvme_leaves = EvictionQueue(_IN_NVME_LEAVES, key)
         self.pinned_in_pool = 0  # nodes with refcount > 0 and a pool copy: the pool's leased chunks
         self.newest_use = 0.0  # the latest last_use given to any node (the recency span's young end)
 
