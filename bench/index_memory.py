@@ -13,7 +13,7 @@ with its own 16 MiB-block byte offset (an int object per chunk, as in the daemon
 
 Equal records: both contenders hold the same per-chunk record (a ``kvcached.index.Node``, the
 13-slot object the engine uses) and the same incremental eviction queues under the store's
-default eviction policy, ``frequency``, whose 2 MiB count-min sketch of evicted chunks' hits is
+default eviction policy, ``frequency``, whose 8 MiB count-min sketch of evicted chunks' hits is
 counted too (pygtrie's contender subclasses ``PrefixIndex`` and only swaps the container), so
 the difference measured is the
 container: one dict entry per chunk vs one pygtrie ``_Node`` (+ its children mapping) per chunk.
@@ -157,7 +157,7 @@ def make_prompts(n_chunks: int, seed: int) -> tuple[list[list[bytes]], list[int]
 
 
 def build_flat(prompts: list[list[bytes]], shared: list[int]) -> PrefixIndex:
-    # the store's default policy: its sketch of evicted chunks' hits (2 MiB) is part of the cost
+    # the store's default policy: its sketch of evicted chunks' hits (8 MiB) is part of the cost
     index = PrefixIndex(make_policy("frequency"))
     insert, get = index.insert, index.get
     now = 0.0

@@ -124,7 +124,7 @@ class StoreConfig:
     #: the policy's sketch remembers (a power of two; 2 bytes each).
     eviction_policy: str = "frequency"
     eviction_weight: float = 1.0
-    eviction_memory_chunks: int = 1 << 20
+    eviction_memory_chunks: int = 1 << 22
     #: "always" (the default) or "frequency": refuse a new chunk that would rank below the
     #: chunk it evicts (a doorkeeper; measured to cost hit rate on document workloads).
     eviction_admission: str = "always"

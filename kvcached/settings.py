@@ -126,7 +126,7 @@ class DaemonSettings:
     writeback_wait: float = 2.0  # how long a reservation waits for room before demoting itself
     eviction_policy: str = "frequency"  # or "lru" (kvcached.index.eviction); restart to change
     eviction_weight: float = 1.0  # pool turnovers one more hit is worth (reloadable)
-    eviction_memory_chunks: int = 1 << 20  # evicted chunks whose use counts are remembered (2 B each)
+    eviction_memory_chunks: int = 1 << 22  # evicted chunks whose use counts are remembered (2 B each)
     eviction_admission: str = "always"  # or "frequency": a doorkeeper (costs hit rate on documents)
     metrics_addr: str = "127.0.0.1:9464"
     tcp_listen: str = ""  # e.g. "127.0.0.1:50551"; empty: Unix socket only

@@ -76,7 +76,7 @@ def test_stats_and_metrics_report_the_policy(make_store, clock):
     store = make_store(pool_blocks=8, nvme_chunks=None)
     lid = store.register_layout(TINY)
     e = store.stats().eviction
-    assert (e.policy, e.admission, e.weight, e.memory_chunks) == ("frequency", "always", 1.0, 1 << 20)
+    assert (e.policy, e.admission, e.weight, e.memory_chunks) == ("frequency", "always", 1.0, 1 << 22)
     assert store.stats().to_dict()["eviction"]["policy"] == "frequency"
     for k in range(6):
         serve(store, lid, clock, prompt(3, start=1000 * k))

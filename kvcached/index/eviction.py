@@ -151,7 +151,7 @@ class FrequencyPolicy:
 
     name = "frequency"
 
-    def __init__(self, *, weight: float = 1.0, scale_chunks: int = 1, memory_chunks: int = 1 << 20,
+    def __init__(self, *, weight: float = 1.0, scale_chunks: int = 1, memory_chunks: int = 1 << 22,
                  admission: str = "always", epoch_uses: int = 0) -> None:
         if admission not in ADMISSIONS:
             raise ValueError(f"unknown admission {admission!r}; one of {', '.join(ADMISSIONS)}")
@@ -236,7 +236,7 @@ class FrequencyPolicy:
                 "sketch_bytes": self.sketch.nbytes}
 
 
-def make_policy(name: str, *, weight: float = 1.0, scale_chunks: int = 1, memory_chunks: int = 1 << 20,
+def make_policy(name: str, *, weight: float = 1.0, scale_chunks: int = 1, memory_chunks: int = 1 << 22,
                 admission: str = "always") -> LruPolicy | FrequencyPolicy:
     if name == "lru":
         if admission != "always":
