@@ -18,6 +18,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(REPO_ROOT, "bench", "results")
+#: The Mooncake FAST'25 traces: ../shared/traces beside the repository (as on the dev machines and
+#: in CI); override with KVCACHED_TRACES=/path/to/mooncake-fast25.
+TRACE_DIR = os.environ.get("KVCACHED_TRACES", os.path.join(REPO_ROOT, "..", "shared", "traces", "mooncake-fast25"))
 
 if REPO_ROOT not in sys.path:  # make ``import kvcached`` work without installing the package
     sys.path.insert(0, REPO_ROOT)

@@ -90,14 +90,7 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import RESULTS_DIR, format_table, write_json
-
-# ../shared/traces beside the repository (as on the dev machines and in CI); override with
-# KVCACHED_TRACES=/path/to/mooncake-fast25. Same as bench/trace_replay.py.
-TRACE_DIR = os.environ.get(
-    "KVCACHED_TRACES",
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "traces", "mooncake-fast25"),
-)
+from _common import RESULTS_DIR, TRACE_DIR, format_table, write_json
 TRACES = ("conversation", "synthetic")
 BLOCK = 512
 CAPACITIES = (1_000, 10_000, 30_000, 50_000)

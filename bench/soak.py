@@ -70,16 +70,22 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import REPO_ROOT, RESULTS_DIR, Daemon, client_path, format_table, install_sigterm_exit, percentile, write_json
+from _common import (
+    REPO_ROOT,
+    RESULTS_DIR,
+    TRACE_DIR,
+    Daemon,
+    client_path,
+    format_table,
+    install_sigterm_exit,
+    percentile,
+    write_json,
+)
 
 client_path()
 
 import numpy as np
 
-TRACE_DIR = os.environ.get(
-    "KVCACHED_TRACES",
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "traces", "mooncake-fast25"),
-)
 BLOCK = 512  # tokens per trace block = chunk_tokens of both models
 CHUNK_BYTES = 16 * 1024
 RPC_TIMEOUT = 10.0  # what the client library passes on every call

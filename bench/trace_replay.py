@@ -60,19 +60,13 @@ from collections import OrderedDict
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np
-from _common import RESULTS_DIR, format_table, write_json
+from _common import RESULTS_DIR, TRACE_DIR, format_table, write_json
 
 from kvcached.config import StoreConfig
 from kvcached.errors import TierFull
 from kvcached.keys import KVLayout
 from kvcached.store import Store
 
-# ../shared/traces beside the repository (as on the dev machines and in CI); override with
-# KVCACHED_TRACES=/path/to/mooncake-fast25.
-TRACE_DIR = os.environ.get(
-    "KVCACHED_TRACES",
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "traces", "mooncake-fast25"),
-)
 TRACES = ("conversation", "synthetic")
 BLOCK = 512
 CAPACITIES = (1_000, 10_000, 30_000, 50_000, 100_000, None)  # None = infinite
