@@ -90,7 +90,7 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import RESULTS_DIR, TRACE_DIR, format_table, write_json
+from _common import REPO_ROOT, RESULTS_DIR, TRACE_DIR, format_table, write_json
 TRACES = ("conversation", "synthetic")
 BLOCK = 512
 CAPACITIES = (1_000, 10_000, 30_000, 50_000)
@@ -595,7 +595,7 @@ def run(args: argparse.Namespace) -> dict:
         names.insert(0, "lru")  # the over_lru denominator
     out: dict = {
         "question": " ".join(__doc__.strip().split("\n\n")[0].split()),
-        "trace_dir": os.path.abspath(TRACE_DIR),
+        "trace_dir": os.path.relpath(TRACE_DIR, REPO_ROOT),  # repo-relative: no machine path in results
         "seed": SEED,
         "engine_default": ENGINE_DEFAULT,
         "descriptions": {n: CONTENDERS[n][2] for n in names},

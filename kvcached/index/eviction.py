@@ -63,8 +63,9 @@ oracle admission + LRU     0.36 / 0.89  0.41 / 0.84  knows which chunks come bac
   the chunks that will ever be used again reaches 0.36 / 0.41 under LRU. The optimum's edge
   there is knowing *when* a chunk returns. At 10k, admission is what is missing (the oracle
   reaches 0.89), but no signal seen at a chunk's first use predicts its reuse on the
-  conversation trace (depth, position, request length, parent's count, output length: 0.12-0.43
-  reuse probability against 0.26 overall).
+  conversation trace (its parent's count, its distance from the prompt's end, the prompt's
+  number of new chunks, the request's output length: 0.12-0.43 reuse probability, against 0.26
+  overall).
 
 Not thread-safe: the owning index's caller holds the store lock.
 """

@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import secrets
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, TypeVar
@@ -86,7 +87,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         self.bypass_generation_tokens = bypass_generation_tokens
         self.call_timeout = call_timeout
         self.listen = listen
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvcached-store")
+        self._pool = _started_pool(workers)
         self._sessions: dict[str, str] = {}  # session id -> client name
         self._started = time.monotonic()
         self.fallbacks = 0  # inline attempts that went to a worker thread (for stats)
@@ -366,6 +367,18 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
 
     async def Ping(self, request: pb.PingRequest, context) -> pb.PingResponse:
         return pb.PingResponse()
+
+
+def _started_pool(workers: int) -> ThreadPoolExecutor:
+    """The store's worker threads, all started now. A ThreadPoolExecutor starts them one by one as
+    load first needs them; started up front, the daemon's thread count is fixed from the first
+    request on, so growth in it (``kvcachectl``, the soak's check) means a leak, not warm-up."""
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvcached-store")
+    everyone = threading.Barrier(workers + 1)
+    for _ in range(workers):
+        pool.submit(everyone.wait)  # each task holds its thread until all of them run
+    everyone.wait(timeout=30)
+    return pool
 
 
 def _log_session_end(sid: str, name: str, fut: "asyncio.Future[Any]") -> None:
