@@ -1,0 +1,243 @@
+"""The remote tier: chunks shared by every host of a trust domain, in Redis (Cluster or one node).
+
+This module is the tier's data path only (issue 17 wires it under NVMe): probe how many leading
+chunks of a prompt the remote holds, fetch and verify them, publish chunks. It knows nothing of
+the index or of when chunks should go there.
+
+* One key and one value per chunk (:mod:`kvcached.tiers.remote_codec`), every key with a TTL
+  (``ttl``) so that Redis's ``volatile-*`` eviction policies can make room.
+* A probe or a fetch is one pipelined round trip per node: chained hashes give every key of a
+  prompt up front, and redis-py's cluster pipeline groups the commands by the node that owns
+  their slot.
+* **Fail-open.** Nothing here raises a Redis error to its caller: an unreachable, slow or
+  failing-over Redis is a miss (``probe`` 0, ``fetch`` nothing, ``publish`` False), counted in
+  ``stats`` and logged. After ``breaker_failures`` failures in a row the breaker opens and the
+  tier stops calling Redis for ``breaker_cooldown`` seconds; then one call is let through
+  (half-open) and success closes it again. Timeouts bound every call (``timeout``).
+* A value is served only after :func:`kvcached.tiers.remote_codec.decode` accepts it (MAC,
+  header, length, checksum); a refused value is counted by reason, logged, and ends the fetch
+  there (a chunk is only usable with its whole prefix).
+
+Thread-safety: the redis-py clients are thread-safe (a connection pool); the counters and the
+breaker are guarded by one small lock. Calls block: callers run them off the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcached.keys import ChunkHash, LayoutId
+from kvcached.tiers.base import ChunkMeta
+from kvcached.tiers.remote_codec import RemoteValueRefused, decode, encode, remote_key
+
+log = logging.getLogger("kvcached.remote")
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """Where the remote tier is and how it behaves. ``nodes`` are ``host:port`` strings: one for a
+    single Redis, several (any subset of the cluster's) with ``cluster``."""
+
+    nodes: tuple[str, ...]
+    domain: str
+    cluster: bool = False
+    username: str | None = None
+    password: str | None = None
+    ttl: float = 3600.0
+    timeout: float = 0.5
+    breaker_failures: int = 3
+    breaker_cooldown: float = 5.0
+    ssl: bool = False
+    ssl_ca_certs: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.nodes:
+            raise ValueError("the remote tier needs at least one Redis node (host:port)")
+        for n in self.nodes:
+            host, _, port = n.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"a remote node is host:port, not {n!r}")
+        if self.ttl <= 0 or self.timeout <= 0 or self.breaker_cooldown < 0 or self.breaker_failures < 1:
+            raise ValueError("remote ttl and timeout must be positive, the breaker's failures >= 1")
+
+
+@dataclass
+class RemoteStats:
+    hits: int = 0  # chunks fetched and verified
+    misses: int = 0  # chunks looked for and not there (or not usable)
+    bytes_fetched: int = 0
+    bytes_published: int = 0
+    published: int = 0
+    errors: int = 0  # calls that failed (connection, timeout, cluster down)
+    skipped_open: int = 0  # calls not made because the breaker was open
+    refused: dict[str, int] = field(default_factory=dict)  # values not served, by reason
+    breaker_opened: int = 0
+
+
+class Breaker:
+    """Closed -> (``failures`` in a row) -> open for ``cooldown`` s -> half-open: one trial call."""
+
+    def __init__(self, failures: int, cooldown: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.failures = failures
+        self.cooldown = cooldown
+        self._clock = clock
+        self._row = 0
+        self._opened_at: float | None = None
+        self._trial = False
+
+    @property
+    def state(self) -> str:
+        if self._opened_at is None:
+            return "closed"
+        return "half_open" if self._clock() - self._opened_at >= self.cooldown else "open"
+
+    def allow(self) -> bool:
+        """Whether a call may go out now (in half-open, only one at a time)."""
+        if self._opened_at is None:
+            return True
+        if self._clock() - self._opened_at < self.cooldown or self._trial:
+            return False
+        self._trial = True
+        return True
+
+    def success(self) -> None:
+        self._row = 0
+        self._opened_at = None
+        self._trial = False
+
+    def failure(self) -> bool:
+        """Count a failure; True if this opened the breaker."""
+        self._row += 1
+        reopened = self._opened_at is not None and self._trial
+        self._trial = False
+        if reopened or (self._opened_at is None and self._row >= self.failures):
+            self._opened_at = self._clock()
+            return True
+        return False
+
+
+class RemoteRedisTier:
+    def __init__(self, config: RemoteConfig, mac_key: bytes, *, clock: Callable[[], float] = time.monotonic,
+                 client: Any = None) -> None:
+        self.config = config
+        self._key = mac_key
+        self._lock = threading.Lock()
+        self.stats = RemoteStats()
+        self.breaker = Breaker(config.breaker_failures, config.breaker_cooldown, clock)
+        self._client = client  # made on first use: a cluster client connects when made, and may fail
+
+    def close(self) -> None:
+        if self._client is None:
+            return
+        try:
+            self._client.close()
+        except Exception:  # noqa: BLE001 - closing a dead connection must not raise
+            pass
+
+    # -- the data path ---------------------------------------------------------------------------
+
+    def probe(self, layout_id: LayoutId, hashes: Sequence[ChunkHash]) -> int:
+        """How many leading chunks of ``hashes`` the remote holds (0 when it cannot tell)."""
+        if not hashes:
+            return 0
+        found = self._pipelined("probe", lambda p: [p.exists(self._name(layout_id, h)) for h in hashes])
+        if found is None:
+            return 0
+        n = 0
+        for f in found:
+            if not f:
+                break
+            n += 1
+        return n
+
+    def fetch(self, layout_id: LayoutId, hashes: Sequence[ChunkHash], chunk_bytes: int) -> list[memoryview]:
+        """The verified payloads of the leading chunks of ``hashes`` the remote holds, in order;
+        stops at the first one missing or refused."""
+        if not hashes:
+            return []
+        values = self._pipelined("fetch", lambda p: [p.get(self._name(layout_id, h)) for h in hashes])
+        out: list[memoryview] = []
+        if values is None:
+            return out
+        for h, v in zip(hashes, values):
+            if v is None:
+                break
+            try:
+                out.append(decode(v, h, layout_id, self._key, chunk_bytes))
+            except RemoteValueRefused as e:
+                with self._lock:
+                    self.stats.refused[e.reason] = self.stats.refused.get(e.reason, 0) + 1
+                log.warning("remote chunk %s refused: %s", h.hex()[:16], e,
+                            extra={"event": "remote_refused", "reason": e.reason})
+                break
+        with self._lock:
+            self.stats.hits += len(out)
+            self.stats.misses += len(hashes) - len(out)
+            self.stats.bytes_fetched += sum(len(p) for p in out)
+        return out
+
+    def publish(self, chunks: Sequence[tuple[ChunkMeta, bytes | memoryview]]) -> bool:
+        """Store ``chunks`` (meta, payload), each with the TTL; False if Redis could not be reached."""
+        if not chunks:
+            return True
+        ttl = max(1, int(self.config.ttl))
+        values = [(self._name(m.layout_id, m.chunk_hash), encode(m, p, self._key)) for m, p in chunks]
+        done = self._pipelined("publish", lambda p: [p.set(k, v, ex=ttl) for k, v in values])
+        if done is None:
+            return False
+        with self._lock:
+            self.stats.published += len(values)
+            self.stats.bytes_published += sum(len(v) for _, v in values)
+        return True
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _name(self, layout_id: LayoutId, h: ChunkHash) -> str:
+        return remote_key(self.config.domain, layout_id, h)
+
+    def _pipelined(self, what: str, queue: Callable[[Any], object]) -> list[Any] | None:
+        """Run the commands ``queue`` adds to a pipeline; None (counted, logged) on any failure."""
+        with self._lock:
+            if not self.breaker.allow():
+                self.stats.skipped_open += 1
+                return None
+        try:
+            if self._client is None:
+                self._client = _make_client(self.config)
+            pipe = self._client.pipeline(transaction=False)
+            queue(pipe)
+            result = pipe.execute()
+        except Exception as e:  # noqa: BLE001 - fail-open: any Redis trouble is a miss
+            with self._lock:
+                self.stats.errors += 1
+                opened = self.breaker.failure()
+                if opened:
+                    self.stats.breaker_opened += 1
+            log.warning("remote %s failed: %s: %s%s", what, type(e).__name__, e,
+                        "; the breaker is open" if opened else "",
+                        extra={"event": "remote_error", "op": what})
+            return None
+        with self._lock:
+            self.breaker.success()
+        return result
+
+
+def _make_client(config: RemoteConfig) -> Any:
+    import redis  # the remote extra; only a daemon with a remote tier needs it
+
+    common: dict[str, Any] = dict(username=config.username, password=config.password,
+                                  socket_timeout=config.timeout, socket_connect_timeout=config.timeout)
+    if config.ssl:
+        common.update(ssl=True, ssl_ca_certs=config.ssl_ca_certs)
+    nodes = [(n.rpartition(":")[0], int(n.rpartition(":")[2])) for n in config.nodes]
+    if config.cluster:
+        from redis.cluster import ClusterNode, RedisCluster
+
+        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], **common)
+    host, port = nodes[0]
+    return redis.Redis(host=host, port=port, **common)
