@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -128,6 +129,12 @@ class StoreConfig:
     #: "always" (the default) or "frequency": refuse a new chunk that would rank below the
     #: chunk it evicts (a doorkeeper; measured to cost hit rate on document workloads).
     eviction_admission: str = "always"
+    #: The remote tier (kvcached.tiers.remote_redis.RemoteConfig; its domain is this one's), or
+    #: None. ``remote_write``: "async" publishes committed chunks in the background, "off" only
+    #: reads; ``remote_queue_chunks`` bounds what waits to be published.
+    remote: Any = None
+    remote_write: str = "async"
+    remote_queue_chunks: int = 4096
     #: Tier file permissions; the daemon derives them from the domain's socket.
     file_access: FileAccess = field(default_factory=FileAccess)
 
@@ -149,6 +156,10 @@ class StoreConfig:
             raise ValueError("hash_memo_bytes must be >= 0")
         if self.eviction_policy not in ("frequency", "lru"):
             raise ValueError(f"eviction_policy must be frequency or lru, not {self.eviction_policy!r}")
+        if self.remote_write not in ("async", "off"):
+            raise ValueError(f"remote_write must be async or off, not {self.remote_write!r}")
+        if self.remote_queue_chunks < 1:
+            raise ValueError("remote_queue_chunks must be >= 1")
         if self.eviction_admission not in ("always", "frequency"):
             raise ValueError(f"eviction_admission must be always or frequency, not {self.eviction_admission!r}")
         if self.eviction_admission != "always" and self.eviction_policy != "frequency":

@@ -49,6 +49,7 @@ class Counters:
     not_reserved_chunks: int = 0  # chunks a reservation could not get room for (reported, not an error)
     admitted_chunks: int = 0  # chunks a reservation got pool room for (the admission decision: yes)
     refused_value_chunks: int = 0  # ...refused by the admission policy: worth less than their victims
+    remote_filled_chunks: int = 0  # chunks fetched from the remote tier (verified) and stored here
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ from kvcached.receipts import (
 from kvcached.rebuild import rebuild_index
 from kvcached.reads import ReadPath
 from kvcached.writes import WritePath
+from kvcached.publish import RemotePublisher
 from kvcached.stats import (
     Counters,
     EvictionStats,
@@ -79,6 +80,8 @@ from kvcached.stats import (
 )
 from kvcached.tiers.nvme import NvmeTier
 from kvcached.tiers.packed import PoolHandle
+from kvcached.tiers.remote_codec import mac_key
+from kvcached.tiers.remote_redis import RemoteRedisTier
 from kvcached.tiers.registry import make_pool
 from kvcached.writeback import WriteBack
 
@@ -97,7 +100,14 @@ class Store:
         os.makedirs(config.state_dir, mode=0o700, exist_ok=True)
         config.file_access.open_parent(config.state_dir)  # clients reach nvme/<domain> through it
         self._lockfile = _lock_state_dir(config.state_dir, config.domain)
-        self._hasher = ChunkHasher(load_or_create_key(os.path.join(config.state_dir, "hash.key")))
+        domain_key = load_or_create_key(os.path.join(config.state_dir, "hash.key"))
+        self._hasher = ChunkHasher(domain_key)
+        self.remote: RemoteRedisTier | None = None
+        self.publisher: RemotePublisher | None = None
+        if config.remote is not None:  # hosts sharing it share the hash key: same hashes, same MAC key
+            self.remote = RemoteRedisTier(dataclasses.replace(config.remote, domain=config.domain), mac_key(domain_key))
+            if config.remote_write == "async":
+                self.publisher = RemotePublisher(self, max_queue=config.remote_queue_chunks)
         self._memo = HashMemo(config.hash_memo_bytes)
         self._layouts: dict[LayoutId, tuple[KVLayout, ChunkHash]] = {}
         self.index = PrefixIndex(make_policy(config.eviction_policy, weight=config.eviction_weight,
@@ -141,6 +151,8 @@ class Store:
         self._inline = False  # True while run_inline() holds the lock: disk I/O must not start
         if self.writeback is not None and config.writeback:
             self.writeback.start()
+        if self.publisher is not None:
+            self.publisher.start()
 
     # -- layouts ------------------------------------------------------------------
 
@@ -249,8 +261,11 @@ class Store:
         tier NVME for the caller to read from the LMDB file itself. A lease
         with zero chunks is still a valid lease (release it like any other),
         unless ``keep_empty`` is False: then no lease is made and the receipt's
-        id is empty.
+        id is empty. With a remote tier, the chunks after the local prefix are looked for
+        there first (:meth:`_fill_from_remote`).
         """
+        if self.remote is not None and promote:
+            self._remote_first(layout_id, tokens)
         with self._lock:
             self._check_admitting()
             return self._acquire(layout_id, self.hashes(layout_id, tokens), session, ttl, max_chunks, promote,
@@ -444,6 +459,8 @@ class Store:
         the write-back thread, with the lock released); the lease then pins the prefix the
         reservation found, which the reservation's own parent pin keeps in place.
         """
+        if self.remote is not None and promote and not no_cache:
+            self._remote_first(layout_id, tokens)
         with self._lock:
             self._check_admitting()
             hashes = self.hashes(layout_id, tokens)
@@ -490,12 +507,63 @@ class Store:
                chunks: int | None = None) -> CommitReceipt:
         """Make the written chunks visible. ``chunks`` commits only the first N (the rest are aborted).
         With ``session`` (the service always passes the caller's), only that session's reservation."""
+        return self._commit(reservation_id, session, chunks, publish=True)
+
+    def _commit(self, reservation_id: ReservationId, session: SessionId | None, chunks: int | None, *,
+                publish: bool) -> CommitReceipt:
         with self._lock:
             self._check_open()
+            entry = self.writes.reservations.get(reservation_id) if self.publisher is not None else None
             r = self.writes.commit(reservation_id, chunks, self._clock(), session)
             if self.writeback is not None:
                 self.writeback.kick()
+            if publish and entry is not None and r.committed_chunks:
+                self.publisher.offer(entry.payload.hashes[: r.committed_chunks])
             return r
+
+    def _remote_first(self, layout_id: LayoutId, tokens: TokenInput) -> None:
+        """Before an acquire: fill from the remote tier what the local tiers lack. On the event
+        loop's inline path that would be network I/O under the lock: WouldBlock instead (the call
+        moves to a worker thread), unless everything is cached locally anyway."""
+        if self._inline:
+            with self._lock:
+                hashes = self.hashes(layout_id, tokens)
+                if len(self.index.match(hashes)) < len(hashes):
+                    raise WouldBlock
+            return
+        self._fill_from_remote(layout_id, tokens)
+
+    def _fill_from_remote(self, layout_id: LayoutId, tokens: TokenInput) -> int:
+        """Fetch the chunks after the locally cached prefix from the remote tier, verified, and
+        store them here (pool, then NVMe as any chunk), so the acquire that follows finds them.
+        The network round trips run without the store lock. Returns the chunks stored; 0 on any
+        remote trouble (the remote tier fails open)."""
+        assert self.remote is not None
+        with self._lock:
+            self._check_admitting()
+            hashes = self.hashes(layout_id, tokens)
+            layout = self._layouts[layout_id][0]
+            k = len(self.index.match(hashes))
+        if k >= len(hashes):
+            return 0
+        payloads = self.remote.fetch(layout_id, hashes[k:], layout.chunk_bytes)
+        if not payloads:
+            return 0
+        n = k + len(payloads)
+        prefix = normalize_tokens(tokens, layout.vocab_size)[: n * layout.chunk_tokens * 4]
+        r = self.reserve(layout_id, prefix, open_empty=False)
+        if not r.opened:
+            return 0
+        try:
+            for loc in r.slots:  # positions k..n-1 (or fewer, if another writer got there first)
+                self.write_reserved(r.reservation_id, loc.position, payloads[loc.position - k])
+        except BaseException:
+            self.abort(r.reservation_id)
+            raise
+        c = self._commit(r.reservation_id, None, None, publish=False)  # it came from there
+        with self._lock:
+            self.counters.remote_filled_chunks += c.committed_chunks
+        return c.committed_chunks
 
     def abort(self, reservation_id: ReservationId, session: SessionId | None = None) -> bool:
         """Free a reservation's pool room. Idempotent: False if it was already closed (or, with
@@ -722,6 +790,10 @@ class Store:
         """Release everything and close the tiers. Pool-only chunks are lost unless flushed."""
         if self.writeback is not None:
             self.writeback.stop()  # outside the lock: it joins a thread that takes the lock
+        if self.publisher is not None:
+            self.publisher.stop()
+        if self.remote is not None:
+            self.remote.close()
         with self._lock:
             if self._closed:
                 return

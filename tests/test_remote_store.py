@@ -1,0 +1,101 @@
+"""Two stores ("host A", "host B": separate state dirs and pools, the same domain key) sharing a
+real redis-server: what A commits, B acquires with identical bytes, from the remote first and
+from its own tiers after; different keys never match; a dead Redis is a miss, never an error."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from kvcached.config import StoreConfig
+from kvcached.store import Store
+from kvcached.tiers.record import HEADER_SIZE
+from kvcached.tiers.remote_redis import RemoteConfig
+from tests.conftest import TINY, payload, prompt
+from tests.redis_servers import REDIS_CLI, REDIS_SERVER, RedisServer, free_ports
+from tests.requirements import require
+
+try:
+    import redis
+except ImportError:  # pragma: no cover - the bench extra has it
+    redis = None
+
+CT = TINY.chunk_tokens
+
+
+@pytest.fixture
+def server(tmp_path):
+    require(redis is not None, "redis-py missing: scripts/setup installs it with the bench extra")
+    require(REDIS_SERVER and REDIS_CLI, "redis-server / redis-cli missing (Debian's redis-server package)")
+    srv = RedisServer(free_ports(1)[0], str(tmp_path / "redis")).start()
+    yield srv
+    srv.stop()
+
+
+def host(tmp_path, name: str, srv: RedisServer, key_from: str | None = None, **kw) -> Store:
+    state = str(tmp_path / name)
+    if key_from is not None:  # the same domain key file on every host of the domain
+        os.makedirs(state, exist_ok=True)
+        shutil.copy(os.path.join(key_from, "hash.key"), os.path.join(state, "hash.key"))
+    cfg = StoreConfig(state_dir=state, pool_bytes=TINY.chunk_bytes * 16,
+                      nvme_bytes=(TINY.chunk_bytes + HEADER_SIZE) * 64, writeback=False,
+                      remote=RemoteConfig(nodes=(f"127.0.0.1:{srv.port}",), domain="ignored", timeout=0.3), **kw)
+    return Store(cfg)
+
+
+def test_a_chunk_stored_on_host_a_is_served_on_host_b(tmp_path, server):
+    a = host(tmp_path, "a", server)
+    b = host(tmp_path, "b", server, key_from=a.config.state_dir)
+    try:
+        toks = prompt(4)
+        lid = a.register_layout(TINY)
+        assert b.register_layout(TINY) == lid
+        a.put(lid, toks, [payload(i) for i in range(4)])
+        assert a.publisher is not None
+        a.publisher.drain()  # the background thread may have sent some already
+        assert a.remote.stats.published == 4
+        lease = b.acquire(lid, toks)
+        assert lease.matched_tokens == 4 * CT
+        assert [bytes(b.pool.read(c.chunk_hash)) for c in lease.chunks] == [payload(i) for i in range(4)]
+        b.release(lease.lease_id)
+        assert b.stats().counters.remote_filled_chunks == 4 and b.remote.stats.hits == 4
+        assert b.stats().counters.hit_tokens >= 4 * CT  # B's own hit counters say so
+        assert len(b.publisher) == 0  # fetched chunks are not published back
+        lease = b.acquire(lid, toks)  # now from B's own tiers: no remote round trip
+        assert lease.matched_tokens == 4 * CT and b.remote.stats.hits == 4
+        b.release(lease.lease_id)
+        b.index.check_invariants()
+    finally:
+        a.close(), b.close()
+
+
+def test_hosts_with_different_domain_keys_never_match(tmp_path, server):
+    a = host(tmp_path, "a", server)
+    b = host(tmp_path, "b", server)  # its own generated key
+    try:
+        lid = a.register_layout(TINY)
+        b.register_layout(TINY)
+        a.put(lid, prompt(3), [payload(i) for i in range(3)])
+        a.publisher.drain()
+        lease = b.acquire(lid, prompt(3))
+        assert lease.matched_tokens == 0 and b.stats().counters.remote_filled_chunks == 0
+    finally:
+        a.close(), b.close()
+
+
+def test_a_dead_redis_is_a_miss_never_an_error(tmp_path, server):
+    a = host(tmp_path, "a", server)
+    try:
+        lid = a.register_layout(TINY)
+        server.kill()
+        a.put(lid, prompt(2), [payload(i) for i in range(2)])  # committing still works
+        a.publisher.drain()
+        assert a.remote.stats.published == 0  # nothing could be published, nothing raised
+        lease = a.acquire(lid, prompt(4))  # 2 cached here, the rest looked for remotely: a miss
+        assert lease.matched_tokens == 2 * CT
+        a.release(lease.lease_id)
+        assert a.remote.stats.errors >= 1
+    finally:
+        a.close()
