@@ -128,6 +128,16 @@ class DaemonSettings:
     eviction_weight: float = 1.0  # pool turnovers one more hit is worth (reloadable)
     eviction_memory_chunks: int = 1 << 22  # evicted chunks whose use counts are remembered (2 B each)
     eviction_admission: str = "always"  # or "frequency": a doorkeeper (costs hit rate on documents)
+    # The remote tier (Redis / Redis Cluster, kvcached.tiers.remote_redis); off while remote_nodes is "".
+    remote_nodes: str = ""  # "host:port,host:port" (any nodes of a cluster)
+    remote_cluster: bool = False
+    remote_username: str = ""  # the domain's Redis ACL user (~kvc:<domain>:*)
+    remote_password_file: str = ""  # readable by the daemon only (mode 0600/0400)
+    remote_ttl: float = 0.0  # 0: cache_ttl
+    remote_timeout: float = 0.5
+    remote_write: str = "async"  # or "off"
+    remote_tls: bool = False
+    remote_tls_ca: str = ""
     metrics_addr: str = "127.0.0.1:9464"
     tcp_listen: str = ""  # e.g. "127.0.0.1:50551"; empty: Unix socket only
     tls_cert: str = ""
@@ -227,8 +237,37 @@ class DaemonSettings:
             eviction_weight=self.eviction_weight,
             eviction_memory_chunks=self.eviction_memory_chunks,
             eviction_admission=self.eviction_admission,
+            remote=self.remote_config(),
+            remote_write=self.remote_write,
             file_access=FileAccess.for_socket(self.socket_mode, self.socket_gid()),
         )
+
+    def remote_config(self) -> Any:
+        """This domain's RemoteConfig, or None without ``remote_nodes``. The password file must be
+        readable by its owner only: a credential others can read is refused, not used."""
+        if not self.remote_nodes.strip():
+            return None
+        from kvcached.tiers.remote_redis import RemoteConfig
+
+        password = None
+        if self.remote_password_file:
+            try:
+                st = os.stat(self.remote_password_file)
+                if st.st_mode & 0o077:
+                    raise SettingsError(f"remote_password_file {self.remote_password_file} is readable by others "
+                                        f"(mode {oct(st.st_mode & 0o777)}); chmod 600 it")
+                with open(self.remote_password_file) as f:
+                    password = f.read().strip()
+            except OSError as e:
+                raise SettingsError(f"remote_password_file: {e}") from None
+        try:
+            return RemoteConfig(
+                nodes=tuple(n.strip() for n in self.remote_nodes.split(",") if n.strip()), domain=self.domain,
+                cluster=self.remote_cluster, username=self.remote_username or None, password=password,
+                ttl=self.remote_ttl or self.cache_ttl, timeout=self.remote_timeout, ssl=self.remote_tls,
+                ssl_ca_certs=self.remote_tls_ca or None)
+        except ValueError as e:
+            raise SettingsError(str(e)) from None
 
     def socket_gid(self) -> int:
         """The socket group's gid (-1: not set); it also owns the domain's tier files."""
@@ -311,6 +350,8 @@ DOMAIN_KEYS = frozenset({
     "max_prompt_tokens", "hash_memo_bytes", "bypass_generation_tokens", "max_sessions", "max_leases_per_session",
     "max_reservations_per_session", "writeback", "writeback_low", "writeback_high", "writeback_batch_bytes",
     "writeback_wait", "eviction_policy", "eviction_weight", "eviction_memory_chunks", "eviction_admission",
+    "remote_nodes", "remote_cluster", "remote_username", "remote_password_file", "remote_ttl", "remote_timeout",
+    "remote_write", "remote_tls", "remote_tls_ca",
 })
 
 

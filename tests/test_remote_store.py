@@ -99,3 +99,27 @@ def test_a_dead_redis_is_a_miss_never_an_error(tmp_path, server):
         assert a.remote.stats.errors >= 1
     finally:
         a.close()
+
+
+def test_daemon_settings_make_the_remote_config(tmp_path):
+    from kvcached.settings import SettingsError, load_settings
+
+    pw = tmp_path / "redis.pw"
+    pw.write_text("s3cret\n")
+    pw.chmod(0o600)
+    s = load_settings(None, {"state_dir": str(tmp_path), "domain": "tenant-a", "remote_nodes": "10.0.0.1:7000, 10.0.0.2:7001",
+                             "remote_cluster": True, "remote_username": "kvc-a", "remote_password_file": str(pw)})
+    cfg = s.store_config(1 << 20)
+    r = cfg.remote
+    assert r.nodes == ("10.0.0.1:7000", "10.0.0.2:7001") and r.cluster and r.domain == "tenant-a"
+    assert (r.username, r.password, r.ttl) == ("kvc-a", "s3cret", s.cache_ttl)  # the TTL defaults to cache_ttl
+    assert cfg.remote_write == "async"
+    assert load_settings(None, {"state_dir": str(tmp_path)}).store_config(1 << 20).remote is None  # off by default
+    pw.chmod(0o644)
+    with pytest.raises(SettingsError, match="readable by others"):
+        s.store_config(1 << 20)
+    with pytest.raises(SettingsError, match="host:port"):
+        load_settings(None, {"state_dir": str(tmp_path), "remote_nodes": "no-port"}).store_config(1 << 20)
+    with pytest.raises((SettingsError, ValueError)):
+        load_settings(None, {"state_dir": str(tmp_path), "remote_nodes": "h:1", "remote_write": "sometimes"}
+                      ).store_config(1 << 20)
