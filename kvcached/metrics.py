@@ -131,6 +131,27 @@ class StoreCollector:
         adm.add_metric([dom, "admitted", ""], c.admitted_chunks)
         adm.add_metric([dom, "refused", "value"], c.refused_value_chunks)
         adm.add_metric([dom, "refused", "no_room"], c.not_reserved_chunks)
+        if s.remote is not None:
+            rt = s.remote
+            for name, doc, value in (
+                ("kvcached_remote_hits", "Chunks fetched from the remote tier and verified", rt.hits),
+                ("kvcached_remote_misses", "Chunks looked for in the remote tier and not usable there", rt.misses),
+                ("kvcached_remote_fetched_bytes", "Payload bytes fetched from the remote tier", rt.bytes_fetched),
+                ("kvcached_remote_published_bytes", "Value bytes published to the remote tier", rt.bytes_published),
+                ("kvcached_remote_published_chunks", "Chunks published to the remote tier", rt.published),
+                ("kvcached_remote_errors", "Remote tier calls that failed (each a miss)", rt.errors),
+                ("kvcached_remote_skipped", "Remote tier calls not made: the breaker was open", rt.skipped_open),
+                ("kvcached_remote_breaker_opened", "Times the remote tier's breaker opened", rt.breaker_opened),
+                ("kvcached_remote_queue_dropped", "Chunks dropped from a full publish queue", rt.queue_dropped),
+            ):
+                counter(name, doc).add_metric([dom], value)
+            refused = counter("kvcached_remote_refused", "Remote values not served, by reason", ("reason",))
+            for reason in ("mac", "truncated", "header", "length", "checksum"):
+                refused.add_metric([dom, reason], rt.refused.get(reason, 0))
+            br = gauge("kvcached_remote_breaker_state", "The remote tier's breaker (1 = in this state)", ("state",))
+            for state in ("closed", "open", "half_open"):
+                br.add_metric([dom, state], 1 if rt.breaker_state == state else 0)
+            gauge("kvcached_remote_queue_depth", "Chunks waiting to be published").add_metric([dom], rt.queue_depth)
         if s.eviction is not None:
             e = s.eviction
             gauge("kvcached_eviction_policy", "The eviction policy in use (1)", ("policy", "admission")).add_metric(

@@ -107,6 +107,24 @@ class EvictionStats:
 
 
 @dataclass(frozen=True)
+class RemoteTierStats:
+    """The remote tier (kvcached.tiers.remote_redis) and its publisher (kvcached.publish)."""
+
+    hits: int
+    misses: int
+    bytes_fetched: int
+    bytes_published: int
+    published: int
+    errors: int
+    skipped_open: int
+    breaker_state: str  # closed / open / half_open
+    breaker_opened: int
+    refused: dict = field(default_factory=dict)  # reason -> values not served
+    queue_depth: int = 0
+    queue_dropped: int = 0
+
+
+@dataclass(frozen=True)
 class StoreStats:
     domain: str
     layouts: int
@@ -119,6 +137,7 @@ class StoreStats:
     counters: Counters = field(default_factory=Counters)
     hash_memo: HashMemoStats | None = None
     eviction: EvictionStats | None = None
+    remote: RemoteTierStats | None = None
 
     @property
     def hit_rate(self) -> float:

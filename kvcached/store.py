@@ -76,6 +76,7 @@ from kvcached.stats import (
     HitRateHistory,
     NvmeStats,
     PoolStats,
+    RemoteTierStats,
     StoreStats,
 )
 from kvcached.tiers.nvme import NvmeTier
@@ -742,7 +743,16 @@ class Store:
                 self._leases.sessions(), pstats, nstats, Counters(**vars(self.counters)),
                 HashMemoStats(len(m), m.bytes, m.max_bytes, m.hit_chunks, m.missed_chunks),
                 self._eviction_stats(),
+                self._remote_stats(),
             )
+
+    def _remote_stats(self) -> RemoteTierStats | None:
+        if self.remote is None:
+            return None
+        r, p = self.remote.stats, self.publisher
+        return RemoteTierStats(r.hits, r.misses, r.bytes_fetched, r.bytes_published, r.published, r.errors,
+                               r.skipped_open, self.remote.breaker.state, r.breaker_opened, dict(r.refused),
+                               len(p) if p is not None else 0, p.dropped if p is not None else 0)
 
     def _eviction_stats(self) -> EvictionStats:
         d = self.index.policy.describe()

@@ -123,3 +123,32 @@ def test_daemon_settings_make_the_remote_config(tmp_path):
     with pytest.raises((SettingsError, ValueError)):
         load_settings(None, {"state_dir": str(tmp_path), "remote_nodes": "h:1", "remote_write": "sometimes"}
                       ).store_config(1 << 20)
+
+
+def test_stats_and_metrics_report_the_remote_tier(tmp_path, server):
+    from prometheus_client import CollectorRegistry
+
+    from kvcached.metrics import StoreCollector
+
+    a = host(tmp_path, "a", server)
+    b = host(tmp_path, "b", server, key_from=a.config.state_dir)
+    try:
+        lid = a.register_layout(TINY)
+        b.register_layout(TINY)
+        a.put(lid, prompt(3), [payload(i) for i in range(3)])
+        a.publisher.drain()
+        b.release(b.acquire(lid, prompt(3)).lease_id)
+        rs = b.stats().remote
+        assert (rs.hits, rs.breaker_state, rs.queue_depth) == (3, "closed", 0)
+        assert b.stats().to_dict()["remote"]["hits"] == 3
+        reg = CollectorRegistry()
+        reg.register(StoreCollector(b))
+        v = reg.get_sample_value
+        d = {"domain": "default"}
+        assert v("kvcached_remote_hits_total", d) == 3
+        assert v("kvcached_remote_fetched_bytes_total", d) == 3 * TINY.chunk_bytes
+        assert v("kvcached_remote_breaker_state", {**d, "state": "closed"}) == 1
+        assert v("kvcached_remote_refused_total", {**d, "reason": "mac"}) == 0
+        assert a.stats().remote.published == 3
+    finally:
+        a.close(), b.close()
