@@ -136,3 +136,14 @@ def no_pool_segment_left_behind() -> Iterator[None]:
     remove_segments(ours)
     assert not ours, "the suite left host pool segments in /dev/shm (unlinked now): " + "; ".join(
         f"{name} (from {cmd})" for name, cmd in sorted(ours.items()))
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A standalone redis-server of this test's own on a free port (never the shared 6379)."""
+    from tests.redis_servers import RedisServer, free_ports, require_redis
+
+    require_redis()
+    srv = RedisServer(free_ports(1)[0], str(tmp_path / "redis")).start()
+    yield srv
+    srv.stop()

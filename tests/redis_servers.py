@@ -20,6 +20,17 @@ REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
 
 
+def require_redis() -> None:
+    """Skip (fail in CI) unless redis-py, redis-server and redis-cli are all here."""
+    from tests.requirements import require
+
+    try:
+        import redis  # noqa: F401
+    except ImportError:  # pragma: no cover - the bench extra has it
+        require(False, "redis-py missing: scripts/setup installs it with the bench extra")
+    require(REDIS_SERVER and REDIS_CLI, "redis-server / redis-cli missing (Debian's redis-server package)")
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct free TCP ports on 127.0.0.1 (and their +10000 cluster-bus ports)."""
     out: list[int] = []

@@ -14,24 +14,14 @@ from kvcached.store import Store
 from kvcached.tiers.record import HEADER_SIZE
 from kvcached.tiers.remote_redis import RemoteConfig
 from tests.conftest import TINY, payload, prompt
-from tests.redis_servers import REDIS_CLI, REDIS_SERVER, RedisServer, free_ports
-from tests.requirements import require
-
-try:
-    import redis
-except ImportError:  # pragma: no cover - the bench extra has it
-    redis = None
+from tests.redis_servers import RedisServer
 
 CT = TINY.chunk_tokens
 
 
 @pytest.fixture
-def server(tmp_path):
-    require(redis is not None, "redis-py missing: scripts/setup installs it with the bench extra")
-    require(REDIS_SERVER and REDIS_CLI, "redis-server / redis-cli missing (Debian's redis-server package)")
-    srv = RedisServer(free_ports(1)[0], str(tmp_path / "redis")).start()
-    yield srv
-    srv.stop()
+def server(redis_server):
+    return redis_server
 
 
 def host(tmp_path, name: str, srv: RedisServer, key_from: str | None = None, **kw) -> Store:

@@ -9,8 +9,7 @@ import os
 from kvcached.keys import ChunkHash, LayoutId
 from kvcached.tiers.base import ChunkMeta
 from kvcached.tiers.remote_codec import decode, encode, mac_key, remote_key
-from tests.redis_servers import REDIS_CLI, REDIS_SERVER, RedisCluster, RedisServer, free_ports
-from tests.requirements import require
+from tests.redis_servers import RedisCluster, RedisServer, free_ports, require_redis
 
 try:
     import redis
@@ -28,8 +27,7 @@ def chunk(i: int) -> tuple[ChunkHash, bytes, bytes]:
 
 
 def test_standalone_server_round_trip(tmp_path):
-    require(redis is not None, "redis-py missing: scripts/setup installs it with the bench extra")
-    require(REDIS_SERVER and REDIS_CLI, "redis-server / redis-cli missing (Debian's redis-server package)")
+    require_redis()
     srv = RedisServer(free_ports(1)[0], str(tmp_path / "redis")).start()
     try:
         assert srv.port != 6379
@@ -47,8 +45,7 @@ def test_cluster_spreads_a_domain_and_serves_it_after_a_primary_dies(tmp_path):
     """No hash tag in the keys: a domain's chunks reach every primary. SIGKILL one: once its
     replica is promoted, the chunks it held are served again and verify (replication is
     asynchronous, but these were written before the kill and synced by WAIT)."""
-    require(redis is not None, "redis-py missing: scripts/setup installs it with the bench extra")
-    require(REDIS_SERVER and REDIS_CLI, "redis-server / redis-cli missing (Debian's redis-server package)")
+    require_redis()
     cluster = RedisCluster(str(tmp_path / "cluster")).start()
     try:
         nodes = [redis.cluster.ClusterNode(h, p) for h, p in cluster.startup_nodes]

@@ -12,8 +12,7 @@ from kvcached.keys import ChunkHash, LayoutId
 from kvcached.tiers.base import ChunkMeta
 from kvcached.tiers.remote_codec import encode, mac_key, remote_key
 from kvcached.tiers.remote_redis import Breaker, RemoteConfig, RemoteRedisTier
-from tests.redis_servers import REDIS_CLI, REDIS_SERVER, RedisCluster, RedisServer, cli, free_ports
-from tests.requirements import require
+from tests.redis_servers import RedisCluster, cli, require_redis
 
 try:
     import redis
@@ -48,12 +47,8 @@ def hashes(cs) -> list[ChunkHash]:
 
 
 @pytest.fixture
-def server(tmp_path):
-    require(redis is not None, "redis-py missing: scripts/setup installs it with the bench extra")
-    require(REDIS_SERVER and REDIS_CLI, "redis-server / redis-cli missing (Debian's redis-server package)")
-    srv = RedisServer(free_ports(1)[0], str(tmp_path / "redis")).start()
-    yield srv
-    srv.stop()
+def server(redis_server):
+    return redis_server
 
 
 def tier(srv, domain: str = "d", **kw) -> RemoteRedisTier:
@@ -150,8 +145,7 @@ def test_acl_keeps_each_domain_to_its_prefix(server):
 
 
 def test_two_hosts_share_chunks_through_a_cluster(tmp_path):
-    require(redis is not None, "redis-py missing: scripts/setup installs it with the bench extra")
-    require(REDIS_SERVER and REDIS_CLI, "redis-server / redis-cli missing (Debian's redis-server package)")
+    require_redis()
     cluster = RedisCluster(str(tmp_path / "cluster")).start()
     try:
         nodes = tuple(f"{h}:{p}" for h, p in cluster.startup_nodes)
