@@ -114,6 +114,8 @@ def kvcachectl_main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("doctor", help="troubleshooting checks, each with a verdict and where to dig").add_argument(
         "--json", action="store_true")
     sub.add_parser("dashboard", help="print the Grafana dashboard for kvcached's metrics (JSON)")
+    kg = sub.add_parser("keygen", help="write a new hash key file (mode 0600) for hosts sharing a remote tier")
+    kg.add_argument("path", help="where to write it; an existing file is never replaced")
     args = ap.parse_args(argv)
 
     from kvcached_client import Client, KvcachedError, UnavailableError
@@ -124,6 +126,8 @@ def kvcachectl_main(argv: Sequence[str] | None = None) -> int:
 
         print(files("kvcached.dashboards").joinpath("kvcached.json").read_text())
         return 0
+    if args.cmd == "keygen":  # needs no daemon either
+        return _keygen(args.path)
     try:
         with Client(sock, timeout=args.timeout, session=False) as c:
             return _COMMANDS[args.cmd](c, args)
@@ -135,6 +139,23 @@ def kvcachectl_main(argv: Sequence[str] | None = None) -> int:
     except KvcachedError as e:
         _fail(args, f"{e.code.name}: {e.details}")
         return 1
+
+
+def _keygen(path: str) -> int:
+    from kvcached.keys import write_new_key
+
+    try:
+        write_new_key(path)
+    except FileExistsError:
+        print(f"kvcachectl keygen: {path} exists; a domain's key is never replaced in place "
+              "(a new key orphans every chunk hashed with the old one)", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"kvcachectl keygen: {path}: {e.strerror}", file=sys.stderr)
+        return 1
+    print(f"wrote a new hash key to {path} (mode 0600). Copy the same file to every host of the trust domain, "
+          f"owned by the daemon's user, and set hash_key_file = \"{path}\" in each kvcached.toml.")
+    return 0
 
 
 def _fail(args: argparse.Namespace, msg: str) -> None:

@@ -97,6 +97,9 @@ class StoreConfig:
 
     state_dir: str
     domain: str = "default"
+    #: The domain's hash key: a file shared by every host of the domain (kvcached.keys.load_shared_key),
+    #: or None for this daemon's own ``<state_dir>/hash.key``, created on first start.
+    hash_key_file: str | None = None
     device: str = "cpu"  # "cpu" (host shared memory) or "cuda[:N]"
     pool_bytes: int = 1 * GiB
     pool_prefault: bool = True
@@ -130,11 +133,13 @@ class StoreConfig:
     #: chunk it evicts (a doorkeeper; measured to cost hit rate on document workloads).
     eviction_admission: str = "always"
     #: The remote tier (kvcached.tiers.remote_redis.RemoteConfig; its domain is this one's), or
-    #: None. ``remote_write``: "async" publishes committed chunks in the background, "off" only
+    #: None. ``remote_write``: "async" publishes committed chunks in the background (and demotes
+    #: chunks there when they leave the last local tier), "on_evict" only demotes, "off" only
     #: reads; ``remote_queue_chunks`` bounds what waits to be published.
     remote: Any = None
     remote_write: str = "async"
     remote_queue_chunks: int = 4096
+    remote_queue_bytes: int = 256 * MiB  # copies of chunks waiting to be demoted there
     #: Tier file permissions; the daemon derives them from the domain's socket.
     file_access: FileAccess = field(default_factory=FileAccess)
 
@@ -156,10 +161,10 @@ class StoreConfig:
             raise ValueError("hash_memo_bytes must be >= 0")
         if self.eviction_policy not in ("frequency", "lru"):
             raise ValueError(f"eviction_policy must be frequency or lru, not {self.eviction_policy!r}")
-        if self.remote_write not in ("async", "off"):
-            raise ValueError(f"remote_write must be async or off, not {self.remote_write!r}")
-        if self.remote_queue_chunks < 1:
-            raise ValueError("remote_queue_chunks must be >= 1")
+        if self.remote_write not in ("async", "on_evict", "off"):
+            raise ValueError(f"remote_write must be async, on_evict or off, not {self.remote_write!r}")
+        if self.remote_queue_chunks < 1 or self.remote_queue_bytes < 1:
+            raise ValueError("remote_queue_chunks and remote_queue_bytes must be >= 1")
         if self.eviction_admission not in ("always", "frequency"):
             raise ValueError(f"eviction_admission must be always or frequency, not {self.eviction_admission!r}")
         if self.eviction_admission != "always" and self.eviction_policy != "frequency":

@@ -262,6 +262,51 @@ class ChunkHasher:
         return out
 
 
+def load_shared_key(path: str) -> bytes:
+    """A trust domain's hash key from a file the operator provides (``hash_key_file``): the same
+    file on every host of the domain, so that they compute the same chunk hashes (and MAC keys)
+    and can share chunks through the remote tier. Unlike :func:`load_or_create_key` it is never
+    created here: a host that made its own key would silently share nothing. The file holds
+    :data:`KEY_BYTES` raw bytes (``kvcachectl keygen``, or a copy of a host's ``hash.key``) or
+    their hex; it must not be readable by group or others (as a password file).
+
+    Raises ValueError naming the file and what is wrong with it.
+    """
+    try:
+        st = os.stat(path)
+        if st.st_mode & 0o077:
+            raise ValueError(f"hash key file {path} is readable by others (mode {oct(st.st_mode & 0o777)}); "
+                             "chmod 600 it")
+        with open(path, "rb") as f:
+            data = f.read(4 * KEY_BYTES + 2)
+    except FileNotFoundError:
+        raise ValueError(f"hash key file {path} does not exist: make it once with `kvcachectl keygen {path}` "
+                         "and copy it to every host of the trust domain") from None
+    except OSError as e:
+        raise ValueError(f"hash key file {path}: {e.strerror}") from None
+    if len(data) == KEY_BYTES:
+        return data
+    text = data.strip()
+    if len(text) == 2 * KEY_BYTES:
+        try:
+            return bytes.fromhex(text.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            pass
+    raise ValueError(f"hash key file {path}: expected {KEY_BYTES} raw bytes or {2 * KEY_BYTES} hex digits, "
+                     f"found {len(data)} bytes")
+
+
+def write_new_key(path: str) -> None:
+    """Write a fresh random key to ``path`` (mode 0600), refusing to replace an existing file:
+    replacing a domain's key orphans every chunk hashed with the old one."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, os.urandom(KEY_BYTES))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def load_or_create_key(path: str) -> bytes:
     """The per-daemon hash key, created (mode 0600) on first use.
 

@@ -143,6 +143,10 @@ class StoreCollector:
                 ("kvcached_remote_skipped", "Remote tier calls not made: the breaker was open", rt.skipped_open),
                 ("kvcached_remote_breaker_opened", "Times the remote tier's breaker opened", rt.breaker_opened),
                 ("kvcached_remote_queue_dropped", "Chunks dropped from a full publish queue", rt.queue_dropped),
+                ("kvcached_remote_demoted_chunks", "Chunks sent to the remote tier as they left the last local tier",
+                 rt.demoted),
+                ("kvcached_remote_refreshed_chunks", "Chunks leaving the last local tier that the remote tier "
+                 "already held (TTL renewed only)", rt.refreshed),
             ):
                 counter(name, doc).add_metric([dom], value)
             refused = counter("kvcached_remote_refused", "Remote values not served, by reason", ("reason",))
@@ -151,7 +155,10 @@ class StoreCollector:
             br = gauge("kvcached_remote_breaker_state", "The remote tier's breaker (1 = in this state)", ("state",))
             for state in ("closed", "open", "half_open"):
                 br.add_metric([dom, state], 1 if rt.breaker_state == state else 0)
-            gauge("kvcached_remote_queue_depth", "Chunks waiting to be published").add_metric([dom], rt.queue_depth)
+            gauge("kvcached_remote_queue_depth", "Chunks waiting to be published or demoted").add_metric(
+                [dom], rt.queue_depth)
+            gauge("kvcached_remote_queue_bytes", "Payload bytes copied for demotion, waiting to be sent").add_metric(
+                [dom], rt.queue_bytes)
         if s.eviction is not None:
             e = s.eviction
             gauge("kvcached_eviction_policy", "The eviction policy in use (1)", ("policy", "admission")).add_metric(

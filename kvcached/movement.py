@@ -21,6 +21,11 @@ Rules it keeps:
   order (the policy's, :mod:`kvcached.index.eviction`) until that many bytes are free, then, if no free run is long enough (the
   pool is fragmented), by evicting the contiguous window that frees the fewest
   bytes (:meth:`kvcached.tiers.packed.PackedPool.victims_for`).
+* A chunk that capacity pushes out of its last local tier (an NVMe victim, or a
+  pool victim without an NVMe tier) is first handed to ``demote`` (a copy of
+  its verified bytes: the remote tier's queue, :mod:`kvcached.publish`), so the
+  trust domain's other hosts, and this one later, can still find it. Expiry and
+  explicit evictions are not demotions.
 """
 
 from __future__ import annotations
@@ -59,11 +64,29 @@ class Mover:
         self.counters = counters
         self._layout_of = layout_of
         self.io_check = io_check  # raises WouldBlock on the store's inline path (no disk I/O there)
+        #: Receives (meta, bytes) of a chunk leaving its last local tier for want of room; None: dropped.
+        self.demote: Callable[[ChunkMeta, bytes], None] | None = None
 
     def meta_of(self, node: Node) -> ChunkMeta:
         layout, root = self._layout_of(node.layout_id)
         parent = node.parent.hash if node.parent is not None else root
         return ChunkMeta(node.hash, parent, node.layout_id, node.depth, layout.chunk_tokens)
+
+    def leaving(self, node: Node) -> None:
+        """``node`` is about to leave its last local tier for want of room: hand a verified copy
+        of its bytes to ``demote``. A chunk whose bytes fail their check is not handed on."""
+        if self.demote is None:
+            return
+        try:
+            if node.tiers & POOL:
+                data = bytes(self.pool.read(node.hash))
+            elif node.tiers & NVME and self.nvme is not None:
+                data = self.nvme.read(node.hash).obj  # already a checked copy
+            else:
+                return
+        except (ChunkNotCached, CorruptChunk):
+            return
+        self.demote(self.meta_of(node), data)
 
     # -- pool ----------------------------------------------------------------------
 
@@ -140,6 +163,7 @@ class Mover:
         if node.children == 0:
             self.counters.dropped_no_room += 1
             self.counters.pool_evictions += 1
+            self.leaving(node)
             self.drop(node)
             return True
         return False
@@ -175,6 +199,8 @@ class Mover:
             victim = self.index.nvme_leaves.pop()
             if victim is None:
                 return False
+            if victim.tiers == NVME:
+                self.leaving(victim)
             self.nvme.delete(victim.hash)
             self.counters.nvme_evictions += 1
             if not self.index.drop_tier(victim, NVME):
@@ -217,6 +243,8 @@ class Mover:
             victim = self.index.nvme_leaves.pop()
             if victim is None:
                 break
+            if victim.tiers == NVME:
+                self.leaving(victim)
             self.nvme.delete(victim.hash)
             self.counters.nvme_evictions += 1
             if not self.index.drop_tier(victim, NVME):

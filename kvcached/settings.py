@@ -102,6 +102,9 @@ class DaemonSettings:
     socket_group: str = ""
     device: str = "auto"
     domain: str = "default"
+    #: The domain's hash key shared by its hosts (same file on each; `kvcachectl keygen`); "" keeps
+    #: the daemon's own <state_dir>/hash.key. Restart to change; a new key orphans the NVMe chunks.
+    hash_key_file: str = ""
     pool_bytes: int = 0  # 0: the device's default (default_pool_for), shared by the domains that take it
     #: No longer used: the pool is packed (chunks of any size share it). Still accepted so that
     #: existing config files load; the daemon logs that it is ignored.
@@ -135,7 +138,8 @@ class DaemonSettings:
     remote_password_file: str = ""  # readable by the daemon only (mode 0600/0400)
     remote_ttl: float = 0.0  # 0: cache_ttl
     remote_timeout: float = 0.5
-    remote_write: str = "async"  # or "off"
+    remote_write: str = "async"  # or "on_evict", "off"
+    remote_queue_bytes: int = 256 * MiB  # chunk copies waiting to be demoted to the remote tier
     remote_tls: bool = False
     remote_tls_ca: str = ""
     metrics_addr: str = "127.0.0.1:9464"
@@ -212,9 +216,17 @@ class DaemonSettings:
         not set (None: this domain's default, as if it were the only one)."""
         device = self.resolved_device()
         pool = self.pool_bytes or (default_pool if default_pool is not None else default_pool_for(device))
+        if self.hash_key_file:  # refused at load time, with the reason, rather than at the store's start
+            from kvcached.keys import load_shared_key
+
+            try:
+                load_shared_key(self.hash_key_file)
+            except ValueError as e:
+                raise SettingsError(str(e)) from None
         return StoreConfig(
             state_dir=self.state_dir,
             domain=self.domain,
+            hash_key_file=self.hash_key_file or None,
             device=device,
             pool_bytes=pool,
             nvme_bytes=self.nvme_bytes,
@@ -239,6 +251,7 @@ class DaemonSettings:
             eviction_admission=self.eviction_admission,
             remote=self.remote_config(),
             remote_write=self.remote_write,
+            remote_queue_bytes=self.remote_queue_bytes,
             file_access=FileAccess.for_socket(self.socket_mode, self.socket_gid()),
         )
 
@@ -281,7 +294,7 @@ class DaemonSettings:
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 _SIZES = {"pool_bytes", "pool_block_bytes", "nvme_bytes", "nvme_map_bytes", "max_message_bytes",
-          "hash_memo_bytes", "writeback_batch_bytes"}
+          "hash_memo_bytes", "writeback_batch_bytes", "remote_queue_bytes"}
 
 
 def _coerce(name: str, value: Any, field: dataclasses.Field) -> Any:
@@ -351,7 +364,7 @@ DOMAIN_KEYS = frozenset({
     "max_reservations_per_session", "writeback", "writeback_low", "writeback_high", "writeback_batch_bytes",
     "writeback_wait", "eviction_policy", "eviction_weight", "eviction_memory_chunks", "eviction_admission",
     "remote_nodes", "remote_cluster", "remote_username", "remote_password_file", "remote_ttl", "remote_timeout",
-    "remote_write", "remote_tls", "remote_tls_ca",
+    "remote_write", "remote_tls", "remote_tls_ca", "remote_queue_bytes", "hash_key_file",
 })
 
 

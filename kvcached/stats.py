@@ -120,8 +120,11 @@ class RemoteTierStats:
     breaker_state: str  # closed / open / half_open
     breaker_opened: int
     refused: dict = field(default_factory=dict)  # reason -> values not served
-    queue_depth: int = 0
+    queue_depth: int = 0  # chunks waiting to be published or demoted
     queue_dropped: int = 0
+    demoted: int = 0  # chunks sent there as they left this host's last local tier
+    refreshed: int = 0  # chunks leaving it that the remote already held (TTL renewed only)
+    queue_bytes: int = 0  # payload bytes copied for demotion, waiting to be sent
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,8 @@ from kvcached.errors import (
 )
 from kvcached.index import FrequencyPolicy, Node, PrefixIndex, make_policy
 from kvcached.hashmemo import HashMemo
-from kvcached.keys import ChunkHash, ChunkHasher, KVLayout, LayoutId, Namespace, TokenInput, load_or_create_key, normalize_tokens
+from kvcached.keys import (ChunkHash, ChunkHasher, KVLayout, LayoutId, Namespace, TokenInput, load_or_create_key,
+                           load_shared_key, normalize_tokens)
 from kvcached.leases import Entry, LeaseId, ReservationId, SessionId, TimedTable
 from kvcached.locations import NVME, POOL
 from kvcached.movement import Mover
@@ -101,14 +102,18 @@ class Store:
         os.makedirs(config.state_dir, mode=0o700, exist_ok=True)
         config.file_access.open_parent(config.state_dir)  # clients reach nvme/<domain> through it
         self._lockfile = _lock_state_dir(config.state_dir, config.domain)
-        domain_key = load_or_create_key(os.path.join(config.state_dir, "hash.key"))
+        # A shared key file (every host of the domain has the same) or this daemon's own.
+        domain_key = (load_shared_key(config.hash_key_file) if config.hash_key_file
+                      else load_or_create_key(os.path.join(config.state_dir, "hash.key")))
         self._hasher = ChunkHasher(domain_key)
         self.remote: RemoteRedisTier | None = None
         self.publisher: RemotePublisher | None = None
         if config.remote is not None:  # hosts sharing it share the hash key: same hashes, same MAC key
             self.remote = RemoteRedisTier(dataclasses.replace(config.remote, domain=config.domain), mac_key(domain_key))
-            if config.remote_write == "async":
-                self.publisher = RemotePublisher(self, max_queue=config.remote_queue_chunks)
+            if config.remote_write != "off":
+                self.publisher = RemotePublisher(self, max_queue=config.remote_queue_chunks,
+                                                 max_bytes=config.remote_queue_bytes,
+                                                 publish=config.remote_write == "async")
         self._memo = HashMemo(config.hash_memo_bytes)
         self._layouts: dict[LayoutId, tuple[KVLayout, ChunkHash]] = {}
         self.index = PrefixIndex(make_policy(config.eviction_policy, weight=config.eviction_weight,
@@ -129,6 +134,8 @@ class Store:
                     access=config.file_access,
                 )
             self._mover = Mover(config, self.index, self.pool, self.nvme, self.counters, self._layout, self._io_check)
+            if self.publisher is not None:
+                self._mover.demote = self.publisher.offer_demoted
             self.reads = ReadPath(self.index, self.pool, self._mover, self.counters, lambda: self.config, self._unpin)
             self.writeback: WriteBack | None = None
             if self.nvme is not None:
@@ -752,7 +759,8 @@ class Store:
         r, p = self.remote.stats, self.publisher
         return RemoteTierStats(r.hits, r.misses, r.bytes_fetched, r.bytes_published, r.published, r.errors,
                                r.skipped_open, self.remote.breaker.state, r.breaker_opened, dict(r.refused),
-                               len(p) if p is not None else 0, p.dropped if p is not None else 0)
+                               len(p) if p is not None else 0, p.dropped if p is not None else 0,
+                               r.demoted, r.refreshed, p.queued_bytes if p is not None else 0)
 
     def _eviction_stats(self) -> EvictionStats:
         d = self.index.policy.describe()

@@ -405,6 +405,8 @@ class WriteBack:
                 continue
             layout, _ = self._layout_of(victim.layout_id)
             pending += layout.chunk_bytes + HEADER_SIZE
+            if victim.tiers == NVME:
+                self.mover.leaving(victim)  # its last copy: to the remote tier, if there is one
             batch.deletes.append(victim.hash)
             self.counters.nvme_evictions += 1
             if not self.index.drop_tier(victim, NVME):

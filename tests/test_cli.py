@@ -50,6 +50,28 @@ def test_kvcachectl_without_a_daemon_says_so(tmp_path):
     assert r.returncode == 3 and '"error"' in r.stdout
 
 
+def test_keygen_writes_a_shared_key_file_and_serve_uses_it(tmp_path):
+    key = tmp_path / "domain.key"
+    r = run("keygen", str(key), prog="kvcachectl")
+    assert r.returncode == 0, r.stderr
+    assert oct(key.stat().st_mode & 0o777) == "0o600" and key.stat().st_size == 32
+    before = key.read_bytes()
+    r = run("keygen", str(key), prog="kvcachectl")
+    assert r.returncode == 1 and "never replaced" in r.stderr and key.read_bytes() == before
+    cfg = tmp_path / "k.toml"
+    cfg.write_text(f'hash_key_file = "{key}"\n')
+    r = run("selfcheck", "--config", str(cfg), "--state-dir", str(tmp_path / "state"), "--pool-bytes", "1M",
+            "--nvme-bytes", "0")
+    assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "state" / "hash.key").exists()  # the shared key, not one of its own
+    key.chmod(0o644)
+    r = run("serve", "--config", str(cfg), "--state-dir", str(tmp_path / "state"))
+    assert r.returncode == 1 and "readable by others" in r.stderr  # refused before anything starts
+    cfg.write_text(f'hash_key_file = "{tmp_path / "missing.key"}"\n')
+    r = run("serve", "--config", str(cfg), "--state-dir", str(tmp_path / "state"))
+    assert r.returncode == 1 and "kvcachectl keygen" in r.stderr
+
+
 @pytest.mark.parametrize("text,want", [("0", 0), ("512", 512), ("4k", 4096), ("2M", 2 << 20), ("1.5G", 3 << 29),
                                        ("2GiB", 2 << 30), (123, 123)])
 def test_parse_size(text, want):

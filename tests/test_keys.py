@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcached.errors import InvalidLayout, InvalidTokens
-from kvcached.keys import ChunkHasher, KVLayout, Namespace, load_or_create_key, normalize_tokens
+from kvcached.keys import (ChunkHasher, KVLayout, Namespace, load_or_create_key, load_shared_key, normalize_tokens,
+                           write_new_key)
 
 BASE = KVLayout("meta-llama/Llama-3-8B@abc123", num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 KEY = bytes(range(32))
@@ -157,6 +158,32 @@ def test_hash_key_is_created_private_and_reused(tmp_path):
         f.write(b"short")
     with pytest.raises(ValueError, match="expected 32"):
         load_or_create_key(path)
+
+
+def test_a_shared_key_file_is_read_never_made_and_must_be_private(tmp_path):
+    path = str(tmp_path / "domain.key")
+    with pytest.raises(ValueError, match="does not exist.*kvcachectl keygen"):
+        load_shared_key(path)
+    assert not os.path.exists(path)  # never created: a host with its own key would share nothing
+    write_new_key(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    key = load_shared_key(path)
+    assert len(key) == 32 and load_shared_key(path) == key
+    with pytest.raises(FileExistsError):
+        write_new_key(path)  # never replaced in place
+    assert load_shared_key(path) == key
+    hexed = tmp_path / "hex.key"
+    hexed.write_text(key.hex() + "\n")
+    hexed.chmod(0o400)
+    assert load_shared_key(str(hexed)) == key  # `openssl rand -hex 32` works too
+    os.chmod(path, 0o640)
+    with pytest.raises(ValueError, match="readable by others"):
+        load_shared_key(path)
+    bad = tmp_path / "bad.key"
+    bad.write_bytes(b"x" * 31)
+    bad.chmod(0o600)
+    with pytest.raises(ValueError, match="expected 32 raw bytes or 64 hex digits"):
+        load_shared_key(str(bad))
 
 
 def test_no_collisions_among_many_prompts():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import pytest
 
@@ -24,13 +25,14 @@ def server(redis_server):
     return redis_server
 
 
-def host(tmp_path, name: str, srv: RedisServer, key_from: str | None = None, **kw) -> Store:
+def host(tmp_path, name: str, srv: RedisServer, key_from: str | None = None, *, pool_chunks: int = 16,
+         nvme_chunks: int = 64, **kw) -> Store:
     state = str(tmp_path / name)
     if key_from is not None:  # the same domain key file on every host of the domain
         os.makedirs(state, exist_ok=True)
         shutil.copy(os.path.join(key_from, "hash.key"), os.path.join(state, "hash.key"))
-    cfg = StoreConfig(state_dir=state, pool_bytes=TINY.chunk_bytes * 16,
-                      nvme_bytes=(TINY.chunk_bytes + HEADER_SIZE) * 64, writeback=False,
+    cfg = StoreConfig(state_dir=state, pool_bytes=TINY.chunk_bytes * pool_chunks,
+                      nvme_bytes=(TINY.chunk_bytes + HEADER_SIZE) * nvme_chunks, writeback=False,
                       remote=RemoteConfig(nodes=(f"127.0.0.1:{srv.port}",), domain="ignored", timeout=0.3), **kw)
     return Store(cfg)
 
@@ -142,3 +144,107 @@ def test_stats_and_metrics_report_the_remote_tier(tmp_path, server):
         assert a.stats().remote.published == 3
     finally:
         a.close(), b.close()
+
+
+def test_hosts_configured_with_one_shared_key_file_match(tmp_path, server):
+    from kvcached.keys import write_new_key
+
+    key = str(tmp_path / "domain.key")
+    write_new_key(key)  # `kvcachectl keygen`, then the same file on every host
+    a = host(tmp_path, "a", server, hash_key_file=key)
+    b = host(tmp_path, "b", server, hash_key_file=key)
+    try:
+        lid = a.register_layout(TINY)
+        b.register_layout(TINY)
+        a.put(lid, prompt(3), [payload(i) for i in range(3)])
+        a.publisher.drain()
+        lease = b.acquire(lid, prompt(3))
+        assert lease.matched_tokens == 3 * CT
+        b.release(lease.lease_id)
+        assert not os.path.exists(os.path.join(a.config.state_dir, "hash.key"))  # no key of its own made
+    finally:
+        a.close(), b.close()
+
+
+@pytest.mark.parametrize("nvme_chunks", [0, 6], ids=["pool-only", "with-nvme"])
+def test_chunks_pushed_out_of_the_last_local_tier_are_demoted_to_the_remote(tmp_path, server, nvme_chunks):
+    """remote_write = "on_evict": nothing is published at commit; a chunk that capacity pushes out
+    of this host's last tier (the pool without NVMe, else NVMe) is sent then, and found again,
+    here and on another host."""
+    a = host(tmp_path, "a", server, pool_chunks=4, nvme_chunks=nvme_chunks, remote_write="on_evict")
+    b = host(tmp_path, "b", server, key_from=a.config.state_dir)
+    try:
+        lid = a.register_layout(TINY)
+        b.register_layout(TINY)
+        first = prompt(4)
+        a.put(lid, first, [payload(i) for i in range(4)])
+        a.publisher.drain()
+        assert a.remote.stats.published == 0 and a.remote.stats.demoted == 0  # on_evict: nothing yet
+        for k in range(1, 4):  # other prompts push the first one out of the pool, then out of NVMe
+            a.put(lid, prompt(4, start=1000 * k), [payload(i, salt=k) for i in range(4)])
+        assert a.lookup(lid, first) == 0  # gone from every local tier of A
+        a.publisher.drain()
+        rs = a.stats().remote
+        assert rs.demoted >= 4 and rs.queue_depth == 0 and rs.queue_bytes == 0
+        lease = b.acquire(lid, first)  # another host finds it
+        assert lease.matched_tokens == 4 * CT
+        assert [bytes(b.pool.read(c.chunk_hash)) for c in lease.chunks] == [payload(i) for i in range(4)]
+        b.release(lease.lease_id)
+        lease = a.acquire(lid, first)  # and so does A itself
+        assert lease.matched_tokens == 4 * CT and a.stats().counters.remote_filled_chunks == 4
+        a.release(lease.lease_id)
+        a.index.check_invariants()
+    finally:
+        a.close(), b.close()
+
+
+def test_demoting_a_chunk_the_remote_already_holds_only_renews_its_ttl(tmp_path, server):
+    import redis
+
+    a = host(tmp_path, "a", server, pool_chunks=4, nvme_chunks=0)  # async: published at commit
+    try:
+        lid = a.register_layout(TINY)
+        a.put(lid, prompt(4), [payload(i) for i in range(4)])
+        a.publisher.drain()
+        assert a.remote.stats.published == 4
+        r = redis.Redis(port=server.port)
+        keys = sorted(r.keys("kvc:default:*"))
+        assert len(keys) == 4
+        for k in keys:
+            r.expire(k, 100)  # much less than the tier's TTL (cache_ttl)
+        sent = a.remote.stats.bytes_published
+        a.put(lid, prompt(4, start=5000), [payload(i, salt=9) for i in range(4)])  # evicts the first 4
+        a.publisher.drain()
+        rs = a.stats().remote
+        assert (rs.refreshed, rs.demoted) == (4, 0)
+        assert a.remote.stats.bytes_published == sent + sum(len(v) for v in [r.get(k) for k in sorted(
+            r.keys("kvc:default:*")) if k not in keys])  # only the new prompt's values were sent
+        assert all(r.ttl(k) > 1000 for k in keys)  # renewed to the full TTL
+    finally:
+        a.close()
+
+
+def test_the_publisher_holds_its_queue_while_redis_is_down_and_resumes(tmp_path, server):
+    a = host(tmp_path, "a", server, nvme_chunks=256, remote_queue_chunks=8)  # no NVMe evictions: no demotions
+    try:
+        lid = a.register_layout(TINY)
+        server.kill()
+        k, deadline = 0, time.monotonic() + 20
+        while a.remote.breaker.state == "closed" and time.monotonic() < deadline:  # a few batches fail
+            a.put(lid, prompt(4, start=100 * k), [payload(i, salt=k) for i in range(4)])
+            k += 1
+            time.sleep(0.05)
+        assert a.remote.breaker.state == "open"
+        dropped = a.stats().remote.queue_dropped
+        for j in range(6):  # 24 chunks while the breaker is open: held, the newest 8 kept
+            a.put(lid, prompt(4, start=100 * (k + j)), [payload(i, salt=k + j) for i in range(4)])
+        rs = a.stats().remote
+        assert rs.queue_depth == 8 and rs.queue_dropped - dropped >= 16 and rs.published == 0
+        server.start()
+        deadline = time.monotonic() + 20
+        while a.stats().remote.published < 8 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the thread waits out the breaker's cooldown, then resumes
+        rs = a.stats().remote
+        assert rs.published >= 8 and rs.breaker_state == "closed" and rs.queue_depth == 0
+    finally:
+        a.close()

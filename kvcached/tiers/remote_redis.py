@@ -77,6 +77,8 @@ class RemoteStats:
     skipped_open: int = 0  # calls not made because the breaker was open
     refused: dict[str, int] = field(default_factory=dict)  # values not served, by reason
     breaker_opened: int = 0
+    demoted: int = 0  # chunks sent when they left this host's last local tier
+    refreshed: int = 0  # chunks leaving it that the remote already held: only their TTL renewed
 
 
 class Breaker:
@@ -139,6 +141,11 @@ class RemoteRedisTier:
         except Exception:  # noqa: BLE001 - closing a dead connection must not raise
             pass
 
+    def available(self) -> bool:
+        """False while the breaker is open (a call now would be skipped)."""
+        with self._lock:
+            return self.breaker.state != "open"
+
     # -- the data path ---------------------------------------------------------------------------
 
     def probe(self, layout_id: LayoutId, hashes: Sequence[ChunkHash]) -> int:
@@ -195,6 +202,31 @@ class RemoteRedisTier:
             self.stats.bytes_published += sum(len(v) for _, v in values)
         return True
 
+    def demote(self, chunks: Sequence[tuple[ChunkMeta, bytes | memoryview]]) -> bool:
+        """Make sure the remote holds ``chunks``, which are leaving this host's last local tier:
+        one round trip renews the TTL of those it already has (``EXPIRE``, no payload sent),
+        a second sends only the others. False if Redis could not be reached."""
+        if not chunks:
+            return True
+        ttl = max(1, int(self.config.ttl))
+        names = [self._name(m.layout_id, m.chunk_hash) for m, _ in chunks]
+        held = self._pipelined("demote", lambda p: [p.expire(k, ttl) for k in names])
+        if held is None:
+            return False
+        todo = [(k, m, payload) for k, (m, payload), h in zip(names, chunks, held) if not h]
+        with self._lock:
+            self.stats.refreshed += len(chunks) - len(todo)
+        if not todo:
+            return True
+        values = [(k, encode(m, payload, self._key)) for k, m, payload in todo]
+        done = self._pipelined("demote", lambda p: [p.set(k, v, ex=ttl) for k, v in values])
+        if done is None:
+            return False
+        with self._lock:
+            self.stats.demoted += len(values)
+            self.stats.bytes_published += sum(len(v) for _, v in values)
+        return True
+
     # -- internals -----------------------------------------------------------------------------
 
     def _name(self, layout_id: LayoutId, h: ChunkHash) -> str:
@@ -218,9 +250,12 @@ class RemoteRedisTier:
                 opened = self.breaker.failure()
                 if opened:
                     self.stats.breaker_opened += 1
-            log.warning("remote %s failed: %s: %s%s", what, type(e).__name__, e,
+            # str(e), not e: a log record that kept the exception would keep its traceback's
+            # frames, and with them the pool views a publish was sending.
+            log.warning("remote %s failed: %s: %s%s", what, type(e).__name__, str(e),
                         "; the breaker is open" if opened else "",
                         extra={"event": "remote_error", "op": what})
+            del e
             return None
         with self._lock:
             self.breaker.success()
@@ -229,9 +264,16 @@ class RemoteRedisTier:
 
 def _make_client(config: RemoteConfig) -> Any:
     import redis  # the remote extra; only a daemon with a remote tier needs it
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
 
+    # No retries: redis-py's default retries a refused connection three times with a backoff
+    # (3.2 s per call here with a 0.3 s timeout), which would stall every acquire while Redis is
+    # down until the breaker opens. One attempt, bounded by ``timeout``, is a miss; a cluster
+    # client re-reads the slot map on its next call after a failover.
     common: dict[str, Any] = dict(username=config.username, password=config.password,
-                                  socket_timeout=config.timeout, socket_connect_timeout=config.timeout)
+                                  socket_timeout=config.timeout, socket_connect_timeout=config.timeout,
+                                  retry=Retry(NoBackoff(), 0))
     if config.ssl:
         common.update(ssl=True, ssl_ca_certs=config.ssl_ca_certs)
     nodes = [(n.rpartition(":")[0], int(n.rpartition(":")[2])) for n in config.nodes]
