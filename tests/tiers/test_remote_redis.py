@@ -5,6 +5,7 @@ start: round trips, values it must refuse, fail-open with its breaker, ACL isola
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -97,9 +98,11 @@ def test_fail_open_and_the_breaker(server):
     cs = chunks(3)
     assert t.publish(cs)
     server.kill()
+    t0 = time.monotonic()
     assert t.probe(LAYOUT, hashes(cs)) == 0  # a miss, not an error
     assert t.fetch(LAYOUT, hashes(cs), CHUNK) == []
     assert t.publish(chunks(1)) is False
+    assert time.monotonic() - t0 < 3 * 0.3  # one attempt each, bounded by the timeout (no retry backoff)
     assert t.stats.errors == 3 and t.breaker.state == "open" and t.stats.breaker_opened == 1
     assert t.probe(LAYOUT, hashes(cs)) == 0 and t.stats.skipped_open == 1 and t.stats.errors == 3  # no call made
     server.start()  # back (empty: nothing was persisted)
