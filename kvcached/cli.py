@@ -324,6 +324,8 @@ def doctor_checks(s: dict, shm_free: int | None = None) -> list[dict]:
         add("LMDB readers", "warn" if stale else "ok",
             f"cleared {stale} stale reader slots (a killed process held them)" if stale
             else f"{d.get('lmdb_readers', 0)} reader slots in use, none stale", "journalctl -u kvcached -p warning")
+    if "remote" in d:
+        _remote_checks(d["remote"], s.get("remote") or {}, add)
     if "gpu_total_bytes" in d:
         pool_share = p["capacity_bytes"] / d["gpu_total_bytes"]
         gfree = d["gpu_free_bytes"] / d["gpu_total_bytes"]
@@ -333,6 +335,52 @@ def doctor_checks(s: dict, shm_free: int | None = None) -> list[dict]:
         add("shared memory", "warn" if shm_free < p["capacity_bytes"] * 0.1 else "ok",
             f"pool {_bytes(p['capacity_bytes'])} in /dev/shm, {_bytes(shm_free)} free there", "df -h /dev/shm")
     return checks
+
+
+#: Redis maxmemory policies under which Redis makes room by itself: every kvcached key has a TTL,
+#: so the volatile-* policies work as well as allkeys-*.
+_EVICTING_POLICIES = ("volatile-lru", "volatile-lfu", "volatile-ttl", "volatile-random", "allkeys-lru",
+                      "allkeys-lfu", "allkeys-random")
+
+
+def _remote_checks(r: dict, rs: dict, add: Any) -> None:
+    """The remote tier's rows of the doctor table: reachability, ACL isolation, memory policy."""
+    nodes = ", ".join(r.get("nodes", []))
+    dig = "redis-cli -h HOST -p PORT --user USER --askpass PING; journalctl -u kvcached EVENT=remote_error"
+    if not r.get("reachable"):
+        add("remote tier", "fail", f"Redis at {nodes} is not reachable ({r.get('error', '?')}): every remote "
+            "lookup is a miss (requests still succeed, recomputing)", dig)
+        return
+    refused = sum((rs.get("refused") or {}).values())
+    extra = f"; {refused} values refused (MAC/header/checksum)" if refused else ""
+    verdict = "warn" if r.get("breaker_state") != "closed" or refused else "ok"
+    add("remote tier", verdict, f"Redis{' Cluster' if r.get('cluster') else ''} at {nodes} answers in "
+        f"{r.get('rtt_ms', 0):.1f} ms; breaker {r.get('breaker_state')}, {r.get('errors', 0)} failed calls{extra}",
+        "journalctl -u kvcached EVENT=remote_error EVENT=remote_refused")
+    acl_dig = ("redis-cli ACL SETUSER kvc-DOMAIN on '>PASSWORD' resetkeys '~kvc:DOMAIN:*' -@all "
+               "+get +set +exists +expire +ping +info; see README, remote tier")
+    if r.get("own_prefix_writable") is False:
+        add("remote ACL", "fail", f"user {r.get('username') or 'default'} cannot write its own prefix "
+            f"kvc:DOMAIN:*: nothing is published ({r.get('error', 'NOPERM')})", acl_dig)
+    elif r.get("foreign_prefix_writable"):
+        who = f"user {r['username']}" if r.get("username") else "the default user (no remote_username)"
+        add("remote ACL", "warn", f"{who} can write keys outside this domain's prefix: other domains' "
+            "credentials can likely read this one's chunks too (values stay MAC-checked)", acl_dig)
+    else:
+        add("remote ACL", "ok", f"user {r.get('username')} is kept to this domain's prefix (NOPERM outside it)",
+            "README, remote tier")
+    policies = r.get("maxmemory_policy")
+    if policies is None:
+        add("remote memory", "ok", "maxmemory policy not visible to this ACL user (grant +info to check it here); "
+            "it should be volatile-* or allkeys-* with maxmemory set", "redis-cli CONFIG GET maxmemory*")
+    elif any(p not in _EVICTING_POLICIES for p in policies) or 0 in r.get("maxmemory", []):
+        add("remote memory", "warn", f"maxmemory-policy {', '.join(policies)}, maxmemory "
+            f"{', '.join(_bytes(m) if m else 'unlimited' for m in r.get('maxmemory', []))}: Redis will not make room "
+            "by itself (with noeviction, publishes fail once it is full; unlimited grows until the host runs out)",
+            "redis-cli CONFIG SET maxmemory 32gb; CONFIG SET maxmemory-policy volatile-lru")
+    else:
+        add("remote memory", "ok", f"maxmemory-policy {', '.join(policies)}, maxmemory "
+            f"{', '.join(_bytes(m) for m in r.get('maxmemory', []))}", "redis-cli INFO memory")
 
 
 def _doctor(c: Any, args: argparse.Namespace) -> int:

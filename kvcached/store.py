@@ -799,7 +799,9 @@ class Store:
             if self.nvme is not None:
                 facts["lmdb_stale_readers_cleared"] = self.nvme.clear_stale_readers()
                 facts["lmdb_readers"] = self.nvme.readers()
-            return facts
+        if self.remote is not None:  # network round trips: outside the lock
+            facts["remote"] = self.remote.doctor()
+        return facts
 
     def pool_handle(self) -> PoolHandle:
         return self.pool.handle()

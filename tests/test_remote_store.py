@@ -26,14 +26,15 @@ def server(redis_server):
 
 
 def host(tmp_path, name: str, srv: RedisServer, key_from: str | None = None, *, pool_chunks: int = 16,
-         nvme_chunks: int = 64, **kw) -> Store:
+         nvme_chunks: int = 64, remote_kw: dict | None = None, **kw) -> Store:
     state = str(tmp_path / name)
     if key_from is not None:  # the same domain key file on every host of the domain
         os.makedirs(state, exist_ok=True)
         shutil.copy(os.path.join(key_from, "hash.key"), os.path.join(state, "hash.key"))
     cfg = StoreConfig(state_dir=state, pool_bytes=TINY.chunk_bytes * pool_chunks,
                       nvme_bytes=(TINY.chunk_bytes + HEADER_SIZE) * nvme_chunks, writeback=False,
-                      remote=RemoteConfig(nodes=(f"127.0.0.1:{srv.port}",), domain="ignored", timeout=0.3), **kw)
+                      remote=RemoteConfig(nodes=(f"127.0.0.1:{srv.port}",), domain="ignored", timeout=0.3,
+                                          **(remote_kw or {})), **kw)
     return Store(cfg)
 
 
@@ -248,3 +249,36 @@ def test_the_publisher_holds_its_queue_while_redis_is_down_and_resumes(tmp_path,
         assert rs.published >= 8 and rs.breaker_state == "closed" and rs.queue_depth == 0
     finally:
         a.close()
+
+
+def test_doctor_judges_reachability_acl_and_memory_policy(tmp_path, server):
+    from kvcached.cli import doctor_checks
+    from tests.redis_servers import cli
+
+    def remote_verdicts(store: Store) -> dict[str, str]:
+        s = store.stats().to_dict()
+        s.update(doctor=store.doctor_facts(), leases_active=0)
+        return {c["check"]: (c["verdict"], c["detail"]) for c in doctor_checks(s) if c["check"].startswith("remote")}
+
+    cli(server.port, "ACL", "SETUSER", "kvc-default", "on", ">pw", "resetkeys", "~kvc:default:*", "-@all",
+        "+get", "+set", "+exists", "+expire", "+ping")
+    cli(server.port, "CONFIG", "SET", "maxmemory-policy", "noeviction")
+    open_ = host(tmp_path, "a", server)  # the default user: no isolation
+    locked = host(tmp_path, "b", server, remote_kw={"username": "kvc-default", "password": "pw"})
+    try:
+        v = remote_verdicts(open_)
+        assert v["remote tier"][0] == "ok" and v["remote ACL"][0] == "warn" and "default user" in v["remote ACL"][1]
+        assert v["remote memory"][0] == "warn" and "noeviction" in v["remote memory"][1]
+        v = remote_verdicts(locked)
+        assert v["remote ACL"][0] == "ok"  # NOPERM outside kvc:default:*
+        assert v["remote memory"][0] == "ok" and "not visible" in v["remote memory"][1]  # no +info granted
+        cli(server.port, "CONFIG", "SET", "maxmemory", "64mb")
+        cli(server.port, "CONFIG", "SET", "maxmemory-policy", "volatile-lru")
+        assert remote_verdicts(open_)["remote memory"][0] == "ok"
+        cli(server.port, "ACL", "SETUSER", "kvc-default", "resetkeys", "~other:*")  # misconfigured: not its prefix
+        assert remote_verdicts(locked)["remote ACL"][0] == "fail"
+        server.kill()
+        v = remote_verdicts(open_)
+        assert v["remote tier"][0] == "fail" and "not reachable" in v["remote tier"][1] and len(v) == 1
+    finally:
+        open_.close(), locked.close()

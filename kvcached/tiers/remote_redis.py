@@ -25,6 +25,7 @@ breaker are guarded by one small lock. Calls block: callers run them off the eve
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -226,6 +227,55 @@ class RemoteRedisTier:
             self.stats.demoted += len(values)
             self.stats.bytes_published += sum(len(v) for _, v in values)
         return True
+
+    # -- troubleshooting -------------------------------------------------------------------------
+
+    def doctor(self) -> dict[str, Any]:
+        """Facts for ``kvcachectl doctor``: is the remote reachable, does the ACL keep this domain
+        to its prefix, and will Redis make room by itself (its maxmemory policy). Each probe is one
+        command bounded by ``timeout``, past the breaker; nothing here raises."""
+        import redis
+
+        domain = self.config.domain
+        facts: dict[str, Any] = {"nodes": list(self.config.nodes), "cluster": self.config.cluster,
+                                 "username": self.config.username, "breaker_state": self.breaker.state,
+                                 "errors": self.stats.errors, "refused": dict(self.stats.refused)}
+        try:
+            if self._client is None:
+                self._client = _make_client(self.config)
+            c = self._client
+            t0 = time.perf_counter()
+            c.ping()
+            facts["rtt_ms"] = (time.perf_counter() - t0) * 1e3
+        except Exception as e:  # noqa: BLE001 - unreachable is a verdict, not an error
+            facts.update(reachable=False, error=f"{type(e).__name__}: {e}")
+            return facts
+        facts["reachable"] = True
+        probe = f"doctor:{os.getpid()}:{time.monotonic_ns()}"
+        try:  # the domain's own prefix: must be writable (publishing needs it)
+            c.set(f"kvc:{domain}:{probe}", b"1", ex=5)
+            facts["own_prefix_writable"] = True
+        except redis.exceptions.NoPermissionError:
+            facts["own_prefix_writable"] = False
+        except Exception as e:  # noqa: BLE001
+            facts["own_prefix_writable"], facts["error"] = False, f"{type(e).__name__}: {e}"
+        try:  # just outside it (the prefix kvc:<domain>:* does not match kvc:<domain>~...): must be refused
+            c.set(f"kvc:{domain}~{probe}", b"1", ex=5)
+            facts["foreign_prefix_writable"] = True
+        except redis.exceptions.NoPermissionError:
+            facts["foreign_prefix_writable"] = False
+        except Exception:  # noqa: BLE001
+            facts["foreign_prefix_writable"] = None
+        try:
+            info = c.info("memory")
+            per_node = list(info.values()) if info and all(isinstance(v, dict) for v in info.values()) else [info]
+            facts["maxmemory"] = [int(n.get("maxmemory", 0)) for n in per_node]
+            facts["maxmemory_policy"] = sorted({str(n.get("maxmemory_policy", "")) for n in per_node})
+        except redis.exceptions.NoPermissionError:
+            facts["maxmemory_policy"] = None  # this ACL user may not run INFO
+        except Exception:  # noqa: BLE001
+            facts["maxmemory_policy"] = None
+        return facts
 
     # -- internals -----------------------------------------------------------------------------
 
