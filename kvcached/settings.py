@@ -139,6 +139,7 @@ class DaemonSettings:
     remote_ttl: float = 0.0  # 0: cache_ttl
     remote_timeout: float = 0.5
     remote_write: str = "async"  # or "on_evict", "off"
+    remote_queue_chunks: int = 4096  # chunks waiting to be published (oldest dropped beyond)
     remote_queue_bytes: int = 256 * MiB  # chunk copies waiting to be demoted to the remote tier
     remote_tls: bool = False
     remote_tls_ca: str = ""
@@ -251,6 +252,7 @@ class DaemonSettings:
             eviction_admission=self.eviction_admission,
             remote=self.remote_config(),
             remote_write=self.remote_write,
+            remote_queue_chunks=self.remote_queue_chunks,
             remote_queue_bytes=self.remote_queue_bytes,
             file_access=FileAccess.for_socket(self.socket_mode, self.socket_gid()),
         )
@@ -364,7 +366,8 @@ DOMAIN_KEYS = frozenset({
     "max_reservations_per_session", "writeback", "writeback_low", "writeback_high", "writeback_batch_bytes",
     "writeback_wait", "eviction_policy", "eviction_weight", "eviction_memory_chunks", "eviction_admission",
     "remote_nodes", "remote_cluster", "remote_username", "remote_password_file", "remote_ttl", "remote_timeout",
-    "remote_write", "remote_tls", "remote_tls_ca", "remote_queue_bytes", "hash_key_file",
+    "remote_write", "remote_tls", "remote_tls_ca", "remote_queue_chunks", "remote_queue_bytes",
+    "hash_key_file",
 })
 
 

@@ -272,7 +272,7 @@ class Store:
         id is empty. With a remote tier, the chunks after the local prefix are looked for
         there first (:meth:`_fill_from_remote`).
         """
-        if self.remote is not None and promote:
+        if self.remote is not None:  # whether or not the caller reads NVMe chunks itself
             self._remote_first(layout_id, tokens)
         with self._lock:
             self._check_admitting()
@@ -467,7 +467,7 @@ class Store:
         the write-back thread, with the lock released); the lease then pins the prefix the
         reservation found, which the reservation's own parent pin keeps in place.
         """
-        if self.remote is not None and promote and not no_cache:
+        if self.remote is not None and not no_cache:
             self._remote_first(layout_id, tokens)
         with self._lock:
             self._check_admitting()

@@ -133,6 +133,7 @@ class RemoteRedisTier:
         self.stats = RemoteStats()
         self.breaker = Breaker(config.breaker_failures, config.breaker_cooldown, clock)
         self._client = client  # made on first use: a cluster client connects when made, and may fail
+        self._connecting = threading.Lock()
 
     def close(self) -> None:
         if self._client is None:
@@ -241,9 +242,7 @@ class RemoteRedisTier:
                                  "username": self.config.username, "breaker_state": self.breaker.state,
                                  "errors": self.stats.errors, "refused": dict(self.stats.refused)}
         try:
-            if self._client is None:
-                self._client = _make_client(self.config)
-            c = self._client
+            c = self._connected()
             t0 = time.perf_counter()
             c.ping()
             facts["rtt_ms"] = (time.perf_counter() - t0) * 1e3
@@ -279,6 +278,16 @@ class RemoteRedisTier:
 
     # -- internals -----------------------------------------------------------------------------
 
+    def _connected(self) -> Any:
+        """The redis-py client, made on first use (one, however many threads ask at once)."""
+        client = self._client
+        if client is None:
+            with self._connecting:
+                client = self._client
+                if client is None:
+                    client = self._client = _make_client(self.config)
+        return client
+
     def _name(self, layout_id: LayoutId, h: ChunkHash) -> str:
         return remote_key(self.config.domain, layout_id, h)
 
@@ -289,17 +298,25 @@ class RemoteRedisTier:
                 self.stats.skipped_open += 1
                 return None
         try:
-            if self._client is None:
-                self._client = _make_client(self.config)
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self._connected().pipeline(transaction=False)
             queue(pipe)
             result = pipe.execute()
         except Exception as e:  # noqa: BLE001 - fail-open: any Redis trouble is a miss
+            stale = None
             with self._lock:
                 self.stats.errors += 1
                 opened = self.breaker.failure()
                 if opened:
                     self.stats.breaker_opened += 1
+                    stale, self._client = self._client, None
+            if stale is not None:
+                # The half-open trial starts from a fresh client made from the configured nodes:
+                # a cluster client drops the nodes it could not reach from its startup list, so
+                # after the whole cluster was down it could otherwise never find it again.
+                try:
+                    stale.close()
+                except Exception:  # noqa: BLE001 - closing a dead connection must not raise
+                    pass
             # str(e), not e: a log record that kept the exception would keep its traceback's
             # frames, and with them the pool views a publish was sending.
             log.warning("remote %s failed: %s: %s%s", what, type(e).__name__, str(e),

@@ -1,0 +1,231 @@
+"""Two real daemons, "host A" and "host B" (their own sockets, state dirs and pools; one hash key
+file, as every host of a trust domain has), sharing a real 6-node Redis Cluster (3 primaries + 3
+replicas) that the tests start on free loopback ports.
+
+* A cross-host hit: what A puts, B acquires with identical bytes, from the cluster first and
+  from its own tiers after; B's counters and metrics say so; `kvcachectl doctor` reports it.
+* Failover under load from both hosts: a primary is SIGKILLed while both keep acquiring and
+  putting; no client sees an error, no corrupt chunk is served, and cross-host hits come back
+  once a replica is promoted.
+* The whole cluster down, then back: no client errors, the breaker opens and closes, the publish
+  queue stays within its bound, and publishing resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvcached.keys import write_new_key
+from kvcached_client import Client
+from tests.daemon import BIN, Daemon
+from tests.redis_servers import RedisCluster, require_redis
+from tests.service.conftest import LAYOUT
+
+CT = LAYOUT.chunk_tokens
+CHUNKS = 4  # per prompt
+
+
+def chunk(owner: str, k: int, pos: int) -> bytes:
+    """The one right payload of chunk ``pos`` of prompt ``k`` of host ``owner`` (so a wrong one shows)."""
+    seed = hashlib.blake2b(f"{owner}:{k}:{pos}".encode(), digest_size=32).digest()
+    return (seed * (LAYOUT.chunk_bytes // len(seed) + 1))[: LAYOUT.chunk_bytes]
+
+
+def tokens(owner: str, k: int) -> list[int]:
+    base = (1 if owner == "a" else 2) * 10_000_000 + k * 1000
+    return [base + i for i in range(CHUNKS * CT)]
+
+
+def read(lease) -> list[bytes]:
+    return [lease.chunk(i).contiguous().numpy().tobytes() for i in range(len(lease))]
+
+
+@pytest.fixture
+def cluster(tmp_path) -> Iterator[RedisCluster]:
+    require_redis()
+    c = RedisCluster(str(tmp_path / "cluster")).start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def hosts(tmp_path, cluster) -> Iterator[Callable[..., tuple[Daemon, Daemon]]]:
+    started: list[Daemon] = []
+
+    def make(**settings: object) -> tuple[Daemon, Daemon]:
+        key = str(tmp_path / "domain.key")
+        write_new_key(key)  # `kvcachectl keygen`, copied to every host
+        nodes = ",".join(f"{h}:{p}" for h, p in cluster.startup_nodes)
+        for name in ("a", "b"):
+            os.makedirs(tmp_path / name)
+            d = Daemon(str(tmp_path / name), hash_key_file=key, remote_nodes=nodes, remote_cluster=True,
+                       remote_timeout=0.3, **settings)
+            started.append(d.start())
+        return started[0], started[1]
+
+    yield make
+    for d in started:
+        if d.proc is not None:
+            d.stop()
+
+
+def remote(c: Client) -> dict:
+    return c.stats()["remote"]
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_what_host_a_puts_host_b_acquires_from_the_cluster_then_from_its_own_tiers(hosts):
+    a, b = hosts()
+    with Client(a.socket) as ca, Client(b.socket) as cb:
+        want = [chunk("a", 0, i) for i in range(CHUNKS)]
+        assert ca.put_bytes(LAYOUT, tokens("a", 0), want).cached_tokens == CHUNKS * CT
+        wait_for(lambda: remote(ca)["published"] >= CHUNKS, 10, "A to publish")
+        with cb.acquire(LAYOUT, tokens("a", 0)) as lease:
+            assert lease.matched_tokens == CHUNKS * CT
+            assert read(lease) == want
+        s = cb.stats()
+        assert s["remote"]["hits"] == CHUNKS and s["counters"]["remote_filled_chunks"] == CHUNKS
+        assert s["counters"]["hit_tokens"] >= CHUNKS * CT
+        with cb.acquire(LAYOUT, tokens("a", 0)) as lease:  # now B's own tiers serve it
+            assert lease.matched_tokens == CHUNKS * CT and read(lease) == want
+        assert remote(cb)["hits"] == CHUNKS
+        assert remote(cb)["published"] == 0  # what came from the cluster is not sent back
+    metrics = urllib.request.urlopen(b.metrics_url, timeout=10).read().decode()
+    assert f'kvcached_remote_hits_total{{domain="default"}} {float(CHUNKS)}' in metrics
+    r = subprocess.run([os.path.join(BIN, "kvcachectl"), "--socket", b.socket, "doctor", "--json"],
+                       capture_output=True, text=True, timeout=60)
+    checks = {c["check"]: c for c in json.loads(r.stdout)["checks"]}
+    assert checks["remote tier"]["verdict"] == "ok" and "Redis Cluster" in checks["remote tier"]["detail"]
+    assert checks["remote ACL"]["verdict"] == "warn"  # the test cluster has no ACL users: said so
+
+
+class Load:
+    """One client per host, each in its own thread, in a loop: put a new prompt of its own, then
+    acquire the other host's newest prompts and check every byte it is served. Counts client
+    errors (any exception), corrupt chunks, and cross-host hits over time."""
+
+    def __init__(self, sockets: dict[str, str]) -> None:
+        self.sockets = sockets
+        self.errors: list[str] = []
+        self.corrupt = 0
+        self.newest = {name: -1 for name in sockets}  # the newest prompt each host has put
+        self.cross_hits: list[tuple[float, int]] = []  # (time, chunks) served to the other host
+        self.requests = 0
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(n,), daemon=True) for n in sockets]
+
+    def start(self) -> "Load":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+
+    def hits_since(self, t0: float) -> int:
+        return sum(n for t, n in list(self.cross_hits) if t >= t0)
+
+    def _run(self, me: str) -> None:
+        other = next(n for n in self.sockets if n != me)
+        k = 0
+        with Client(self.sockets[me], timeout=30) as c:
+            while not self._stop.is_set():
+                try:
+                    c.put_bytes(LAYOUT, tokens(me, k), [chunk(me, k, i) for i in range(CHUNKS)])
+                    self.newest[me] = k
+                    k += 1
+                    j = self.newest[other]
+                    for back in range(3):  # the other host's newest prompts: remote hits, or misses
+                        if j - back < 0:
+                            break
+                        with c.acquire(LAYOUT, tokens(other, j - back)) as lease:
+                            got = read(lease)
+                        if got != [chunk(other, j - back, i) for i in range(len(got))]:
+                            self.corrupt += 1
+                        if got:
+                            self.cross_hits.append((time.monotonic(), len(got)))
+                    self.requests += 1
+                except Exception as e:  # noqa: BLE001 - every client error is a test failure
+                    self.errors.append(f"{me}: {type(e).__name__}: {e}")
+                time.sleep(0.02)
+
+
+def test_failover_under_load_from_both_hosts(hosts, cluster):
+    a, b = hosts(pool_bytes="2M", nvme_bytes=0)  # a small pool: the other host's prompts come and go
+    load = Load({"a": a.socket, "b": b.socket}).start()
+    try:
+        wait_for(lambda: load.hits_since(0) > 0, 20, "cross-host hits before the failover")
+        victim = cluster.primaries()[0]
+        victim.kill()
+        killed = time.monotonic()
+        cluster.wait_ready(90)  # three primaries again: a replica took over the slots
+        promoted = time.monotonic()
+        with Client(a.socket) as ca, Client(b.socket) as cb:
+            # Chunks fetched from the cluster again (not only from what the hosts fetched before).
+            before = remote(ca)["hits"] + remote(cb)["hits"]
+            wait_for(lambda: remote(ca)["hits"] + remote(cb)["hits"] > before, 30,
+                     "cross-host hits from the cluster after the promotion")
+    finally:
+        load.stop()
+    assert load.errors == [], load.errors[:5]
+    assert load.corrupt == 0
+    assert load.requests > 20 and promoted > killed
+    with Client(a.socket) as ca, Client(b.socket) as cb:
+        for c in (ca, cb):
+            r = remote(c)
+            assert r["refused"] == {} or sum(r["refused"].values()) == 0  # nothing garbled was served
+            assert r["hits"] > 0
+
+
+def test_the_whole_cluster_down_then_back(hosts, cluster):
+    bound = 16
+    a, b = hosts(remote_queue_chunks=bound)
+    load = Load({"a": a.socket, "b": b.socket}).start()
+    try:
+        with Client(a.socket) as ca, Client(b.socket) as cb:
+            wait_for(lambda: load.hits_since(0) > 0, 20, "cross-host hits")
+            for node in cluster.nodes:
+                node.kill()
+            down = time.monotonic()
+            wait_for(lambda: remote(ca)["breaker_state"] != "closed" and remote(cb)["breaker_state"] != "closed",
+                     20, "both breakers to open")
+            time.sleep(2)  # the hosts keep serving, putting and queueing while it is down
+            requests_down = load.requests
+            for c in (ca, cb):
+                r = remote(c)
+                assert r["breaker_opened"] >= 1 and r["queue_depth"] <= 2 * bound  # publish + demote queues
+            published = {n: remote(c)["published"] for n, c in (("a", ca), ("b", cb))}
+            for node in cluster.nodes:
+                node.start()
+            cluster.wait_ready(90)
+            back = time.monotonic()
+            wait_for(lambda: all(remote(c)["published"] > published[n] for n, c in (("a", ca), ("b", cb))),
+                     30, "publishing to resume on both hosts")
+            before = remote(ca)["hits"] + remote(cb)["hits"]
+            wait_for(lambda: remote(ca)["hits"] + remote(cb)["hits"] > before, 30,
+                     "cross-host hits from the cluster after it came back")
+            for c in (ca, cb):
+                assert remote(c)["breaker_state"] == "closed"
+    finally:
+        load.stop()
+    assert load.errors == [], load.errors[:5]
+    assert load.corrupt == 0
+    assert load.requests > requests_down > 0 and back > down
