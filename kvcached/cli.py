@@ -357,8 +357,8 @@ def _remote_checks(r: dict, rs: dict, add: Any) -> None:
     add("remote tier", verdict, f"Redis{' Cluster' if r.get('cluster') else ''} at {nodes} answers in "
         f"{r.get('rtt_ms', 0):.1f} ms; breaker {r.get('breaker_state')}, {r.get('errors', 0)} failed calls{extra}",
         "journalctl -u kvcached EVENT=remote_error EVENT=remote_refused")
-    acl_dig = ("redis-cli ACL SETUSER kvc-DOMAIN on '>PASSWORD' resetkeys '~kvc:DOMAIN:*' -@all "
-               "+get +set +exists +expire +ping +info; see README, remote tier")
+    acl_dig = ("on every node: redis-cli ACL SETUSER kvc-DOMAIN on '>PASSWORD' resetkeys '~kvc:DOMAIN:*' -@all "
+               "+get +set +exists +expire +ping +cluster|slots +command +info; see README, remote tier")
     if r.get("own_prefix_writable") is False:
         add("remote ACL", "fail", f"user {r.get('username') or 'default'} cannot write its own prefix "
             f"kvc:DOMAIN:*: nothing is published ({r.get('error', 'NOPERM')})", acl_dig)

@@ -3,7 +3,8 @@ file, as every host of a trust domain has), sharing a real 6-node Redis Cluster 
 replicas) that the tests start on free loopback ports.
 
 * A cross-host hit: what A puts, B acquires with identical bytes, from the cluster first and
-  from its own tiers after; B's counters and metrics say so; `kvcachectl doctor` reports it.
+  from its own tiers after; B's counters and metrics say so; both connect as the domain's ACL
+  user (the README's recipe, on every node) and `kvcachectl doctor` reports it.
 * Failover under load from both hosts: a primary is SIGKILLed while both keep acquiring and
   putting; no client sees an error, no corrupt chunk is served, and cross-host hits come back
   once a replica is promoted.
@@ -27,7 +28,7 @@ import pytest
 from kvcached.keys import write_new_key
 from kvcached_client import Client
 from tests.daemon import BIN, Daemon
-from tests.redis_servers import RedisCluster, require_redis
+from tests.redis_servers import RedisCluster, cli, require_redis
 from tests.service.conftest import LAYOUT
 
 CT = LAYOUT.chunk_tokens
@@ -61,10 +62,18 @@ def cluster(tmp_path) -> Iterator[RedisCluster]:
 def hosts(tmp_path, cluster) -> Iterator[Callable[..., tuple[Daemon, Daemon]]]:
     started: list[Daemon] = []
 
-    def make(**settings: object) -> tuple[Daemon, Daemon]:
+    def make(acl: bool = False, **settings: object) -> tuple[Daemon, Daemon]:
         key = str(tmp_path / "domain.key")
         write_new_key(key)  # `kvcachectl keygen`, copied to every host
         nodes = ",".join(f"{h}:{p}" for h, p in cluster.startup_nodes)
+        if acl:  # the README's recipe: one user per domain, kept to its prefix, set on every node
+            for node in cluster.nodes:
+                cli(node.port, "ACL", "SETUSER", "kvc-default", "on", ">s3cret", "resetkeys", "~kvc:default:*",
+                    "-@all", "+get", "+set", "+exists", "+expire", "+ping", "+cluster|slots", "+command", "+info")
+            pw = tmp_path / "redis.password"
+            pw.write_text("s3cret\n")
+            pw.chmod(0o600)
+            settings.update(remote_username="kvc-default", remote_password_file=str(pw))
         for name in ("a", "b"):
             os.makedirs(tmp_path / name)
             d = Daemon(str(tmp_path / name), hash_key_file=key, remote_nodes=nodes, remote_cluster=True,
@@ -91,7 +100,7 @@ def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 def test_what_host_a_puts_host_b_acquires_from_the_cluster_then_from_its_own_tiers(hosts):
-    a, b = hosts()
+    a, b = hosts(acl=True)
     with Client(a.socket) as ca, Client(b.socket) as cb:
         want = [chunk("a", 0, i) for i in range(CHUNKS)]
         assert ca.put_bytes(LAYOUT, tokens("a", 0), want).cached_tokens == CHUNKS * CT
@@ -112,7 +121,8 @@ def test_what_host_a_puts_host_b_acquires_from_the_cluster_then_from_its_own_tie
                        capture_output=True, text=True, timeout=60)
     checks = {c["check"]: c for c in json.loads(r.stdout)["checks"]}
     assert checks["remote tier"]["verdict"] == "ok" and "Redis Cluster" in checks["remote tier"]["detail"]
-    assert checks["remote ACL"]["verdict"] == "warn"  # the test cluster has no ACL users: said so
+    assert checks["remote ACL"]["verdict"] == "ok"  # NOPERM just outside kvc:default:*
+    assert checks["remote memory"]["verdict"] == "warn"  # the test cluster's noeviction: said so
 
 
 class Load:

@@ -40,6 +40,24 @@ def test_security_exposure_is_ok_or_better(unit):
     assert float(m.group(1)) < 4.0
 
 
+def test_the_remote_tier_drop_in_keeps_the_unit_valid_and_ok(unit):
+    """remote-tier.conf only widens IPAddressAllow for the Redis nodes: the unit with it still
+    verifies cleanly and scores OK (checked with its [Service] lines merged into the unit)."""
+    drop_in = open(os.path.join(ROOT, "systemd", "remote-tier.conf")).read()
+    lines = [ln for ln in drop_in.splitlines() if ln and not ln.startswith(("#", "["))]
+    assert lines and all(ln.startswith("IPAddressAllow=") for ln in lines)
+    text = open(unit).read().replace("IPAddressAllow=localhost\n", "IPAddressAllow=localhost\n" + "\n".join(lines) + "\n")
+    assert lines[0] in text
+    merged = os.path.join(os.path.dirname(unit), "merged", "kvcached.service")
+    os.makedirs(os.path.dirname(merged))
+    open(merged, "w").write(text)
+    r = subprocess.run([ANALYZE, "verify", merged], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "" and r.stderr.strip() == "", r.stdout + r.stderr
+    r = subprocess.run([ANALYZE, "security", "--offline=yes", merged], capture_output=True, text=True, timeout=120)
+    m = re.search(r"Overall exposure level for \S+: ([\d.]+) (\w+)", r.stdout + r.stderr)
+    assert m and m.group(2) in ("PERFECT", "SAFE", "OK"), r.stdout + r.stderr
+
+
 def test_unit_contract():
     text = open(UNIT).read()
     for line in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "ExecReload=/bin/kill -HUP $MAINPID",
