@@ -164,3 +164,74 @@ def test_two_hosts_share_chunks_through_a_cluster(tmp_path):
             t.close()
     finally:
         cluster.stop()
+
+
+def test_a_full_redis_refuses_writes_and_reads_still_work(server):
+    t = tier(server, timeout=0.5)
+    kept = chunks(2)
+    assert t.publish(kept)
+    cli(server.port, "CONFIG", "SET", "maxmemory-policy", "noeviction")
+    cli(server.port, "CONFIG", "SET", "maxmemory", "1")  # full: every write is refused with OOM
+    assert t.publish(chunks(2)) is False and t.stats.errors == 1  # counted, not raised
+    assert len(t.fetch(LAYOUT, hashes(kept), CHUNK)) == 2  # what it holds is still served
+    t.close()
+
+
+class SilentOrGarbled:
+    """A TCP server on loopback that accepts connections and then says nothing (a hung Redis), or
+    answers every request with bytes that are not RESP (something else on the port)."""
+
+    def __init__(self, reply: bytes | None) -> None:
+        import socket
+        import threading
+
+        self.reply = reply
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import threading
+
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            if self.reply is not None:
+                threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn) -> None:
+        try:
+            while conn.recv(65536):
+                conn.sendall(self.reply)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+@pytest.mark.parametrize("reply", [None, b"HTTP/1.1 400 Bad Request\r\n\r\n", b"\x00\xff garbage \x13\r\n"],
+                         ids=["hung", "http", "garbage"])
+def test_a_hung_or_garbled_server_is_a_bounded_miss(reply):
+    srv = SilentOrGarbled(reply)
+    try:
+        cfg = RemoteConfig(nodes=(f"127.0.0.1:{srv.port}",), domain="d", timeout=0.3, breaker_failures=2)
+        t = RemoteRedisTier(cfg, KEY)
+        cs = chunks(2)
+        t0 = time.monotonic()
+        assert t.fetch(LAYOUT, hashes(cs), CHUNK) == []
+        assert t.probe(LAYOUT, hashes(cs)) == 0
+        assert t.publish(cs) is False  # the breaker is open by now: not even tried
+        assert time.monotonic() - t0 < 2 * 0.3 + 0.5  # each call at most one timeout
+        assert t.stats.errors == 2 and t.breaker.state == "open" and t.stats.skipped_open == 1
+        t.close()
+    finally:
+        srv.close()
