@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence, TypeVar
 
-from kvcached.config import StoreConfig
+from kvcached.config import MiB, StoreConfig
 from kvcached.errors import (
     ChunkNotCached,
     InvalidKV,
@@ -90,6 +90,8 @@ from kvcached.writeback import WriteBack
 log = logging.getLogger(__name__)
 
 DEFAULT_SESSION = SessionId("local")
+#: How many bytes of chunks one remote fetch asks for at most (a window; see _fill_from_remote).
+REMOTE_FETCH_WINDOW_BYTES = 64 * MiB
 T = TypeVar("T")
 
 
@@ -544,34 +546,47 @@ class Store:
     def _fill_from_remote(self, layout_id: LayoutId, tokens: TokenInput) -> int:
         """Fetch the chunks after the locally cached prefix from the remote tier, verified, and
         store them here (pool, then NVMe as any chunk), so the acquire that follows finds them.
-        The network round trips run without the store lock. Returns the chunks stored; 0 on any
-        remote trouble (the remote tier fails open)."""
+
+        No separate probe: a GET of a key Redis lacks costs what an EXISTS does, so each window
+        is one pipelined round trip per node that returns the chunks it holds. Windows of
+        :data:`REMOTE_FETCH_WINDOW_BYTES` bound the memory a long prompt's fetch takes; the next
+        window is fetched only if this one was found and stored whole. The network round trips
+        run without the store lock. Returns the chunks stored; 0 on any remote trouble (the
+        remote tier fails open)."""
         assert self.remote is not None
         with self._lock:
             self._check_admitting()
             hashes = self.hashes(layout_id, tokens)
             layout = self._layouts[layout_id][0]
             k = len(self.index.match(hashes))
-        if k >= len(hashes):
-            return 0
-        payloads = self.remote.fetch(layout_id, hashes[k:], layout.chunk_bytes)
-        if not payloads:
-            return 0
-        n = k + len(payloads)
-        prefix = normalize_tokens(tokens, layout.vocab_size)[: n * layout.chunk_tokens * 4]
-        r = self.reserve(layout_id, prefix, open_empty=False)
-        if not r.opened:
-            return 0
-        try:
-            for loc in r.slots:  # positions k..n-1 (or fewer, if another writer got there first)
-                self.write_reserved(r.reservation_id, loc.position, payloads[loc.position - k])
-        except BaseException:
-            self.abort(r.reservation_id)
-            raise
-        c = self._commit(r.reservation_id, None, None, publish=False)  # it came from there
-        with self._lock:
-            self.counters.remote_filled_chunks += c.committed_chunks
-        return c.committed_chunks
+        window = max(1, REMOTE_FETCH_WINDOW_BYTES // layout.chunk_bytes)
+        packed = normalize_tokens(tokens, layout.vocab_size) if k < len(hashes) else b""
+        stored = 0
+        while k < len(hashes):
+            want = hashes[k: k + window]
+            payloads = self.remote.fetch(layout_id, want, layout.chunk_bytes)
+            if not payloads:
+                break
+            n = k + len(payloads)
+            r = self.reserve(layout_id, packed[: n * layout.chunk_tokens * 4], open_empty=False)
+            if not r.opened:
+                break
+            try:
+                for loc in r.slots:  # positions k..n-1 (or fewer, if another writer got there first)
+                    self.write_reserved(r.reservation_id, loc.position, payloads[loc.position - k])
+            except BaseException:
+                self.abort(r.reservation_id)
+                raise
+            c = self._commit(r.reservation_id, None, None, publish=False)  # it came from there
+            stored += c.committed_chunks
+            whole = len(payloads) == len(want) and len(r.slots) == len(payloads) == c.committed_chunks
+            if not whole:
+                break
+            k = n
+        if stored:
+            with self._lock:
+                self.counters.remote_filled_chunks += stored
+        return stored
 
     def abort(self, reservation_id: ReservationId, session: SessionId | None = None) -> bool:
         """Free a reservation's pool room. Idempotent: False if it was already closed (or, with

@@ -282,3 +282,26 @@ def test_doctor_judges_reachability_acl_and_memory_policy(tmp_path, server):
         assert v["remote tier"][0] == "fail" and "not reachable" in v["remote tier"][1] and len(v) == 1
     finally:
         open_.close(), locked.close()
+
+
+def test_a_long_prompt_is_fetched_in_windows(tmp_path, server, monkeypatch):
+    import kvcached.store as store_mod
+
+    monkeypatch.setattr(store_mod, "REMOTE_FETCH_WINDOW_BYTES", 3 * TINY.chunk_bytes)  # 3 chunks a window
+    a = host(tmp_path, "a", server, pool_chunks=32)
+    b = host(tmp_path, "b", server, key_from=a.config.state_dir, pool_chunks=32)
+    try:
+        lid = a.register_layout(TINY)
+        b.register_layout(TINY)
+        a.put(lid, prompt(8), [payload(i) for i in range(8)])
+        a.publisher.drain()
+        calls = []
+        fetch = b.remote.fetch
+        monkeypatch.setattr(b.remote, "fetch", lambda *a_, **k: calls.append(len(a_[1])) or fetch(*a_, **k))
+        lease = b.acquire(lid, prompt(10))  # 8 there, 2 more asked for
+        assert lease.matched_tokens == 8 * CT
+        assert [bytes(b.pool.read(c.chunk_hash)) for c in lease.chunks] == [payload(i) for i in range(8)]
+        b.release(lease.lease_id)
+        assert calls == [3, 3, 3]  # the third window found 2 of its 3 (chunk 8 is not there): no fourth
+    finally:
+        a.close(), b.close()
