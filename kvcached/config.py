@@ -140,6 +140,10 @@ class StoreConfig:
     remote_write: str = "async"
     remote_queue_chunks: int = 4096
     remote_queue_bytes: int = 256 * MiB  # copies of chunks waiting to be demoted there
+    #: Feed a KV event stream (kvcached.events) from the index; ``kv_events_pending`` bounds the
+    #: events waiting for the publisher (beyond it: a resync).
+    kv_events: bool = False
+    kv_events_pending: int = 100_000
     #: Tier file permissions; the daemon derives them from the domain's socket.
     file_access: FileAccess = field(default_factory=FileAccess)
 

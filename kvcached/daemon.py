@@ -87,12 +87,23 @@ async def _serve(settings: DaemonSettings, config_file: str | None, overrides: d
         except OSError as e:  # a busy port must not keep the cache down
             log.error("cannot serve metrics on %s: %s; running without /metrics", settings.metrics_addr, e)
     runnings: list[Any] = []
+    event_pubs: list[Any] = []
     try:
+        for d, st in zip(domains, stores):
+            cfg = d.kv_events_config()
+            if cfg is not None and st.events is not None:
+                from kvcached.service.kv_events import KvEventPublisher
+
+                pub = await loop.run_in_executor(None, KvEventPublisher(st.events, cfg).start)
+                event_pubs.append(pub)
+                metrics.add_event_publisher(d.domain, pub)
         for d, st in zip(domains, stores):
             runnings.append(await start_server(d, st, [metrics.interceptor]))
     except BaseException:
         for r in runnings:
             await r.stop(grace=0)
+        for pub in event_pubs:
+            pub.stop()
         metrics.close()
         for st in stores:
             st.close()
@@ -110,7 +121,8 @@ async def _serve(settings: DaemonSettings, config_file: str | None, overrides: d
         lambda: asyncio.ensure_future(_reload(domains, stores, runnings, config_file, overrides, notify)),
     )
     for d, st, r in zip(domains, stores, runnings):
-        _announce(d, st, r.tcp_port, metrics_port if d is settings else None)
+        pub = next((p for p in event_pubs if p.source is st.events), None)
+        _announce(d, st, r.tcp_port, metrics_port if d is settings else None, pub)
     notify.ready(_status_line(stores[0]))  # only now: every socket is bound and every index rebuilt
     tasks = [asyncio.create_task(_expire_loop(st, settings.expire_interval, notify if i == 0 else None))
              for i, st in enumerate(stores)]
@@ -126,12 +138,16 @@ async def _serve(settings: DaemonSettings, config_file: str | None, overrides: d
     flushed = 0
     for st in stores:
         flushed += await loop.run_in_executor(None, st.flush)
+    for pub in event_pubs:  # after the flush: its tier moves are published too
+        await loop.run_in_executor(None, pub.stop)
+    for st in stores:
         st.close()
     log.info("stopped; wrote %d pool-only chunks to NVMe", flushed, extra={"event": "stopped"})
     return 0
 
 
-def _announce(settings: DaemonSettings, store: Store, tcp_port: int | None, metrics_port: int | None = None) -> None:
+def _announce(settings: DaemonSettings, store: Store, tcp_port: int | None, metrics_port: int | None = None,
+              events: Any = None) -> None:
     s = store.stats()
     r = store.rebuild_report
     lines = [
@@ -146,7 +162,9 @@ def _announce(settings: DaemonSettings, store: Store, tcp_port: int | None, metr
         + f"{s.pool.capacity_bytes} bytes, packed",
         "  nvme: " + (f"{s.nvme.chunks} chunks, {s.nvme.used_bytes} of {s.nvme.capacity_bytes} bytes"
                       + (f", index rebuilt in {r.seconds:.2f} s" if r else "") if s.nvme else "disabled"),
-        f"  layouts: {s.layouts}",
+        "  kv events: " + (f"{events.pub_endpoint}" + (f", replay {events.replay_endpoint}" if events.replay_endpoint
+                                                         else "") if events is not None else "off"),
+        f"  layouts: {s.layouts}",  # the last line (tests wait for it)
     ]
     for line in lines:
         log.info("%s", line.strip(), extra={"event": "ready" if "ready" in line else "start"})

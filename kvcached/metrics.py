@@ -200,6 +200,35 @@ class LatencyInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
+class KvEventsCollector:
+    """The KV event publishers (kvcached.service.kv_events), one per domain that has one."""
+
+    def __init__(self) -> None:
+        self.publishers: dict[str, Any] = {}
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        if not self.publishers:
+            return
+        sent = CounterMetricFamily("kvcached_kv_events_sent", "KV events published", labels=["domain"])
+        batches = CounterMetricFamily("kvcached_kv_events_batches", "KV event batches published (the next "
+                                      "sequence number)", labels=["domain"])
+        replays = CounterMetricFamily("kvcached_kv_events_replays", "Replay requests served", labels=["domain"])
+        resyncs = CounterMetricFamily("kvcached_kv_events_resyncs", "Snapshots sent (at start, or after the "
+                                      "publisher fell behind)", labels=["domain"])
+        pending = GaugeMetricFamily("kvcached_kv_events_pending", "KV events waiting to be published",
+                                    labels=["domain"])
+        for dom, pub in self.publishers.items():
+            sent.add_metric([dom], pub.events_sent)
+            batches.add_metric([dom], pub.next_seq)
+            replays.add_metric([dom], pub.replays)
+            resyncs.add_metric([dom], pub.source.resyncs)
+            pending.add_metric([dom], len(pub.source))
+        yield from (sent, batches, replays, resyncs, pending)
+
+
 class Metrics:
     """One registry per daemon: the store collector, RPC latency and the similarity histogram."""
 
@@ -212,7 +241,12 @@ class Metrics:
                                     "Similarity of semantic-cache candidates (filled by the semantic layer)",
                                     buckets=SIMILARITY_BUCKETS, registry=self.registry)
         self.interceptor = LatencyInterceptor(self.rpc_latency)
+        self._events = KvEventsCollector()
+        self.registry.register(self._events)
         self._server: Any = None
+
+    def add_event_publisher(self, domain: str, publisher: Any) -> None:
+        self._events.publishers[domain] = publisher
 
     def serve(self, addr: str) -> int:
         """Expose /metrics on ``HOST:PORT`` (port 0 picks one); returns the bound port."""

@@ -139,6 +139,13 @@ class DaemonSettings:
     remote_ttl: float = 0.0  # 0: cache_ttl
     remote_timeout: float = 0.5
     remote_write: str = "async"  # or "on_evict", "off"
+    # KV events in vLLM's wire format (kvcached.events, kvcached.service.kv_events); off while "".
+    # They carry prompt token ids: ipc:// or loopback TCP unless kv_events_allow_remote.
+    kv_events_endpoint: str = ""  # ZMQ PUB, e.g. "ipc:///run/kvcached/kv-events" or "tcp://127.0.0.1:5557"
+    kv_events_replay_endpoint: str = ""  # ZMQ ROUTER that resends from a sequence number
+    kv_events_topic: str = ""
+    kv_events_buffer_batches: int = 10_000  # batches kept for replay
+    kv_events_allow_remote: bool = False
     remote_queue_chunks: int = 4096  # chunks waiting to be published (oldest dropped beyond)
     remote_queue_bytes: int = 256 * MiB  # chunk copies waiting to be demoted to the remote tier
     remote_tls: bool = False
@@ -253,9 +260,24 @@ class DaemonSettings:
             remote=self.remote_config(),
             remote_write=self.remote_write,
             remote_queue_chunks=self.remote_queue_chunks,
+            kv_events=bool(self.kv_events_config()),
             remote_queue_bytes=self.remote_queue_bytes,
             file_access=FileAccess.for_socket(self.socket_mode, self.socket_gid()),
         )
+
+    def kv_events_config(self) -> Any:
+        """This domain's KvEventsConfig, or None without ``kv_events_endpoint``."""
+        if not self.kv_events_endpoint:
+            if self.kv_events_replay_endpoint:
+                raise SettingsError("kv_events_replay_endpoint needs kv_events_endpoint")
+            return None
+        from kvcached.service.kv_events import KvEventsConfig
+
+        try:
+            return KvEventsConfig(self.kv_events_endpoint, self.kv_events_replay_endpoint, self.kv_events_topic,
+                                  self.kv_events_buffer_batches, allow_remote=self.kv_events_allow_remote)
+        except ValueError as e:
+            raise SettingsError(str(e)) from None
 
     def remote_config(self) -> Any:
         """This domain's RemoteConfig, or None without ``remote_nodes``. The password file must be
@@ -367,7 +389,8 @@ DOMAIN_KEYS = frozenset({
     "writeback_wait", "eviction_policy", "eviction_weight", "eviction_memory_chunks", "eviction_admission",
     "remote_nodes", "remote_cluster", "remote_username", "remote_password_file", "remote_ttl", "remote_timeout",
     "remote_write", "remote_tls", "remote_tls_ca", "remote_queue_chunks", "remote_queue_bytes",
-    "hash_key_file",
+    "hash_key_file", "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic", "kv_events_buffer_batches",
+    "kv_events_allow_remote",
 })
 
 

@@ -52,6 +52,7 @@ from kvcached.errors import (
     UnknownReservation,
 )
 from kvcached.index import FrequencyPolicy, Node, PrefixIndex, make_policy
+from kvcached.events import MEDIUM_CPU, MEDIUM_GPU, KvEventLog, KVCacheEvent, snapshot_events
 from kvcached.hashmemo import HashMemo
 from kvcached.keys import (ChunkHash, ChunkHasher, KVLayout, LayoutId, Namespace, TokenInput, load_or_create_key,
                            load_shared_key, normalize_tokens)
@@ -110,6 +111,7 @@ class Store:
         self._hasher = ChunkHasher(domain_key)
         self.remote: RemoteRedisTier | None = None
         self.publisher: RemotePublisher | None = None
+        self.events: KvEventLog | None = None  # the KV event stream's source (kvcached.events)
         if config.remote is not None:  # hosts sharing it share the hash key: same hashes, same MAC key
             self.remote = RemoteRedisTier(dataclasses.replace(config.remote, domain=config.domain), mac_key(domain_key))
             if config.remote_write != "off":
@@ -150,6 +152,11 @@ class Store:
                 for layout in self.nvme.load_layouts().values():
                     self._add_layout(layout)
                 self.rebuild_report = rebuild_index(self.index, self.nvme, self._layouts, clock())
+            if config.kv_events:  # after the rebuild: the stream starts with a snapshot of it
+                self.events = KvEventLog(lambda lid: self._layouts[lid][0], self._pool_medium(),
+                                         snapshot=self._event_snapshot, max_pending=config.kv_events_pending)
+                self.index.observer = self.events
+                self.events.request_resync()
         except BaseException:
             self.pool.close()
             if self.nvme is not None:
@@ -163,6 +170,20 @@ class Store:
             self.writeback.start()
         if self.publisher is not None:
             self.publisher.start()
+
+    # -- KV events ----------------------------------------------------------------
+
+    def _pool_medium(self) -> str:
+        return MEDIUM_GPU if self.config.device.startswith("cuda") else MEDIUM_CPU
+
+    def _event_snapshot(self) -> list[KVCacheEvent]:
+        """AllBlocksCleared and every chunk held, read under the lock (O(index); at start and
+        on a resync only), after which the event stream goes on from this state."""
+        with self._lock:
+            events = snapshot_events(self.index.nodes(), lambda lid: self._layouts[lid][0], self._pool_medium())
+            assert self.events is not None
+            self.events.restarted()
+            return events
 
     # -- layouts ------------------------------------------------------------------
 
@@ -440,18 +461,22 @@ class Store:
         with self._lock:
             self._check_admitting()
             hashes = self.hashes(layout_id, tokens)
-            return self._reserve(layout_id, hashes, session, ttl, store_nothing, open_empty)
+            return self._reserve(layout_id, hashes, session, ttl, store_nothing, open_empty, tokens=tokens)
 
     def _reserve(self, layout_id: LayoutId, hashes: list[ChunkHash], session: SessionId, ttl: float | None,
-                 store_nothing: bool, open_empty: bool, touch: bool = True) -> ReservationReceipt:
+                 store_nothing: bool, open_empty: bool, touch: bool = True,
+                 tokens: TokenInput | None = None) -> ReservationReceipt:
         cap = self.config.max_reservations_per_session
         if self.writes.reservations.count(session) >= cap:
             raise LimitReached(f"session {session} already holds {cap} open reservations "
                                "(max_reservations_per_session); commit or abort them, or raise the limit")
         if store_nothing:
             hashes = hashes[: len(self.index.match(hashes))]
+        packed = None
+        if self.events is not None and tokens is not None:  # BlockStored carries the chunks' token ids
+            packed = normalize_tokens(tokens, self._layouts[layout_id][0].vocab_size)
         r = self.writes.reserve(layout_id, hashes, session, ttl or self.config.reservation_ttl, self._clock(),
-                                open_empty=open_empty, touch=touch)
+                                open_empty=open_empty, touch=touch, tokens=packed)
         if self.writeback is not None:
             self.writeback.kick()
         return r
@@ -481,7 +506,7 @@ class Store:
             self._check_lease_cap(session)
             # No touch: the lease below pins (and on release re-dates) the same prefix.
             r = self._reserve(layout_id, hashes, session, reservation_ttl, store_nothing, open_empty=False,
-                              touch=no_cache)
+                              touch=no_cache, tokens=tokens)
             try:
                 lease = self._acquire(layout_id, hashes, session, ttl, 0 if no_cache else None, promote, False)
             except BaseException:

@@ -45,6 +45,7 @@ class PendingPut:
     hashes: list[ChunkHash]
     slots: list[Slot]
     first_position: int
+    tokens: bytes | None = None  # the prompt's packed uint32 ids, kept only for the KV event stream
 
 
 class WritePath:
@@ -89,9 +90,10 @@ class WritePath:
 
     def reserve(
         self, layout_id: LayoutId, hashes: list[ChunkHash], session: SessionId, ttl: float, now: float, *,
-        open_empty: bool = True, touch: bool = True,
+        open_empty: bool = True, touch: bool = True, tokens: bytes | None = None,
     ) -> ReservationReceipt:
-        """Reserve pool room for the prompt's full chunks that are not cached yet.
+        """Reserve pool room for the prompt's full chunks that are not cached yet. ``tokens``
+        (the prompt's packed ids) travels with the reservation to the index's observer at commit.
 
         Chunks that another reservation is writing are reported as
         ``in_flight_tokens`` and not reserved, nor is anything after them
@@ -166,7 +168,7 @@ class WritePath:
             return ReservationReceipt(
                 ReservationId(""), session, layout_id, k * ct, in_flight * ct, (), now, self.pool.generation,
                 durable * ct, self.write_through, missing * ct, reason)
-        entry = self.reservations.add(session, PendingPut(layout_id, parent, todo, slots, k), ttl, now)
+        entry = self.reservations.add(session, PendingPut(layout_id, parent, todo, slots, k, tokens), ttl, now)
         for h in todo:
             self.in_flight[h] = ReservationId(entry.id)
         self.counters.reservations += 1
@@ -208,8 +210,12 @@ class WritePath:
             meta = ChunkMeta(h, prev_hash, pending.layout_id, pending.first_position + i, layout.chunk_tokens)
             self.pool.commit(pending.slots[i], meta)
             prev_hash = h
+        tokens = None
+        if pending.tokens is not None:  # the committed chunks' own token ids
+            tokens = pending.tokens[pending.first_position * layout.chunk_tokens * 4:
+                                    (pending.first_position + n) * layout.chunk_tokens * 4]
         nodes = self.index.insert_chain(pending.hashes[:n], parent, pending.layout_id, POOL, now,
-                                        [slot.offset for slot in pending.slots[:n]])
+                                        [slot.offset for slot in pending.slots[:n]], tokens)
         if self.write_through and nodes:
             if self._write_nvme is not None:
                 ok = self._write_nvme(nodes)

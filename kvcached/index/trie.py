@@ -32,12 +32,17 @@ touches) plus the commit that stored it. The policy ranks by them; a chunk
 leaving the index hands its count to the policy's sketch, and a chunk
 inserted again starts from the remembered count.
 
+Observers: an optional ``observer`` (:class:`TierObserver`, e.g. the KV event stream of
+:mod:`kvcached.events`) hears of every copy that appears or goes, tier by tier, in the
+order the index changes; ``tokens`` is whatever the caller of :meth:`insert_chain` passed
+(the index never reads it).
+
 Not thread-safe; the store serialises all calls.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Protocol, Sequence
 
 from kvcached.errors import InternalInvariantError, RefcountUnderflow
 from kvcached.index.eviction import EvictionPolicy, EvictionQueue, LruPolicy
@@ -49,6 +54,14 @@ _IN_POOL_LRU = 2
 _IN_NVME_LEAVES = 4
 _DETACHED = 8
 _QUEUED = _IN_LEAVES | _IN_POOL_LRU | _IN_NVME_LEAVES
+
+
+class TierObserver(Protocol):
+    """Told of each copy of a chunk that appears in or leaves a tier (``tier``: one or more bits)."""
+
+    def stored(self, nodes: Sequence["Node"], tier: int, tokens: object = None) -> None: ...
+
+    def removed(self, nodes: Sequence["Node"], tier: int) -> None: ...
 
 
 class Node:
@@ -104,6 +117,7 @@ class PrefixIndex:
         self.nvme_leaves = EvictionQueue(_IN_NVME_LEAVES, key)
         self.pinned_in_pool = 0  # nodes with refcount > 0 and a pool copy: the pool's leased chunks
         self.newest_use = 0.0  # the latest last_use given to any node (the recency span's young end)
+        self.observer: TierObserver | None = None
 
     # -- queries ------------------------------------------------------------
 
@@ -166,11 +180,13 @@ class PrefixIndex:
                 parent.pool_children += 1
             self._refresh(parent)
         self._refresh(node)
+        if self.observer is not None:
+            self.observer.stored((node,), int(tiers))
         return node
 
     def insert_chain(
         self, hashes: list[ChunkHash], parent: Node | None, layout_id: LayoutId, tiers: TierId, now: float,
-        pool_offsets: Sequence[int] = (),
+        pool_offsets: Sequence[int] = (), tokens: object = None,
     ) -> list[Node]:
         """Insert consecutive chunks under ``parent`` in one go.
 
@@ -210,6 +226,8 @@ class PrefixIndex:
         if parent is not None:
             self._refresh(parent)
         self._refresh(out[-1])
+        if self.observer is not None:
+            self.observer.stored(out, int(tiers), tokens)
         return out
 
     def remove(self, node: Node) -> None:
@@ -220,6 +238,8 @@ class PrefixIndex:
             )
         if self._nodes.get(node.hash) is not node:
             raise InternalInvariantError(f"{node!r} is not indexed")
+        if self.observer is not None and node.tiers:
+            self.observer.removed((node,), node.tiers)
         del self._nodes[node.hash]
         self._dequeue(node)
         self.policy.forget(node)
@@ -249,6 +269,8 @@ class PrefixIndex:
             node.parent.pool_children += 1
             self._refresh(node.parent)
         self._refresh(node)
+        if self.observer is not None:
+            self.observer.stored((node,), int(tier))
 
     def drop_tier(self, node: Node, tier: TierId) -> int:
         """Forget that ``node`` lives in ``tier``; returns the tiers left.
@@ -266,6 +288,8 @@ class PrefixIndex:
             node.parent.pool_children -= 1
             self._refresh(node.parent)
         self._refresh(node)
+        if self.observer is not None:
+            self.observer.removed((node,), int(tier))
         return node.tiers
 
     # -- pins and recency -----------------------------------------------------
@@ -354,6 +378,10 @@ class PrefixIndex:
         are never queued or matched again.
         """
         out = self.subtree(top)
+        if self.observer is not None:
+            for node in out:
+                if node.tiers:
+                    self.observer.removed((node,), node.tiers)
         for node in out:
             del self._nodes[node.hash]
             self._dequeue(node)
