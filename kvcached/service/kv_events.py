@@ -5,7 +5,8 @@ routers built on them, read this stream unchanged):
 
 * PUB frames ``[topic, sequence number (8 bytes, big-endian), msgpack(batch)]``; a batch is
   ``[ts, [events...], data_parallel_rank]`` (:mod:`kvcached.events`). Sequence numbers count
-  batches from 0 with no gaps.
+  batches from 0 with no gaps. While idle, an empty batch every ``heartbeat`` seconds lets
+  subscribers notice a gap, a restart (numbers from 0 again) or lag without waiting for traffic.
 * Replay: a DEALER/REQ sends the first sequence number it wants (8 bytes, big-endian) to the
   ROUTER endpoint and gets every buffered batch from there as ``[topic, seq, payload]``, then an
   end marker ``["", -1 (8 bytes, signed), ""]``. The last ``buffer_batches`` batches are kept.
@@ -46,6 +47,7 @@ class KvEventsConfig:
     max_batch_events: int = 4096
     hwm: int = 100_000
     allow_remote: bool = False
+    heartbeat: float = 2.0  # s: an empty batch when nothing else was sent (0: none)
 
     def __post_init__(self) -> None:
         for ep in (self.endpoint, self.replay_endpoint):
@@ -85,6 +87,7 @@ class KvEventPublisher:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self.next_seq = 0
+        self._last_sent = time.monotonic()
         self.events_sent = 0
         self.replays = 0
         self.pub_endpoint = ""
@@ -137,7 +140,7 @@ class KvEventPublisher:
                     if not self.source.wakeup.is_set():
                         replay.poll(20)
                 else:
-                    self.source.wakeup.wait(0.5)
+                    self.source.wakeup.wait(min(0.5, self.config.heartbeat or 0.5))
         except Exception:  # noqa: BLE001 - a publisher bug must not take the daemon down
             log.exception("the KV event publisher stopped", extra={"event": "kv_events_error"})
         finally:
@@ -147,14 +150,21 @@ class KvEventPublisher:
 
     def _publish_pending(self, pub: zmq.Socket) -> None:
         events = self.source.take()
+        if not events:
+            beat = self.config.heartbeat
+            if beat <= 0 or time.monotonic() - self._last_sent < beat:
+                return
+            events = [None]  # one empty batch: lets subscribers see lag, gaps and restarts while idle
         step = self.config.max_batch_events
         for i in range(0, len(events), step):
-            payload = self._encode(EventBatch(time.time(), events[i: i + step], 0))
+            part = [e for e in events[i: i + step] if e is not None]
+            payload = self._encode(EventBatch(time.time(), part, 0))
             seq = self.next_seq
             self.next_seq += 1
             pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
             self._buffer.append((seq, payload))
-            self.events_sent += len(events[i: i + step])
+            self.events_sent += len(part)
+        self._last_sent = time.monotonic()
 
     def _serve_replay(self, replay: zmq.Socket) -> None:
         frames = replay.recv_multipart()

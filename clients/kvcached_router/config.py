@@ -1,0 +1,115 @@
+"""The router's settings: a TOML file (``kvcached-router --config router.toml``).
+
+```toml
+listen = "127.0.0.1:8000"
+policy = "kvcached"            # kvcached | round_robin | least_loaded | prefix_hash | longest_prefix
+tokenizer = "/srv/models/llama-3-8b"   # a local Hugging Face tokenizer directory
+hash_key_file = "/etc/kvcached/hash.key"  # the trust domain's key (the daemons' hash_key_file)
+domain = "default"
+load_factor = 1.25             # the kvcached policy's load bound
+provisional_ttl = 10           # s a routed request's chunks count as held before its daemon confirms them
+health_interval = 1            # s between health checks of each host
+
+[layout]                       # the engines' KV layout, as `kvcachectl stats` shows it
+model = "meta-llama/Llama-3-8B@main"
+num_layers = 32
+num_kv_heads = 8
+head_dim = 128
+dtype = "bfloat16"
+chunk_tokens = 128
+
+[[hosts]]
+name = "gpu-a"
+url = "http://10.0.0.1:8000"              # the engine's OpenAI server
+events = "tcp://10.0.0.1:5557"            # its daemon's kv_events_endpoint
+replay = "tcp://10.0.0.1:5558"            # and kv_events_replay_endpoint
+daemon_socket = ""                        # optional: the daemon's socket, to audit routes (Lookup)
+```
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcached.keys import KVLayout
+from kvcached_router.policy import POLICIES
+
+
+class RouterConfigError(ValueError):
+    """The router's config is wrong; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    name: str
+    url: str
+    events: str = ""
+    replay: str = ""
+    daemon_socket: str = ""
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    hosts: tuple[HostConfig, ...]
+    layout: KVLayout
+    hash_key_file: str
+    tokenizer: str
+    domain: str = "default"
+    listen: str = "127.0.0.1:8000"
+    policy: str = "kvcached"
+    load_factor: float = 1.25
+    prefix_hash_chunks: int = 2
+    provisional_ttl: float = 10.0
+    health_interval: float = 1.0
+    request_timeout: float = 600.0
+    audit: bool = False  # ask every daemon (Lookup) at routing time whether the route was the best
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.hosts:
+            raise RouterConfigError("the router needs at least one [[hosts]] entry")
+        names = [h.name for h in self.hosts]
+        if len(set(names)) != len(names):
+            raise RouterConfigError("every host needs its own name")
+        if self.policy not in POLICIES:
+            raise RouterConfigError(f"policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
+        if self.load_factor < 1:
+            raise RouterConfigError("load_factor must be >= 1")
+        if self.audit and not all(h.daemon_socket for h in self.hosts):
+            raise RouterConfigError("audit needs every host's daemon_socket")
+
+
+def load_config(path: str, **overrides: Any) -> RouterConfig:
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise RouterConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise RouterConfigError(f"{path}: {e}") from None
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: dict[str, Any]) -> RouterConfig:
+    raw = dict(raw)
+    try:
+        hosts = tuple(HostConfig(**h) for h in raw.pop("hosts", []))
+        layout = KVLayout.from_dict(raw.pop("layout"))
+    except KeyError as e:
+        raise RouterConfigError(f"missing setting {e}") from None
+    except (TypeError, ValueError) as e:
+        raise RouterConfigError(str(e)) from None
+    for name in ("hash_key_file", "tokenizer"):
+        if name not in raw:
+            raise RouterConfigError(f"missing setting {name}")
+    known = set(RouterConfig.__dataclass_fields__) - {"hosts", "layout", "extra"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise RouterConfigError(f"unknown setting(s) {', '.join(unknown)}")
+    try:
+        return RouterConfig(hosts=hosts, layout=layout, **raw)
+    except TypeError as e:
+        raise RouterConfigError(str(e)) from None

@@ -1,0 +1,115 @@
+"""Which host holds which chunks: the router's picture, built from the daemons' KV events.
+
+One :class:`HostIndex` per host. It applies that daemon's events (:mod:`kvcached.events`:
+BlockStored / BlockRemoved per medium, AllBlocksCleared) and answers "how many leading chunks
+of this prompt does the host hold" in O(matched chunks). A chunk is held while any medium
+(pool, NVMe) holds it.
+
+Event lag: a daemon reports the chunks a request stores only after that request's prefill,
+so the next request of the same conversation, routed a moment later, would find nothing yet.
+``expect`` records the chunks a routed request is about to store as *provisional* for
+``provisional_ttl`` seconds: they count as held until the daemon confirms them (its
+BlockStored clears the provisional mark) or the time runs out (the request failed, or the
+host stored less).
+
+Not thread-safe: the router's event loop owns every index.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+
+from kvcached.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
+
+class HostIndex:
+    def __init__(self, provisional_ttl: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.provisional_ttl = provisional_ttl
+        self._clock = clock
+        self._held: dict[bytes, int] = {}  # chunk hash -> how many media hold it
+        self._media: dict[str, set[bytes]] = {}
+        self._provisional: dict[bytes, float] = {}  # chunk hash -> until when it counts as held
+        self._expiry: deque[tuple[float, list[bytes]]] = deque()
+        self.cleared = 0  # AllBlocksCleared seen (daemon starts, resyncs)
+        self.events = 0
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    # -- the daemon's events -----------------------------------------------------------------------
+
+    def apply(self, events: Iterable[KVCacheEvent]) -> None:
+        for ev in events:
+            self.events += 1
+            if isinstance(ev, BlockStored):
+                medium = self._media.setdefault(ev.medium or "", set())
+                for h in ev.block_hashes:
+                    if h not in medium:
+                        medium.add(h)
+                        self._held[h] = self._held.get(h, 0) + 1
+                    self._provisional.pop(h, None)
+            elif isinstance(ev, BlockRemoved):
+                medium = self._media.get(ev.medium or "")
+                if medium is None:
+                    continue
+                for h in ev.block_hashes:
+                    if h in medium:
+                        medium.discard(h)
+                        left = self._held[h] - 1
+                        if left:
+                            self._held[h] = left
+                        else:
+                            del self._held[h]
+            elif isinstance(ev, AllBlocksCleared):
+                self.clear()
+
+    def clear(self) -> None:
+        """Forget everything the daemon said (it restarted, or its stream had a hole)."""
+        self._held.clear()
+        self._media.clear()
+        self.cleared += 1
+
+    # -- routing -------------------------------------------------------------------------------------
+
+    def expect(self, hashes: Sequence[bytes]) -> None:
+        """A request routed here will store ``hashes``: count them as held for a while."""
+        if not hashes:
+            return
+        until = self._clock() + self.provisional_ttl
+        fresh = [h for h in hashes if h not in self._held]
+        for h in fresh:
+            self._provisional[h] = until
+        if fresh:
+            self._expiry.append((until, fresh))
+
+    def prefix(self, hashes: Sequence[bytes]) -> int:
+        """How many leading chunks of ``hashes`` this host holds (or is about to)."""
+        self._expire()
+        held, prov = self._held, self._provisional
+        n = 0
+        for h in hashes:
+            if h in held or h in prov:
+                n += 1
+            else:
+                break
+        return n
+
+    def confirmed_prefix(self, hashes: Sequence[bytes]) -> int:
+        """Like :meth:`prefix`, counting only what the daemon has confirmed."""
+        n = 0
+        for h in hashes:
+            if h not in self._held:
+                break
+            n += 1
+        return n
+
+    def _expire(self) -> None:
+        now = self._clock()
+        q = self._expiry
+        while q and q[0][0] <= now:
+            until, hashes = q.popleft()
+            for h in hashes:
+                if self._provisional.get(h) == until:
+                    del self._provisional[h]

@@ -1,0 +1,129 @@
+"""Where a request goes: the routing policies, side by side.
+
+Every policy sees the same :class:`HostState` list (healthy hosts only) and a request's chunk
+hashes, and returns a :class:`Decision`. Load is the router's own count of each host's
+in-flight requests and of the prefill tokens it has sent there that have not started
+answering yet (``queued_tokens``).
+
+* ``round_robin``: the next host in turn.
+* ``least_loaded``: fewest in-flight requests, then fewest queued prefill tokens.
+* ``prefix_hash``: consistent hashing (a ring of virtual nodes) on the prompt's first
+  ``prefix_hash_chunks`` chunk hashes, as SGLang's and production-stack's prefix routers do:
+  the same system prompt always lands on the same host, whatever its load.
+* ``longest_prefix``: the host holding the longest cached prefix, ignoring load (the bound
+  the cache-aware policy is measured against).
+* ``kvcached`` (the default): the longest cached prefix among the hosts that are not over the
+  load bound, ties to the host whose queue would start this prefill soonest. The bound is
+  that of consistent hashing with bounded loads (Mirrokni et al.): a host may take a request
+  while its in-flight count is below ``load_factor`` x the mean after adding this one (at
+  least one more than the mean), so no host carries much more than its share however popular
+  its prefixes are, and within that bound the cache decides. A route counts as ``cache``
+  when the chosen host holds a prefix, ``load`` when a host with a longer prefix was over the
+  bound, ``balance`` when nobody holds any.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import itertools
+import math
+from dataclasses import dataclass, field
+from collections.abc import Sequence
+
+from kvcached_router.index import HostIndex
+
+POLICIES = ("kvcached", "round_robin", "least_loaded", "prefix_hash", "longest_prefix")
+
+
+@dataclass
+class HostState:
+    name: str
+    index: HostIndex = field(default_factory=HostIndex)
+    in_flight: int = 0
+    queued_tokens: int = 0  # prefill tokens sent here whose responses have not started
+    healthy: bool = True
+
+
+@dataclass(frozen=True)
+class Decision:
+    host: HostState
+    policy: str
+    reason: str  # cache / load / balance / turn / least_loaded / hash
+    cached_chunks: int  # what the router's index says the chosen host holds
+    best_chunks: int  # the longest prefix any healthy host holds (per the index)
+
+
+class Router:
+    """Chooses a host for each request by the configured policy (see the module docstring)."""
+
+    def __init__(self, hosts: Sequence[HostState], policy: str = "kvcached", *, load_factor: float = 1.25,
+                 prefix_hash_chunks: int = 2, vnodes: int = 64) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
+        if load_factor < 1.0:
+            raise ValueError("load_factor must be >= 1")
+        self.hosts = list(hosts)
+        self.policy = policy
+        self.load_factor = load_factor
+        self.prefix_hash_chunks = prefix_hash_chunks
+        self._turn = itertools.count()
+        self._ring = sorted((_h64(f"{h.name}#{v}".encode()), h.name) for h in self.hosts for v in range(vnodes))
+        self._ring_keys = [k for k, _ in self._ring]
+
+    def choose(self, hashes: Sequence[bytes], exclude: frozenset[str] = frozenset()) -> Decision | None:
+        """The host for a request whose full chunks hash to ``hashes``; None if no host is healthy."""
+        live = [h for h in self.hosts if h.healthy and h.name not in exclude]
+        if not live:
+            return None
+        prefixes = {h.name: h.index.prefix(hashes) for h in live}
+        best = max(prefixes.values())
+        if self.policy == "round_robin":
+            host, reason = live[next(self._turn) % len(live)], "turn"
+        elif self.policy == "least_loaded":
+            host, reason = min(live, key=_load), "least_loaded"
+        elif self.policy == "prefix_hash":
+            host, reason = self._by_hash(hashes, live), "hash"
+        elif self.policy == "longest_prefix":
+            host = max(live, key=lambda h: (prefixes[h.name], -h.in_flight, -h.queued_tokens))
+            reason = "cache" if prefixes[host.name] else "balance"
+        else:
+            host, reason = self._bounded(live, prefixes, best)
+        return Decision(host, self.policy, reason, prefixes[host.name], best)
+
+    def load_bound(self, live: Sequence[HostState]) -> int:
+        """The most in-flight requests a host may already carry to take one more."""
+        mean_after = (sum(h.in_flight for h in live) + 1) / len(live)
+        return max(math.ceil(self.load_factor * mean_after), math.floor(mean_after) + 1) - 1
+
+    def _bounded(self, live: list[HostState], prefixes: dict[str, int], best: int) -> tuple[HostState, str]:
+        bound = self.load_bound(live)
+        eligible = [h for h in live if h.in_flight <= bound] or live
+        top = max(prefixes[h.name] for h in eligible)
+        # Among the longest prefixes within the bound: the queue that would start it soonest.
+        host = min((h for h in eligible if prefixes[h.name] == top), key=_load_tokens)
+        if top == 0:
+            return host, "load" if best > 0 else "balance"
+        return host, "load" if top < best else "cache"
+
+    def _by_hash(self, hashes: Sequence[bytes], live: list[HostState]) -> HostState:
+        names = {h.name: h for h in live}
+        key = _h64(b"".join(hashes[: self.prefix_hash_chunks]) or b"empty")
+        i = bisect.bisect(self._ring_keys, key)
+        for j in range(len(self._ring)):
+            name = self._ring[(i + j) % len(self._ring)][1]
+            if name in names:
+                return names[name]
+        return live[0]  # pragma: no cover - live is never empty here
+
+
+def _load(h: HostState) -> tuple[int, int]:
+    return h.in_flight, h.queued_tokens
+
+
+def _load_tokens(h: HostState) -> tuple[int, int]:
+    return h.queued_tokens, h.in_flight
+
+
+def _h64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")

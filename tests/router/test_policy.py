@@ -1,0 +1,115 @@
+"""The router's index and policies, on their own: prefixes from events, provisional entries,
+and where each policy sends requests (cache, load bound, dead hosts)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcached.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvcached_router.index import HostIndex
+from kvcached_router.policy import HostState, Router
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def H(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def stored(hashes, medium="CPU", parent=None):
+    return BlockStored([H(i) for i in hashes], parent, [], 16, None, medium, None)
+
+
+def test_the_index_follows_events_across_media():
+    ix = HostIndex()
+    ix.apply([stored([1, 2, 3])])
+    assert ix.prefix([H(1), H(2), H(3), H(4)]) == 3
+    ix.apply([stored([3], "DISK"), BlockRemoved([H(3)], "CPU")])  # written back, then evicted from the pool
+    assert ix.prefix([H(1), H(2), H(3)]) == 3 and len(ix) == 3  # still on this host, on DISK
+    ix.apply([BlockRemoved([H(3)], "DISK")])
+    assert ix.prefix([H(1), H(2), H(3)]) == 2
+    ix.apply([BlockRemoved([H(9)], "CPU"), BlockRemoved([H(1)], "GPU")])  # unknown: nothing changes
+    assert ix.prefix([H(1), H(2)]) == 2
+    ix.apply([AllBlocksCleared()])
+    assert ix.prefix([H(1)]) == 0 and len(ix) == 0 and ix.cleared == 1
+
+
+def test_provisional_chunks_count_until_confirmed_or_expired():
+    clock = Clock()
+    ix = HostIndex(provisional_ttl=5.0, clock=clock)
+    ix.apply([stored([1])])
+    ix.expect([H(2), H(3)])  # a request routed here will store them
+    assert ix.prefix([H(1), H(2), H(3)]) == 3 and ix.confirmed_prefix([H(1), H(2), H(3)]) == 1
+    ix.apply([stored([2])])  # the daemon confirms one
+    clock.t += 6
+    assert ix.prefix([H(1), H(2), H(3)]) == 2  # the other expired: the request stored less
+
+
+def hosts(*names):
+    return [HostState(n, HostIndex()) for n in names]
+
+
+def test_kvcached_routes_to_the_longest_prefix_within_the_load_bound():
+    a, b, c = hs = hosts("a", "b", "c")
+    b.index.apply([stored([1, 2])])
+    c.index.apply([stored([1])])
+    r = Router(hs, "kvcached", load_factor=1.25)
+    d = r.choose([H(1), H(2), H(3)])
+    assert (d.host.name, d.reason, d.cached_chunks, d.best_chunks) == ("b", "cache", 2, 2)
+    b.in_flight, a.in_flight, c.in_flight = 4, 1, 1  # b is over the bound: the next best that is not
+    d = r.choose([H(1), H(2), H(3)])
+    assert (d.host.name, d.reason, d.cached_chunks) == ("c", "load", 1)
+    d = r.choose([H(7)])  # nobody holds it: the emptiest queue
+    assert d.reason == "balance" and d.host.name in ("a", "c")
+
+
+def test_under_skewed_load_the_cache_aware_policy_spreads():
+    """Every request shares one prefix cached on host a: it takes them until the bound, then the
+    others share the rest, and no host carries more than its bounded share."""
+    hs = hosts("a", "b", "c", "d")
+    hs[0].index.apply([stored([1, 2, 3])])
+    r = Router(hs, "kvcached", load_factor=1.25)
+    for _ in range(40):  # 40 concurrent requests, none finishing
+        d = r.choose([H(1), H(2), H(3)])
+        d.host.in_flight += 1
+        d.host.index.expect([H(1), H(2), H(3)])  # it will hold them too once this request is done
+    loads = sorted(h.in_flight for h in hs)
+    assert loads[-1] <= 1.25 * 40 / 4 + 1 and loads[-1] / max(loads[0], 1) <= 1.5
+    lp = hosts("a", "b", "c", "d")
+    lp[0].index.apply([stored([1, 2, 3])])
+    r2 = Router(lp, "longest_prefix")
+    for _ in range(40):
+        d = r2.choose([H(1), H(2), H(3)])
+        d.host.in_flight += 1
+    assert lp[0].in_flight == 40  # the oracle of cache alone herds everything onto one host
+
+
+def test_dead_hosts_are_skipped_and_none_left_is_none():
+    a, b = hs = hosts("a", "b")
+    a.index.apply([stored([1])])
+    a.healthy = False
+    for policy in ("kvcached", "round_robin", "least_loaded", "prefix_hash", "longest_prefix"):
+        d = Router(hs, policy).choose([H(1)])
+        assert d.host is b, policy
+    assert Router(hs).choose([H(1)], exclude=frozenset({"b"})) is None
+
+
+def test_the_other_policies():
+    hs = hosts("a", "b", "c")
+    rr = Router(hs, "round_robin")
+    assert [rr.choose([]).host.name for _ in range(4)] == ["a", "b", "c", "a"]
+    hs[0].in_flight, hs[1].in_flight, hs[2].in_flight = 3, 1, 2
+    assert Router(hs, "least_loaded").choose([]).host.name == "b"
+    ph = Router(hs, "prefix_hash", prefix_hash_chunks=2)
+    first = ph.choose([H(1), H(2), H(3)]).host.name
+    assert all(ph.choose([H(1), H(2), H(k)]).host.name == first for k in range(10, 30))  # sticky on 2 chunks
+    spread = {ph.choose([H(k), H(k + 1)]).host.name for k in range(0, 400, 2)}
+    assert spread == {"a", "b", "c"}
+    with pytest.raises(ValueError, match="policy must be one of"):
+        Router(hs, "random")
