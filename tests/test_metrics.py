@@ -82,11 +82,14 @@ def test_dashboard_queries_only_exported_metrics(store, lid):
     assert len(dash["panels"]) >= 8
 
 
-def test_promtool_accepts_a_real_scrape(daemon):
+def test_promtool_accepts_a_real_scrape(make_daemon, tmp_path, redis_server):
     import shutil
     import subprocess
 
     from tests.requirements import require
+
+    # Every optional family too: the KV event stream's and the remote tier's.
+    daemon = make_daemon(kv_events_endpoint=f"ipc://{tmp_path}/ev", remote_nodes=f"127.0.0.1:{redis_server.port}")
 
     promtool = shutil.which("promtool")
     require(promtool, "promtool missing: scripts/test installs Debian's prometheus package")
@@ -94,5 +97,6 @@ def test_promtool_accepts_a_real_scrape(daemon):
         c.put(LAYOUT, list(range(32)), torch.zeros(2, 2, 2, 32, 8))
         c.lookup(LAYOUT, list(range(32)))
     text = urllib.request.urlopen(daemon.metrics_url, timeout=10).read()
+    assert b"kvcached_kv_events_sent_total" in text and b"kvcached_remote_hits_total" in text
     r = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=60)
     assert r.returncode == 0 and r.stdout == b"" and r.stderr == b"", (r.stdout + r.stderr).decode()
