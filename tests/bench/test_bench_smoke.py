@@ -200,6 +200,24 @@ def check_rpc_latency(d: dict) -> None:
                              "hit_throughput_over_ping_min": 0.8, "miss_throughput_over_ping_min": 0.45}
 
 
+def check_remote_tier(d: dict) -> None:
+    # README / bench/README: fetch vs redis-py GET (and LMCache where it ran), the 8k-token fill
+    # against the prefill, the GPU break-even, and the Bloom filter's saving per miss.
+    for size, m in d["fetch"].items():
+        for cn, v in m["verdicts"].items():
+            if isinstance(v, dict) and "kvcached_gb_s" in v:
+                assert positive(v["kvcached_gb_s"]) and positive(v["kvcached_over_redis_py"]), (size, cn)
+        assert m["tier_errors_during_timing"] == 0 and m["verified"]["kvcached fetch (all chunks, CRC of every payload)"]
+    assert d["lmcache"]["status"] in ("ran", "skipped") and (d["lmcache"]["status"] == "ran" or d["lmcache"]["reason"])
+    e = d["e2e"]
+    assert positive(e["median"]["cold_acquire_s"]) and positive(e["cold_acquire_us_per_token"])
+    assert positive(e["cold_acquire_gb_s"])
+    assert all(positive(g["fill_over_break_even"]) for g in d["gpu_break_even"]["models"].values())
+    mi = d["miss"]
+    assert positive(mi["saved_per_miss_us_by_a_perfect_filter"]) and mi["remote_errors"] == 0
+    assert d["conclusions"] and isinstance(d["targets"], dict)
+
+
 CHECKS = {
     "acquire_latency": check_acquire_latency,
     "index_memory": check_index_memory,
@@ -207,6 +225,7 @@ CHECKS = {
     "ttft": check_ttft,
     "rpc_latency": check_rpc_latency,
     "chunk_read": check_chunk_read,
+    "remote_tier": check_remote_tier,
 }
 
 
