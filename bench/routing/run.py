@@ -1,0 +1,251 @@
+"""The routing bench (issue 18): Locust users replay the Mooncake conversation trace through
+kvcached-router onto simulated hosts, one run per policy on the same workload, side by side.
+
+    python bench/routing/run.py                  # 1000 users, spawn rate 50, every policy
+    python bench/routing/run.py --quick          # 100 users for 60 s, 3 hosts, kvcached only (CI)
+
+**The engines are simulated; the cache work is real** (bench/routing/README.md): each host is a
+real kvcached daemon publishing KV events, behind simhost.py, which spends prefill time on the
+tokens its daemon did not have (``--prefill-tps``) on one simulated accelerator per host.
+
+Per policy, on a fresh fleet (empty caches) and a fresh router (``audit = true``: each route
+is checked against every daemon's Lookup at routing time):
+
+* hit rate per ``--window`` s window, from the hosts' realised cached tokens (their /stats);
+  fluctuation = max |window - mean| / mean over the steady-state windows (after ``--warmup``);
+* wrong routes: another healthy host within the load bound held at least one more chunk
+  (the router's audit, against the daemons, not its own index);
+* TTFT p50/p90/p99 (first response byte at the Locust user), requests/s, the busiest and
+  least busy host's share of requests, the box's CPU use.
+
+Writes bench/results/routing.json (``routing.quick.json``) and a PNG of hit rate and TTFT over
+time per policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, BENCH)
+
+from _common import RESULTS_DIR, machine_info, write_json  # noqa: E402
+from fleet import SimFleet, to_toml  # noqa: E402
+
+BIN = os.path.dirname(sys.executable)
+ALL_POLICIES = ("kvcached", "longest_prefix", "round_robin", "least_loaded", "prefix_hash")
+TARGETS = {"fluctuation_max": 0.05, "wrong_route_max": 0.001, "hit_over_oracle_min": 0.95,
+           "busiest_over_least_max": 1.5, "ttft_p90_over_round_robin_max": 0.5, "ttft_p90_over_prefix_hash_max": 1.0}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_jiffies() -> tuple[int, int]:
+    with open("/proc/stat") as f:
+        parts = [int(x) for x in f.readline().split()[1:]]
+    idle = parts[3] + parts[4]
+    return sum(parts) - idle, sum(parts)
+
+
+def scrape(url: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def run_policy(policy: str, args: argparse.Namespace, work: str) -> dict:
+    root = os.path.join(work, policy)
+    os.makedirs(root)
+    with SimFleet(args.hosts, root, prefill_tps=args.prefill_tps, decode_tps=args.decode_tps) as fleet:
+        port = free_port()
+        cfg = os.path.join(root, "router.toml")
+        with open(cfg, "w") as f:
+            f.write(to_toml(fleet.kvcached_router_config(policy=policy, listen=f"127.0.0.1:{port}", audit=True,
+                                                         load_factor=args.load_factor)))
+        router = subprocess.Popen([os.path.join(BIN, "kvcached-router"), "--config", cfg],
+                                  stdout=open(os.path.join(root, "router.log"), "w"), stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if json.load(urllib.request.urlopen(url + "/health", timeout=2))["healthy_hosts"]:
+                    break
+            except OSError:
+                pass
+            if router.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"router did not start: {open(os.path.join(root, 'router.log')).read()[-2000:]}")
+            time.sleep(0.2)
+        log_path = os.path.join(root, "requests.jsonl")
+        env = dict(os.environ, ROUTING_USERS=str(args.users), ROUTING_TIME_SCALE=str(args.time_scale),
+                   ROUTING_LOG=log_path, ROUTING_LIMIT=str(args.limit or 0))
+        locust = subprocess.Popen(
+            [os.path.join(BIN, "locust"), "-f", os.path.join(HERE, "locustfile.py"), "--headless", "--users",
+             str(args.users), "--spawn-rate", str(args.spawn_rate), "--run-time", f"{args.seconds}s", "--host", url,
+             "--only-summary", "--stop-timeout", "5", "--csv", os.path.join(root, "locust")],
+            stdout=open(os.path.join(root, "locust.log"), "w"), stderr=subprocess.STDOUT, env=env)
+        windows = []
+        busy0, total0 = cpu_jiffies()
+        prev = [fleet.stats(k) for k in range(args.hosts)]
+        t_start = time.time()
+        while locust.poll() is None:
+            time.sleep(args.window)
+            now = [fleet.stats(k) for k in range(args.hosts)]
+            d_prompt = sum(n["prompt_tokens"] - p["prompt_tokens"] for n, p in zip(now, prev))
+            d_cached = sum(n["cached_tokens"] - p["cached_tokens"] for n, p in zip(now, prev))
+            d_req = [n["requests"] - p["requests"] for n, p in zip(now, prev)]
+            windows.append({"t": time.time() - t_start, "prompt_tokens": d_prompt, "cached_tokens": d_cached,
+                            "hit_rate": d_cached / d_prompt if d_prompt else None, "requests_per_host": d_req})
+            prev = now
+        busy1, total1 = cpu_jiffies()
+        m = scrape(url + "/metrics")
+        router.send_signal(signal.SIGTERM)
+        router.wait(30)
+        rows = [json.loads(x) for x in open(log_path)] if os.path.exists(log_path) else []
+        final = [fleet.stats(k) for k in range(args.hosts)]
+    t0 = min((r["t"] for r in rows), default=t_start)
+    steady = [w for w in windows if w["t"] > args.warmup and w["hit_rate"] is not None][:-1] or \
+        [w for w in windows if w["hit_rate"] is not None]
+    rates = [w["hit_rate"] for w in steady]
+    mean = statistics.fmean(rates) if rates else float("nan")
+    fluct = max(abs(r - mean) / mean for r in rates) if rates and mean else float("nan")
+    steady_rows = [r for r in rows if r["t"] - t0 > args.warmup]
+    ttft = [r["ttft_ms"] for r in steady_rows if r["ok"]]
+    per_host = [sum(w["requests_per_host"][k] for w in steady) for k in range(args.hosts)]
+    audited, wrong = m.get("kvcached_router_audited_routes_total", 0.0), m.get("kvcached_router_wrong_routes_total", 0.0)
+    prompt_total = sum(s["prompt_tokens"] for s in final)
+    return {
+        "policy": policy, "windows": windows, "steady_windows": len(steady), "hit_rate_steady_mean": mean,
+        "hit_rate_fluctuation": fluct, "hit_rate_overall": sum(s["cached_tokens"] for s in final) / prompt_total
+        if prompt_total else None,
+        "requests": len(rows), "failed_requests": sum(1 for r in rows if not r["ok"]),
+        "requests_per_s": len(steady_rows) / max(args.seconds - args.warmup, 1),
+        "ttft_ms": {"p50": percentile(ttft, 0.5), "p90": percentile(ttft, 0.9), "p99": percentile(ttft, 0.99)},
+        "ttft_p50_by_window": [statistics.median([r["ttft_ms"] for r in rows if w["t"] - args.window < r["t"] - t0 <= w["t"]] or [float("nan")]) for w in windows],
+        "requests_per_host_steady": per_host,
+        "busiest_over_least_busy": max(per_host) / min(per_host) if per_host and min(per_host) else None,
+        "audited_routes": audited, "wrong_routes": wrong, "wrong_route_rate": wrong / audited if audited else None,
+        "routes_by_reason": {k.split("reason=")[1].rstrip('"}').strip('"'): v for k, v in m.items()
+                             if k.startswith("kvcached_router_routes_total")},
+        "daemon_errors": sum(s.get("daemon_errors", 0) for s in final),
+        "cpu_busy_fraction": (busy1 - busy0) / max(total1 - total0, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="100 users, 60 s, 3 hosts, kvcached only (CI)")
+    ap.add_argument("--users", type=int, default=None)
+    ap.add_argument("--spawn-rate", type=float, default=None)
+    ap.add_argument("--seconds", type=int, default=None)
+    ap.add_argument("--hosts", type=int, default=3)
+    ap.add_argument("--policies", default=None)
+    ap.add_argument("--time-scale", type=float, default=None, help="x the trace's gaps (smaller: more load)")
+    ap.add_argument("--limit", type=int, default=0, help="trace lines to use (0: all)")
+    ap.add_argument("--window", type=float, default=10.0)
+    ap.add_argument("--warmup", type=float, default=None)
+    ap.add_argument("--prefill-tps", type=float, default=20_000.0)
+    ap.add_argument("--decode-tps", type=float, default=200.0)
+    ap.add_argument("--load-factor", type=float, default=1.25)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    q = args.quick
+    args.users = args.users or (100 if q else 1000)
+    args.spawn_rate = args.spawn_rate or (50 if not q else 25)
+    args.seconds = args.seconds or (60 if q else 240)
+    args.time_scale = args.time_scale if args.time_scale is not None else (0.3 if q else 0.3)
+    args.warmup = args.warmup if args.warmup is not None else (20.0 if q else 60.0)
+    policies = (args.policies or ("kvcached" if q else ",".join(ALL_POLICIES))).split(",")
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="kvc-routing-") as work:
+        for p in policies:
+            print(f"policy {p}: {args.users} users, {args.seconds} s ...", flush=True)
+            results[p] = run_policy(p, args, work)
+            r = results[p]
+            print(f"  hit rate {r['hit_rate_steady_mean']:.3f} (fluctuation {r['hit_rate_fluctuation']:.3f}), "
+                  f"wrong routes {r['wrong_routes']:.0f}/{r['audited_routes']:.0f}, TTFT p50/p90/p99 "
+                  f"{r['ttft_ms']['p50']:.0f}/{r['ttft_ms']['p90']:.0f}/{r['ttft_ms']['p99']:.0f} ms, "
+                  f"{r['requests_per_s']:.1f} req/s, busiest/least {r['busiest_over_least_busy']}, "
+                  f"CPU {r['cpu_busy_fraction']:.0%}, failed {r['failed_requests']}", flush=True)
+    k = results.get("kvcached")
+    targets: dict = {}
+    if k:
+        targets["hit-rate fluctuation < 5 %"] = {"value": k["hit_rate_fluctuation"], "met": k["hit_rate_fluctuation"] < TARGETS["fluctuation_max"]}
+        wr = k["wrong_route_rate"]
+        targets["wrong routes < 0.1 %"] = {"value": wr, "met": wr is not None and wr < TARGETS["wrong_route_max"]}
+        if k["busiest_over_least_busy"] is not None:
+            targets["busiest host <= 1.5x the least busy"] = {"value": k["busiest_over_least_busy"],
+                                                               "met": k["busiest_over_least_busy"] <= TARGETS["busiest_over_least_max"]}
+        if "longest_prefix" in results and results["longest_prefix"]["hit_rate_steady_mean"]:
+            v = k["hit_rate_steady_mean"] / results["longest_prefix"]["hit_rate_steady_mean"]
+            targets["hit rate >= 0.95x the oracle (longest_prefix)"] = {"value": v, "met": v >= TARGETS["hit_over_oracle_min"]}
+        for other, key in (("round_robin", "ttft_p90_over_round_robin_max"), ("prefix_hash", "ttft_p90_over_prefix_hash_max")):
+            if other in results:
+                v = k["ttft_ms"]["p90"] / results[other]["ttft_ms"]["p90"]
+                targets[f"TTFT p90 <= {TARGETS[key]}x {other}'s"] = {"value": v, "met": v <= TARGETS[key]}
+    res = {"benchmark": "routing", "machine": machine_info(), "quick": q,
+           "engines": "simulated (bench/routing/simhost.py): prefill at --prefill-tps on one simulated accelerator "
+                      "per host; the cache work (lookup, lease, read, put, KV events) is real",
+           "parameters": {k2: v for k2, v in vars(args).items()}, "policies": results, "targets": targets}
+    name = "routing.quick" if q else "routing"
+    path = write_json(name, res, args.out)
+    try:
+        plot(res, os.path.join(args.out or RESULTS_DIR, f"{name}.png"))
+    except ImportError:
+        pass
+    print(json.dumps(targets, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for p, r in res["policies"].items():
+        ts = [w["t"] for w in r["windows"]]
+        a.plot(ts, [w["hit_rate"] if w["hit_rate"] is not None else float("nan") for w in r["windows"]], label=p)
+        b.plot(ts, r["ttft_p50_by_window"], label=p)
+    a.set(title="hit rate per window (hosts' cached tokens)", xlabel="s", ylabel="hit rate")
+    b.set(title="TTFT p50 per window", xlabel="s", ylabel="ms", yscale="log")
+    a.legend(), b.legend()
+    fig.suptitle("kvcached-router, simulated engines, real caches")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""kvcached-router in front of three simulated hosts (bench/routing: each a real kvcached daemon
+publishing KV events, behind an OpenAI-compatible stand-in for the model): it routes a prompt to
+the host holding its prefix, spreads a hot prefix under load, streams, survives a dead host
+without failing a request, and follows a daemon restart."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.daemon import BIN
+from tests.redis_servers import free_ports
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "bench", "routing"))
+
+from fleet import SimFleet, to_toml  # noqa: E402
+
+
+def post(url: str, body: dict, timeout: float = 30) -> tuple[int, dict, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            return r.status, dict(r.headers), (json.loads(raw) if not body.get("stream") else {"raw": raw.decode()})
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), {"error": e.read().decode()}
+
+
+def get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.load(r)
+
+
+def chat(system: str, user: str, stream: bool = False) -> dict:
+    return {"model": "sim", "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+            "max_tokens": 4, "stream": stream}
+
+
+def words(seed: int, n: int) -> str:
+    return " ".join(f"w{(seed * 7919 + i * 104729) % 30000}" for i in range(n))
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fleet")
+    with SimFleet(3, str(root), prefill_tps=50_000, decode_tps=400) as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def router(fleet, tmp_path_factory):
+    port = free_ports(1)[0]
+    cfg = tmp_path_factory.mktemp("router") / "router.toml"
+    cfg.write_text(to_toml(fleet.kvcached_router_config(listen=f"127.0.0.1:{port}", audit=True,
+                                                        health_interval=0.3, provisional_ttl=5.0)))
+    proc = subprocess.Popen([os.path.join(BIN, "kvcached-router"), "--config", str(cfg)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if get(url + "/health")["healthy_hosts"]:
+                break
+        except (OSError, ValueError):
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("router did not start:\n" + (proc.stdout.read() if proc.stdout else ""))
+        time.sleep(0.1)
+    yield url
+    proc.terminate()
+    proc.wait(20)
+
+
+def state(router: str) -> dict[str, dict]:
+    return {h["name"]: h for h in get(router + "/router/state")["hosts"]}
+
+
+def wait(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_a_prompt_goes_where_its_prefix_is_cached(router):
+    system = words(1, 200)
+    code, h1, r1 = post(router + "/v1/chat/completions", chat(system, words(2, 40)))
+    assert code == 200
+    first = h1["X-Simhost"]
+    for k in range(3, 6):  # follow-ups sharing the system prompt: the same host, found cached
+        code, h, r = post(router + "/v1/chat/completions", chat(system, words(k, 40)))
+        assert code == 200 and h["X-Simhost"] == first
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= 192  # the system prompt's full chunks
+    code, h, r = post(router + "/v1/chat/completions", chat(system, words(5, 40), stream=True))
+    assert code == 200 and h["X-Simhost"] == first and r["raw"].rstrip().endswith("data: [DONE]")
+    metrics = urllib.request.urlopen(router + "/metrics", timeout=10).read().decode()
+    assert 'kvcached_router_routes_total{host="%s",policy="kvcached",reason="cache"}' % first in metrics
+    assert "kvcached_router_wrong_routes_total 0.0" in metrics  # audited against every daemon's Lookup
+
+
+def test_a_hot_prefix_spreads_within_the_load_bound(router):
+    system = words(50, 300)
+    post(router + "/v1/chat/completions", chat(system, "warm"))
+    with concurrent.futures.ThreadPoolExecutor(12) as ex:
+        res = list(ex.map(lambda k: post(router + "/v1/chat/completions", chat(system, words(60 + k, 30))), range(24)))
+    assert all(code == 200 for code, _, _ in res)
+    hosts = [h["X-Simhost"] for _, h, _ in res]
+    assert len(set(hosts)) >= 2, hosts  # not everything herded onto the host that had it first
+
+
+def test_a_dead_host_is_skipped_and_no_request_fails_then_it_comes_back(router, fleet):
+    system = words(90, 200)
+    code, h, _ = post(router + "/v1/chat/completions", chat(system, "first"))
+    owner = h["X-Simhost"]
+    k = [x.name for x in fleet.hosts].index(owner)
+    fleet.kill_simhost(k)
+    try:
+        for j in range(5):  # before and after the health check notices: every request is answered
+            code, h, _ = post(router + "/v1/chat/completions", chat(system, words(91 + j, 20)))
+            assert code == 200 and h["X-Simhost"] != owner
+        wait(lambda: not state(router)[owner]["healthy"], 10, "the router to mark the host down")
+    finally:
+        fleet.start_simhost(k)
+    wait(lambda: state(router)[owner]["healthy"], 20, "the host to be put back")
+
+
+def test_a_daemon_restart_updates_the_index(router, fleet):
+    system = words(120, 200)
+    code, h, _ = post(router + "/v1/chat/completions", chat(system, "x"))
+    owner = h["X-Simhost"]
+    k = [x.name for x in fleet.hosts].index(owner)
+    before = state(router)[owner]
+    assert before["indexed_chunks"] > 0
+    fleet.restart_daemon(k)  # no NVMe tier in this fleet: the new daemon starts empty
+    wait(lambda: state(router)[owner]["events_restarts"] > before["events_restarts"], 20,
+         "the router to see the daemon's new stream")
+    from kvcached_client import Client
+
+    with Client(fleet.hosts[k].daemon_socket) as c:
+        assert c.stats()["indexed_chunks"] == 0
+    assert state(router)[owner]["indexed_chunks"] == 0  # forgotten, as the daemon forgot
+    code, h, r = post(router + "/v1/chat/completions", chat(system, "y"))
+    assert code == 200
+    if h["X-Simhost"] == owner:  # sent there only as a balance decision, and found nothing cached
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
