@@ -129,6 +129,7 @@ def run_policy(policy: str, args: argparse.Namespace, work: str) -> dict:
             prev = now
         busy1, total1 = cpu_jiffies()
         m = scrape(url + "/metrics")
+        wrong_samples = json.load(urllib.request.urlopen(url + "/router/decisions?wrong=1&limit=20", timeout=10))
         router.send_signal(signal.SIGTERM)
         router.wait(30)
         rows = [json.loads(x) for x in open(log_path)] if os.path.exists(log_path) else []
@@ -155,11 +156,20 @@ def run_policy(policy: str, args: argparse.Namespace, work: str) -> dict:
         "requests_per_host_steady": per_host,
         "busiest_over_least_busy": max(per_host) / min(per_host) if per_host and min(per_host) else None,
         "audited_routes": audited, "wrong_routes": wrong, "wrong_route_rate": wrong / audited if audited else None,
-        "routes_by_reason": {k.split("reason=")[1].rstrip('"}').strip('"'): v for k, v in m.items()
-                             if k.startswith("kvcached_router_routes_total")},
+        "routes_by_reason": _by_reason(m),
+        "wrong_route_samples": wrong_samples,
         "daemon_errors": sum(s.get("daemon_errors", 0) for s in final),
         "cpu_busy_fraction": (busy1 - busy0) / max(total1 - total0, 1),
     }
+
+
+def _by_reason(m: dict[str, float]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k, v in m.items():
+        if k.startswith("kvcached_router_routes_total{"):
+            reason = k.split('reason="', 1)[1].split('"', 1)[0]
+            out[reason] = out.get(reason, 0.0) + v
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

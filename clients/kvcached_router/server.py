@@ -138,6 +138,7 @@ class RouterService:
         app.router.add_get("/metrics", self.handle_metrics)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/router/state", self.handle_state)
+        app.router.add_get("/router/decisions", self.handle_decisions)
         app.router.add_route("*", "/{tail:.*}", self.handle_other)
 
         async def on_startup(_: web.Application) -> None:
@@ -281,6 +282,8 @@ class RouterService:
             except Exception:  # noqa: BLE001 - an unreachable daemon holds nothing we can use
                 return 0
 
+        record["index_chunks"] = {h.name: h.index.prefix(self.chunk_hashes(ids)) for h in live}
+        record["loads"], record["bound"] = loads, bound
         got = dict(zip([h.name for h in live], await asyncio.gather(*(lookup(h.name) for h in live))))
         self.metrics.audited.inc()
         mine = got.get(d.host.name, 0)
@@ -319,6 +322,14 @@ class RouterService:
                        "events_restarts": subs[h.name].restarts if h.name in subs else None}
                       for h in self.hosts],
         })
+
+    async def handle_decisions(self, request: web.Request) -> web.Response:
+        """The last routes (at most 10,000): host, reason, the index's prefix at the chosen host and
+        the best one; with audits, what every daemon said (``oracle_tokens``) and ``wrong``."""
+        rows = self.decisions
+        if request.query.get("wrong"):
+            rows = [r for r in rows if r.get("wrong")]
+        return web.json_response(rows[-int(request.query.get("limit", "1000")):])
 
     async def _health_loop(self) -> None:
         assert self._session is not None
