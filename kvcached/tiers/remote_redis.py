@@ -198,14 +198,11 @@ class RemoteRedisTier:
         """Store ``chunks`` (meta, payload), each with the TTL; False if Redis could not be reached."""
         if not chunks:
             return True
-        ttl = max(1, int(self.config.ttl))
-        values = [(self._name(m.layout_id, m.chunk_hash), encode(m, p, self._key)) for m, p in chunks]
-        done = self._pipelined("publish", lambda p: [p.set(k, v, ex=ttl) for k, v in values])
-        if done is None:
+        sent = self._set_many("publish", [(self._name(m.layout_id, m.chunk_hash), m, p) for m, p in chunks])
+        if sent is None:
             return False
         with self._lock:
-            self.stats.published += len(values)
-            self.stats.bytes_published += sum(len(v) for _, v in values)
+            self.stats.published += sent
         return True
 
     def demote(self, chunks: Sequence[tuple[ChunkMeta, bytes | memoryview]]) -> bool:
@@ -224,14 +221,22 @@ class RemoteRedisTier:
             self.stats.refreshed += len(chunks) - len(todo)
         if not todo:
             return True
-        values = [(k, encode(m, payload, self._key)) for k, m, payload in todo]
-        done = self._pipelined("demote", lambda p: [p.set(k, v, ex=ttl) for k, v in values])
-        if done is None:
+        sent = self._set_many("demote", todo)
+        if sent is None:
             return False
         with self._lock:
-            self.stats.demoted += len(values)
-            self.stats.bytes_published += sum(len(v) for _, v in values)
+            self.stats.demoted += sent
         return True
+
+    def _set_many(self, what: str, items: Sequence[tuple[str, ChunkMeta, bytes | memoryview]]) -> int | None:
+        """SET each (key, meta, payload) as an encoded value with the TTL; the number sent, or None."""
+        ttl = max(1, int(self.config.ttl))
+        values = [(k, encode(m, payload, self._key)) for k, m, payload in items]
+        if self._pipelined(what, lambda p: [p.set(k, v, ex=ttl) for k, v in values]) is None:
+            return None
+        with self._lock:
+            self.stats.bytes_published += sum(len(v) for _, v in values)
+        return len(values)
 
     # -- troubleshooting -------------------------------------------------------------------------
 
