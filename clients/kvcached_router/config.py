@@ -6,7 +6,8 @@ policy = "kvcached"            # kvcached | round_robin | least_loaded | prefix_
 tokenizer = "/srv/models/llama-3-8b"   # a local Hugging Face tokenizer directory
 hash_key_file = "/etc/kvcached/hash.key"  # the trust domain's key (the daemons' hash_key_file)
 domain = "default"
-load_factor = 1.25             # the kvcached policy's load bound
+load_factor = 1.25             # the kvcached policy's load bound: x the mean in-flight requests,
+load_slack = 2                 # and never fewer than this many above the mean
 provisional_ttl = 10           # s a routed request's chunks count as held before its daemon confirms them
 health_interval = 1            # s between health checks of each host
 
@@ -60,6 +61,7 @@ class RouterConfig:
     listen: str = "127.0.0.1:8000"
     policy: str = "kvcached"
     load_factor: float = 1.25
+    load_slack: int = 2
     prefix_hash_chunks: int = 2
     provisional_ttl: float = 10.0
     health_interval: float = 1.0

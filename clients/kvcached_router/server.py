@@ -95,7 +95,7 @@ class RouterService:
         self.hosts = [HostState(h.name, HostIndex(config.provisional_ttl)) for h in config.hosts]
         self.host_config: dict[str, HostConfig] = {h.name: h for h in config.hosts}
         self.router = Router(self.hosts, config.policy, load_factor=config.load_factor,
-                             prefix_hash_chunks=config.prefix_hash_chunks)
+                             load_slack=config.load_slack, prefix_hash_chunks=config.prefix_hash_chunks)
         self.metrics = Metrics()
         self.subscribers: list[EventSubscriber] = []
         self._session: ClientSession | None = None
@@ -272,9 +272,8 @@ class RouterService:
     async def _audit(self, d: Decision, ids: list[int], record: dict) -> None:
         """Ask every healthy daemon how much of this prompt it holds now (the oracle): the route
         was wrong if another host within the load bound held at least one more chunk."""
-        live = [h for h in self.hosts if h.healthy]
-        bound = self.router.load_bound(live)
-        loads = {h.name: h.in_flight - (1 if h is d.host else 0) for h in live}
+        live = [h for h in self.hosts if h.name in d.loads]
+        bound, loads = d.bound, d.loads  # as they were when the route was chosen
 
         async def lookup(name: str) -> int:
             try:

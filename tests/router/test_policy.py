@@ -69,6 +69,32 @@ def test_kvcached_routes_to_the_longest_prefix_within_the_load_bound():
     assert d.reason == "balance" and d.host.name in ("a", "c")
 
 
+def test_at_low_load_one_request_in_flight_does_not_lose_a_long_prefix():
+    """The measured case (bench/routing/run.py --quick, before load_slack): a host serving one
+    request, the others idle; the bound alone (1.25 x a mean of 0.67) called it over the bound."""
+    a, b, c = hs = hosts("a", "b", "c")
+    a.index.apply([stored(range(1, 47))])
+    b.index.apply([stored([1, 2])])
+    a.in_flight = 1
+    d = Router(hs, "kvcached").choose([H(i) for i in range(1, 60)])
+    assert (d.host.name, d.reason, d.cached_chunks) == ("a", "cache", 46)
+    assert d.loads == {"a": 1, "b": 0, "c": 0} and d.bound >= 1
+    d = Router(hs, "kvcached", load_slack=1).choose([H(i) for i in range(1, 60)])
+    assert d.host.name == "b" and d.reason == "load"  # what happened without the slack
+
+
+def test_a_tie_goes_to_the_host_whose_daemon_confirmed_the_prefix():
+    """Also measured: the system prompt held by a and b, and only expected on c (a request in
+    flight there); c's shorter queue must not win over a prefix it does not hold yet."""
+    a, b, c = hs = hosts("a", "b", "c")
+    a.index.apply([stored([1, 2])])
+    b.index.apply([stored([1, 2])])
+    c.index.expect([H(1), H(2)])
+    a.queued_tokens, b.queued_tokens = 500, 900
+    d = Router(hs, "kvcached").choose([H(1), H(2), H(3)])
+    assert d.host.name == "a" and d.cached_chunks == 2
+
+
 def test_under_skewed_load_the_cache_aware_policy_spreads():
     """Every request shares one prefix cached on host a: it takes them until the bound, then the
     others share the rest, and no host carries more than its bounded share."""
