@@ -153,3 +153,19 @@ def test_a_daemon_restart_updates_the_index(router, fleet):
     assert code == 200
     if h["X-Simhost"] == owner:  # sent there only as a balance decision, and found nothing cached
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_a_request_the_router_cannot_read_is_still_forwarded(router):
+    """Fail open: a body that is not JSON (or has no prompt) is not the router's to refuse; the
+    engine answers it, and the router counts it."""
+    req = urllib.request.Request(router + "/v1/completions", data=b"{not json", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            status = r.status
+    except urllib.error.HTTPError as e:
+        status = e.code
+    assert status not in (500, 502, 503) and status == 400  # the engine's own answer
+    code, h, r = post(router + "/v1/completions", {"model": "sim", "prompt": "w1 w2 w3 w4", "max_tokens": 2})
+    assert code == 200 and r["usage"]["prompt_tokens"] == 4
+    metrics = urllib.request.urlopen(router + "/metrics", timeout=10).read().decode()
+    assert 'kvcached_router_fail_open_total{reason="JSONDecodeError"} 1.0' in metrics
