@@ -12,7 +12,8 @@ request next to the whole response, and every request is logged (``ROUTING_LOG``
 time, TTFT, host, prompt and cached tokens) for the runner's per-window figures.
 
 Environment: ``ROUTING_USERS`` (sessions dealt, = --users), ``ROUTING_TRACE`` (a trace file),
-``ROUTING_LIMIT`` (trace lines), ``ROUTING_TIME_SCALE``, ``ROUTING_WORDS_PER_BLOCK``,
+``ROUTING_LIMIT`` (trace lines), ``ROUTING_SKIP`` (lines before them: the runner's warm-up
+replayed them), ``ROUTING_TIME_SCALE``, ``ROUTING_WORDS_PER_BLOCK``,
 ``ROUTING_LOG``.
 """
 
@@ -33,6 +34,7 @@ from workload import Workload, trace_path  # noqa: E402
 
 _limit = int(os.environ.get("ROUTING_LIMIT", "0")) or None
 WORKLOAD = Workload(os.environ.get("ROUTING_TRACE") or trace_path(), limit=_limit,
+                    skip=int(os.environ.get("ROUTING_SKIP", "0")),
                     words_per_block=int(os.environ.get("ROUTING_WORDS_PER_BLOCK", "32")))
 SESSIONS = deque(WORKLOAD.user_sessions(int(os.environ.get("ROUTING_USERS", "100")),
                                         time_scale=float(os.environ.get("ROUTING_TIME_SCALE", "1.0"))))

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -106,9 +107,10 @@ def run_policy(policy: str, args: argparse.Namespace, work: str) -> dict:
             if router.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"router did not start: {open(os.path.join(root, 'router.log')).read()[-2000:]}")
             time.sleep(0.2)
+        warm = prewarm(url, args.prewarm) if args.prewarm else {}
         log_path = os.path.join(root, "requests.jsonl")
         env = dict(os.environ, ROUTING_USERS=str(args.users), ROUTING_TIME_SCALE=str(args.time_scale),
-                   ROUTING_LOG=log_path, ROUTING_LIMIT=str(args.limit or 0))
+                   ROUTING_LOG=log_path, ROUTING_LIMIT=str(args.limit or 0), ROUTING_SKIP=str(args.prewarm))
         locust = subprocess.Popen(
             [os.path.join(BIN, "locust"), "-f", os.path.join(HERE, "locustfile.py"), "--headless", "--users",
              str(args.users), "--spawn-rate", str(args.spawn_rate), "--run-time", f"{args.seconds}s", "--host", url,
@@ -146,7 +148,7 @@ def run_policy(policy: str, args: argparse.Namespace, work: str) -> dict:
     audited, wrong = m.get("kvcached_router_audited_routes_total", 0.0), m.get("kvcached_router_wrong_routes_total", 0.0)
     prompt_total = sum(s["prompt_tokens"] for s in final)
     return {
-        "policy": policy, "windows": windows, "steady_windows": len(steady), "hit_rate_steady_mean": mean,
+        "policy": policy, "prewarm": warm, "windows": windows, "steady_windows": len(steady), "hit_rate_steady_mean": mean,
         "hit_rate_fluctuation": fluct, "hit_rate_overall": sum(s["cached_tokens"] for s in final) / prompt_total
         if prompt_total else None,
         "requests": len(rows), "failed_requests": sum(1 for r in rows if not r["ok"]),
@@ -161,6 +163,33 @@ def run_policy(policy: str, args: argparse.Namespace, work: str) -> dict:
         "daemon_errors": sum(s.get("daemon_errors", 0) for s in final),
         "cpu_busy_fraction": (busy1 - busy0) / max(total1 - total0, 1),
     }
+
+
+def prewarm(url: str, n: int, concurrency: int = 6) -> dict:
+    """Replay the trace's first ``n`` requests through the router as fast as it takes them
+    (not measured), so the measured part starts with caches holding the conversations in
+    progress, as a serving system that has been up a while does. The users then replay the
+    trace from request ``n`` on."""
+    import concurrent.futures
+
+    from workload import Workload, trace_path
+
+    w = Workload(trace_path(), limit=n)
+    t0 = time.monotonic()
+
+    def send(req) -> int:
+        body = json.dumps(w.chat_body(req, "sim")).encode()
+        r = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(r, timeout=120) as resp:
+                resp.read()
+                return resp.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as ex:
+        codes = list(ex.map(send, w.requests))
+    return {"requests": n, "seconds": time.monotonic() - t0, "failed": sum(1 for c in codes if c != 200)}
 
 
 def _by_reason(m: dict[str, float]) -> dict[str, float]:
@@ -183,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-scale", type=float, default=None, help="x the trace's gaps (smaller: more load)")
     ap.add_argument("--limit", type=int, default=0, help="trace lines to use (0: all)")
     ap.add_argument("--window", type=float, default=10.0)
+    ap.add_argument("--prewarm", type=int, default=None,
+                    help="trace requests replayed before measuring (default 1000; quick 400)")
     ap.add_argument("--warmup", type=float, default=None)
     ap.add_argument("--prefill-tps", type=float, default=20_000.0)
     ap.add_argument("--decode-tps", type=float, default=200.0)
@@ -195,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     args.seconds = args.seconds or (60 if q else 240)
     args.time_scale = args.time_scale if args.time_scale is not None else (0.3 if q else 0.3)
     args.warmup = args.warmup if args.warmup is not None else (20.0 if q else 60.0)
+    args.prewarm = args.prewarm if args.prewarm is not None else (400 if q else 1000)
     policies = (args.policies or ("kvcached" if q else ",".join(ALL_POLICIES))).split(",")
     results = {}
     with tempfile.TemporaryDirectory(prefix="kvc-routing-") as work:

@@ -99,10 +99,11 @@ class UserSession:
     user: int
     requests: list[TraceRequest]
     time_scale: float = 1.0
+    origin_s: float = 0.0  # the trace time the run starts at (the first request loaded)
 
     @property
     def think_times_s(self) -> list[float]:
-        out, prev = [], 0.0
+        out, prev = [], self.origin_s
         for r in self.requests:
             out.append(max(0.0, r.timestamp_s - prev) * self.time_scale)
             prev = r.timestamp_s
@@ -271,7 +272,8 @@ class Workload:
             load, u = heapq.heappop(heap)
             per_user[u].extend(group)
             heapq.heappush(heap, (load + len(group), u))
-        return [UserSession(u, [self.requests[i] for i in sorted(idx)], time_scale)
+        origin = self.requests[0].timestamp_s if self.requests else 0.0  # with ``skip``, not 0
+        return [UserSession(u, [self.requests[i] for i in sorted(idx)], time_scale, origin)
                 for u, idx in enumerate(per_user)]
 
     def shared_prefix_tokens(self, a: TraceRequest, b: TraceRequest, chat: bool = False) -> int:

@@ -44,6 +44,7 @@ class HostState:
     in_flight: int = 0
     queued_tokens: int = 0  # prefill tokens sent here whose responses have not started
     healthy: bool = True
+    routed: int = 0  # requests routed here so far (the last tie-break: spreads new prefixes evenly)
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,10 @@ class Router:
             reason = "cache" if prefixes[host.name] else "balance"
         else:
             host, reason = self._bounded(live, prefixes, best, hashes)
-        return Decision(host, self.policy, reason, prefixes[host.name], best, self.load_bound(live),
-                        {h.name: h.in_flight for h in live})
+        decision = Decision(host, self.policy, reason, prefixes[host.name], best, self.load_bound(live),
+                            {h.name: h.in_flight for h in live})
+        host.routed += 1
+        return decision
 
     def load_bound(self, live: Sequence[HostState]) -> int:
         """The most in-flight requests a host may already carry to take one more: ``load_factor``
@@ -133,12 +136,14 @@ class Router:
         return live[0]  # pragma: no cover - live is never empty here
 
 
-def _load(h: HostState) -> tuple[int, int]:
-    return h.in_flight, h.queued_tokens
+def _load(h: HostState) -> tuple[int, int, int]:
+    return h.in_flight, h.queued_tokens, h.routed
 
 
-def _load_tokens(h: HostState) -> tuple[int, int]:
-    return h.queued_tokens, h.in_flight
+def _load_tokens(h: HostState) -> tuple[int, int, int]:
+    # At low load every queue is empty: without the count, the first host in the list would win
+    # every tie (measured: the busiest host took 2.6x the least busy's requests).
+    return h.queued_tokens, h.in_flight, h.routed
 
 
 def _h64(data: bytes) -> int:
