@@ -13,6 +13,12 @@ is checked against every daemon's Lookup at routing time):
 
 * hit rate per ``--window`` s window, from the hosts' realised cached tokens (their /stats);
   fluctuation = max |window - mean| / mean over the steady-state windows (after ``--warmup``);
+* the same for the **ideal** of the same requests: what one host with an unbounded cache would
+  have served (every full chunk some earlier request of the replay already held), per window,
+  from the request log. Its fluctuation is the workload's own: with ~100-150 requests of very
+  different lengths per window, which requests land in a window moves the hit rate by tens of
+  percent whatever the router does. ``hit_over_ideal`` per window (realised / ideal) is the
+  routing's and the caches' part, with the workload's mix divided out;
 * wrong routes: another healthy host within the load bound held at least one more chunk
   (the router's audit, against the daemons, not its own index);
 * TTFT p50/p90/p99 (first response byte at the Locust user), requests/s, the busiest and
@@ -145,12 +151,15 @@ def run_policy(policy: str, args: argparse.Namespace, work: str) -> dict:
     steady_rows = [r for r in rows if r["t"] - t0 > args.warmup]
     ttft = [r["ttft_ms"] for r in steady_rows if r["ok"]]
     per_host = [sum(w["requests_per_host"][k] for w in steady) for k in range(args.hosts)]
+    ideal = ideal_windows(rows, args.prewarm, t_start, args.window, args.warmup)
     audited, wrong = m.get("kvcached_router_audited_routes_total", 0.0), m.get("kvcached_router_wrong_routes_total", 0.0)
     prompt_total = sum(s["prompt_tokens"] for s in final)
     return {
         "policy": policy, "prewarm": warm, "windows": windows, "steady_windows": len(steady), "hit_rate_steady_mean": mean,
         "hit_rate_fluctuation": fluct, "hit_rate_overall": sum(s["cached_tokens"] for s in final) / prompt_total
         if prompt_total else None,
+        "ideal": ideal, "ideal_hit_rate_fluctuation": ideal["ideal_hit_rate_fluctuation"],
+        "hit_over_ideal_fluctuation": ideal["hit_over_ideal_fluctuation"], "hit_over_ideal_mean": ideal["hit_over_ideal_mean"],
         "requests": len(rows), "failed_requests": sum(1 for r in rows if not r["ok"]),
         "requests_per_s": len(steady_rows) / max(args.seconds - args.warmup, 1),
         "ttft_ms": {"p50": percentile(ttft, 0.5), "p90": percentile(ttft, 0.9), "p99": percentile(ttft, 0.99)},
@@ -163,6 +172,60 @@ def run_policy(policy: str, args: argparse.Namespace, work: str) -> dict:
         "daemon_errors": sum(s.get("daemon_errors", 0) for s in final),
         "cpu_busy_fraction": (busy1 - busy0) / max(total1 - total0, 1),
     }
+
+
+def ideal_windows(rows: list[dict], prewarm: int, t_start: float, window: float, warmup: float,
+                  chunk_tokens: int = 16) -> dict:
+    """Per ``window``, the realised and the ideal hit rate of the requests the users sent.
+
+    The ideal of a request: its leading full chunks that an earlier request of the replay (the
+    prewarm's first, then the users' in the order they were sent) also held in full, on one host
+    with an unbounded cache: the most any routing could serve. ``rows`` are the locustfile's log
+    lines (``t``, ``ok``, ``prompt_tokens``, ``cached_tokens``, ``trace_index``); the last
+    window (cut short by the run's end) is left out, as are the windows before ``warmup``.
+    """
+    from workload import Workload, trace_path
+
+    wl = Workload(trace_path(), skip=0, limit=prewarm + max((r["trace_index"] for r in rows), default=0) + 1)
+    seen: set[int] = set()
+
+    def chunks(idx: int) -> list[int]:
+        toks = wl.token_ids(wl.requests[idx], chat=True)
+        out, h = [], 0
+        for k in range(len(toks) // chunk_tokens):
+            h = hash((h, tuple(toks[k * chunk_tokens:(k + 1) * chunk_tokens])))
+            out.append(h)
+        return out
+
+    for i in range(prewarm):
+        seen.update(chunks(i))
+    per: dict[int, list[int]] = {}
+    for r in sorted(rows, key=lambda r: r["t"]):
+        hs = chunks(prewarm + r["trace_index"])  # the users' trace indices start after the prewarm's
+        n = 0
+        while n < len(hs) and hs[n] in seen:
+            n += 1
+        seen.update(hs)
+        if not r["ok"]:
+            continue
+        w = per.setdefault(int((r["t"] - t_start) // window), [0, 0, 0])
+        w[0] += r["prompt_tokens"]
+        w[1] += r["cached_tokens"]
+        w[2] += n * chunk_tokens
+    keys = sorted(per)[:-1]
+    out = [{"t": (k + 1) * window, "prompt_tokens": per[k][0], "hit_rate": per[k][1] / per[k][0] if per[k][0] else None,
+            "ideal_hit_rate": per[k][2] / per[k][0] if per[k][0] else None,
+            "hit_over_ideal": per[k][1] / per[k][2] if per[k][2] else None} for k in keys]
+    steady = [w for w in out if w["t"] > warmup and w["hit_over_ideal"] is not None]
+
+    def fluct(key: str) -> float:
+        xs = [w[key] for w in steady]
+        m = statistics.fmean(xs) if xs else float("nan")
+        return max(abs(x - m) / m for x in xs) if xs and m else float("nan")
+
+    return {"windows": out, "steady_windows": len(steady), "ideal_hit_rate_fluctuation": fluct("ideal_hit_rate"),
+            "hit_over_ideal_fluctuation": fluct("hit_over_ideal"),
+            "hit_over_ideal_mean": statistics.fmean([w["hit_over_ideal"] for w in steady]) if steady else float("nan")}
 
 
 def prewarm(url: str, n: int, concurrency: int = 6) -> dict:
@@ -234,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"policy {p}: {args.users} users, {args.seconds} s ...", flush=True)
             results[p] = run_policy(p, args, work)
             r = results[p]
-            print(f"  hit rate {r['hit_rate_steady_mean']:.3f} (fluctuation {r['hit_rate_fluctuation']:.3f}), "
+            print(f"  hit rate {r['hit_rate_steady_mean']:.3f} (fluctuation {r['hit_rate_fluctuation']:.3f}; the ideal's "
+                  f"{r['ideal_hit_rate_fluctuation']:.3f}; realised/ideal {r['hit_over_ideal_mean']:.3f}, fluctuation "
+                  f"{r['hit_over_ideal_fluctuation']:.3f}), "
                   f"wrong routes {r['wrong_routes']:.0f}/{r['audited_routes']:.0f}, TTFT p50/p90/p99 "
                   f"{r['ttft_ms']['p50']:.0f}/{r['ttft_ms']['p90']:.0f}/{r['ttft_ms']['p99']:.0f} ms, "
                   f"{r['requests_per_s']:.1f} req/s, busiest/least {r['busiest_over_least_busy']}, "
