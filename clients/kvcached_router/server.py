@@ -228,6 +228,7 @@ class RouterService:
         try:
             out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP
                            and k.lower() != "content-encoding"}
+            out_headers["X-Kvcached-Host"] = host.name  # which host served it (logs, benches)
             if upstream.headers.get("content-type", "").startswith("text/event-stream"):
                 resp = web.StreamResponse(status=upstream.status, headers=out_headers)
                 await resp.prepare(request)
