@@ -113,6 +113,15 @@ def kvcachectl_main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("drain", help="refuse new leases and puts, flush to NVMe").add_argument("--json", action="store_true")
     sub.add_parser("doctor", help="troubleshooting checks, each with a verdict and where to dig").add_argument(
         "--json", action="store_true")
+    rp = sub.add_parser("report", help="prefill GPU-hours and money the cache saves per month, at the measured rate")
+    rp.add_argument("--gpu-hour-price", type=float, metavar="USD",
+                    help="price of one GPU-hour (default: report_gpu_hour_price in the config file)")
+    rp.add_argument("--prefill-tokens-per-s", type=float, metavar="N",
+                    help="prefill throughput of one GPU (default: report_prefill_tokens_per_s in the config file)")
+    rp.add_argument("--month-days", type=float, default=30.0, help="days in the month (default 30)")
+    rp.add_argument("--config", help="read the report_* keys from this file (default /etc/kvcached/kvcached.toml "
+                                     "if it exists)")
+    rp.add_argument("--json", action="store_true")
     sub.add_parser("dashboard", help="print the Grafana dashboard for kvcached's metrics (JSON)")
     kg = sub.add_parser("keygen", help="write a new hash key file (mode 0600) for hosts sharing a remote tier")
     kg.add_argument("path", help="where to write it; an existing file is never replaced")
@@ -128,6 +137,12 @@ def kvcachectl_main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.cmd == "keygen":  # needs no daemon either
         return _keygen(args.path)
+    if args.cmd == "report":  # stated prices are checked before the daemon is asked anything
+        try:
+            args.prices = _report_prices(args)
+        except (ValueError, SettingsError) as e:
+            _fail(args, f"report: {e}")
+            return 2
     try:
         with Client(sock, timeout=args.timeout, session=False) as c:
             return _COMMANDS[args.cmd](c, args)
@@ -219,6 +234,11 @@ def _stats(c: Any, args: argparse.Namespace) -> int:
         rows.append((f"counters.{k}", v))
     for k, v in (s.get("hash_memo") or {}).items():
         rows.append((f"hash_memo.{k}", v))
+    for lid, shape in (s.get("prompt_shape") or {}).items():
+        per_bucket = {b: sum(c.values()) for b, c in shape["first_uncached_chunk"].items()}
+        where = ", ".join(f"{b}: {n}" for b, n in per_bucket.items() if n)
+        rows.append((f"prompt_shape {lid}", f"whole {shape['whole']}, short {shape['short']}, first uncached chunk "
+                                            f"{where or 'none yet'}"))
     for lid, lay in s["layouts_detail"].items():
         rows.append((f"layout {lid}", f"{lay['model']} layers={lay['num_layers']} kv_heads={lay['num_kv_heads']} "
                                       f"head_dim={lay['head_dim']} {lay['dtype']} chunk={lay['chunk_tokens']}"))
@@ -278,6 +298,34 @@ def _drain(c: Any, args: argparse.Namespace) -> int:
                 [("drained", f"new leases and puts refused; {flushed} chunks flushed; {leases} leases still active")])
 
 
+def _report_prices(args: argparse.Namespace) -> Any:
+    """The report's Prices: flags, else the config file's report_* keys."""
+    from kvcached.costreport import Prices
+
+    price, rate = args.gpu_hour_price, args.prefill_tokens_per_s
+    if price is None or rate is None:
+        settings = load_settings(args.config)  # 0 there: not stated
+        price = (settings.report_gpu_hour_price or None) if price is None else price
+        rate = (settings.report_prefill_tokens_per_s or None) if rate is None else rate
+        missing = [f"--{flag} (or {key} in the config file)" for flag, key, v in (
+            ("gpu-hour-price", "report_gpu_hour_price", price),
+            ("prefill-tokens-per-s", "report_prefill_tokens_per_s", rate)) if v is None]
+        if missing:
+            raise ValueError(f"state {' and '.join(missing)}")
+    return Prices(price, rate, args.month_days)
+
+
+def _report(c: Any, args: argparse.Namespace) -> int:
+    from kvcached.costreport import Usage, cost_report, render
+
+    report = cost_report(Usage.from_stats(c.stats()), args.prices)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2, sort_keys=True))
+    else:
+        print(render(report))
+    return 0
+
+
 def doctor_checks(s: dict, shm_free: int | None = None) -> list[dict]:
     """The troubleshooting table as checks: (check, verdict ok/warn/fail, detail, dig)."""
     d, p, n = s["doctor"], s["pool"], s["nvme"]
@@ -324,6 +372,11 @@ def doctor_checks(s: dict, shm_free: int | None = None) -> list[dict]:
         add("LMDB readers", "warn" if stale else "ok",
             f"cleared {stale} stale reader slots (a killed process held them)" if stale
             else f"{d.get('lmdb_readers', 0)} reader slots in use, none stale", "journalctl -u kvcached -p warning")
+    from kvcached.promptshape import judge as judge_prompt_shape
+
+    shape = judge_prompt_shape(s.get("prompt_shape"))
+    add("prompt structure", shape.verdict, shape.detail, "kvcachectl stats --json (prompt_shape); README, "
+        "prompt structure")
     if "remote" in d:
         _remote_checks(d["remote"], s.get("remote") or {}, add)
     if "gpu_total_bytes" in d:
@@ -400,7 +453,8 @@ def _doctor(c: Any, args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-_COMMANDS = {"doctor": _doctor, "status": _status, "stats": _stats, "lookup": _lookup, "evict": _evict, "flush": _flush, "drain": _drain}
+_COMMANDS = {"doctor": _doctor, "status": _status, "stats": _stats, "lookup": _lookup, "evict": _evict, "flush": _flush,
+             "drain": _drain, "report": _report}
 
 
 if __name__ == "__main__":  # pragma: no cover

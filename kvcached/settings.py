@@ -26,7 +26,9 @@ DEFAULT_CONFIG_FILE = "/etc/kvcached/kvcached.toml"
 #: Settings SIGHUP may change on a running daemon; everything else needs a restart.
 RELOADABLE = frozenset({"cache_ttl", "lease_ttl", "reservation_ttl", "call_timeout", "log_level",
                         "bypass_generation_tokens", "max_sessions", "max_leases_per_session",
-                        "max_reservations_per_session", "eviction_weight"})
+                        "max_reservations_per_session", "eviction_weight",
+                        # read from the file by `kvcachectl report`, never by the daemon:
+                        "report_gpu_hour_price", "report_prefill_tokens_per_s"})
 #: The reloadable settings the store itself applies (Store.reconfigure).
 STORE_RELOADABLE = ("cache_ttl", "lease_ttl", "reservation_ttl", "max_leases_per_session",
                     "max_reservations_per_session", "eviction_weight")
@@ -160,6 +162,9 @@ class DaemonSettings:
     expire_interval: float = 1.0
     worker_threads: int = 4
     log_level: str = "info"
+    # What `kvcachectl report` prices the saved prefill at (its flags win); 0: not stated.
+    report_gpu_hour_price: float = 0.0  # $ per GPU-hour
+    report_prefill_tokens_per_s: float = 0.0  # prefill throughput of one GPU
     #: Further trust domains, each with its own socket, pool and NVMe environment ([domains.NAME]).
     extra_domains: tuple["DaemonSettings", ...] = ()
 
@@ -176,6 +181,8 @@ class DaemonSettings:
             raise SettingsError("call_timeout, expire_interval and worker_threads must be positive")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise SettingsError(f"log_level must be debug, info, warning or error, not {self.log_level!r}")
+        if self.report_gpu_hour_price < 0 or self.report_prefill_tokens_per_s < 0:
+            raise SettingsError("report_gpu_hour_price and report_prefill_tokens_per_s must be >= 0 (0: not stated)")
         if self.tcp_listen:
             self.check_tcp()
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from kvcached.promptshape import LayoutShapeStats
+
 
 @dataclass
 class Counters:
@@ -141,6 +143,8 @@ class StoreStats:
     hash_memo: HashMemoStats | None = None
     eviction: EvictionStats | None = None
     remote: RemoteTierStats | None = None
+    #: Layout id -> where its lookups stop matching (kvcached.promptshape).
+    prompt_shape: dict[str, LayoutShapeStats] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:

@@ -59,6 +59,7 @@ from kvcached.keys import (ChunkHash, ChunkHasher, KVLayout, LayoutId, Namespace
 from kvcached.leases import Entry, LeaseId, ReservationId, SessionId, TimedTable
 from kvcached.locations import NVME, POOL
 from kvcached.movement import Mover
+from kvcached.promptshape import PromptShape
 from kvcached.receipts import (
     CommitReceipt,
     EvictReceipt,
@@ -126,6 +127,7 @@ class Store:
         self.counters = Counters()
         self._by_layout: dict[LayoutId, list[int]] = {}
         self.hit_history = HitRateHistory()
+        self.prompt_shape = PromptShape()  # where lookups stop matching (kvcachectl doctor)
         self._leases: TimedTable[tuple[Node, ...]] = TimedTable("lease")
         self.pool = make_pool(config)
         self.nvme: NvmeTier | None = None
@@ -250,11 +252,15 @@ class Store:
 
     def hashes(self, layout_id: LayoutId, tokens: TokenInput) -> list[ChunkHash]:
         """Chunk hashes of every full chunk of ``tokens``. Validates both arguments."""
+        return self._raw_hashes(layout_id, tokens)[1]
+
+    def _raw_hashes(self, layout_id: LayoutId, tokens: TokenInput) -> tuple[bytes, list[ChunkHash]]:
+        """:meth:`hashes`, with the tokens as uint32 little-endian bytes."""
         layout, root = self._layout(layout_id)
         raw = normalize_tokens(tokens, layout.vocab_size)
         if len(raw) // 4 > self.config.max_prompt_tokens:
             raise InvalidTokens(f"{len(raw) // 4} tokens exceed max_prompt_tokens={self.config.max_prompt_tokens}")
-        return self._memo.chain(root, raw, layout.chunk_tokens * 4, self._hasher.chain_range)
+        return raw, self._memo.chain(root, raw, layout.chunk_tokens * 4, self._hasher.chain_range)
 
     # -- read path ------------------------------------------------------------------
 
@@ -262,9 +268,10 @@ class Store:
         """Cached prefix length in tokens, on any tier. Pins nothing, changes no recency."""
         with self._lock:
             self._check_open()
-            hashes = self.hashes(layout_id, tokens)
+            raw, hashes = self._raw_hashes(layout_id, tokens)
             layout = self._layouts[layout_id][0]
             n = len(self.index.match(hashes))
+            self.prompt_shape.observe(layout_id, layout.chunk_tokens, raw, hashes, n)
             self.counters.lookups += 1
             self.counters.lookup_tokens += len(hashes) * layout.chunk_tokens
             self.counters.hit_tokens += n * layout.chunk_tokens
@@ -299,12 +306,13 @@ class Store:
             self._remote_first(layout_id, tokens)
         with self._lock:
             self._check_admitting()
-            return self._acquire(layout_id, self.hashes(layout_id, tokens), session, ttl, max_chunks, promote,
-                                 keep_empty)
+            raw, hashes = self._raw_hashes(layout_id, tokens)
+            return self._acquire(layout_id, hashes, session, ttl, max_chunks, promote, keep_empty, raw)
 
     def _acquire(self, layout_id: LayoutId, hashes: list[ChunkHash], session: SessionId, ttl: float | None,
-                 max_chunks: int | None, promote: bool, keep_empty: bool) -> LeaseReceipt:
-        """:meth:`acquire` of already validated chunk hashes (lock held)."""
+                 max_chunks: int | None, promote: bool, keep_empty: bool, raw: bytes) -> LeaseReceipt:
+        """:meth:`acquire` of already validated chunk hashes (lock held); ``raw`` the prompt's
+        tokens as bytes, for the prompt-structure report."""
         layout = self._layouts[layout_id][0]
         self._check_lease_cap(session)
         if self._leases.ended(session):  # it ended while this call was on its way (client died)
@@ -317,6 +325,8 @@ class Store:
         checked = self._inline and self.nvme is not None and promote
         if checked and self.reads.needs_promotion(nodes, in_pool):
             raise WouldBlock
+        if max_chunks is None:  # a capped match (no-cache, GetBytes) says nothing about where prompts diverge
+            self.prompt_shape.observe(layout_id, layout.chunk_tokens, raw, hashes, len(nodes))
         self.index.pin(nodes, now)
         self.index.note_path(nodes)
         try:
@@ -498,7 +508,7 @@ class Store:
             self._remote_first(layout_id, tokens)
         with self._lock:
             self._check_admitting()
-            hashes = self.hashes(layout_id, tokens)
+            raw, hashes = self._raw_hashes(layout_id, tokens)
             if self._inline and promote and self.nvme is not None:
                 nodes, offsets = self.index.match_located(hashes)
                 if self.reads.needs_promotion(nodes, not offsets or min(offsets) >= 0):
@@ -508,7 +518,7 @@ class Store:
             r = self._reserve(layout_id, hashes, session, reservation_ttl, store_nothing, open_empty=False,
                               touch=no_cache, tokens=tokens)
             try:
-                lease = self._acquire(layout_id, hashes, session, ttl, 0 if no_cache else None, promote, False)
+                lease = self._acquire(layout_id, hashes, session, ttl, 0 if no_cache else None, promote, False, raw)
             except BaseException:
                 if r.opened:
                     self.writes.abort(r.reservation_id, self._clock())
@@ -791,6 +801,7 @@ class Store:
                 HashMemoStats(len(m), m.bytes, m.max_bytes, m.hit_chunks, m.missed_chunks),
                 self._eviction_stats(),
                 self._remote_stats(),
+                self.prompt_shape.snapshot({lid: lay.model for lid, (lay, _) in self._layouts.items()}),
             )
 
     def _remote_stats(self) -> RemoteTierStats | None:

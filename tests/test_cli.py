@@ -109,13 +109,24 @@ def test_config_file_then_flags(tmp_path):
 @pytest.mark.parametrize(
     "toml,match",
     [('cache_ttl = "soon"', "cache_ttl must be a float"), ("write_through = 1", "true or false"),
-     ('socket_mode = "rwx"', "not octal"), ('pool_bytes = "lots"', "not a size"), ("[[x", "k.toml")],
+     ('socket_mode = "rwx"', "not octal"), ('pool_bytes = "lots"', "not a size"), ("[[x", "k.toml"),
+     ("report_gpu_hour_price = -1", "report_gpu_hour_price and report_prefill_tokens_per_s must be >= 0")],
 )
 def test_bad_config_values(tmp_path, toml, match):
     cfg = tmp_path / "k.toml"
     cfg.write_text(toml + "\n")
     with pytest.raises(SettingsError, match=match):
         load_settings(str(cfg))
+
+
+def test_report_prices_in_the_config_file_are_read_by_kvcachectl_and_ignored_by_the_daemon(tmp_path):
+    plain, priced = tmp_path / "plain.toml", tmp_path / "priced.toml"
+    plain.write_text('pool_bytes = "64M"\n')
+    priced.write_text('pool_bytes = "64M"\nreport_gpu_hour_price = 2\nreport_prefill_tokens_per_s = 12000.5\n')
+    s = load_settings(str(priced))
+    assert (s.report_gpu_hour_price, s.report_prefill_tokens_per_s) == (2.0, 12000.5)
+    assert load_settings(str(plain)).report_gpu_hour_price == 0.0  # not stated
+    assert s.store_config() == load_settings(str(plain)).store_config()
 
 
 def test_tcp_needs_tls_unless_loopback_or_allowed():

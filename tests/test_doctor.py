@@ -54,6 +54,32 @@ def test_each_problem_is_named():
     assert "journalctl -u kvcached" in warn["dig"]
 
 
+def test_prompt_structure_check_judges_the_stats_prompt_shape():
+    def shape(new0, shared0, later, after1=0):
+        buckets = {b: {"new": 0, "shared_lead": 0, "shared_after": 0, "repeat": 0} for b in ("0", "1", "2-3", "4-7")}
+        buckets["0"].update(new=new0, shared_lead=shared0, repeat=500)  # repeats are no evidence
+        buckets["1"]["shared_after"] = after1
+        buckets["2-3"]["new"] = later
+        return {"L": {"model": "org/m@1", "chunk_tokens": 128, "lead_tokens": 4, "whole": 0, "short": 0,
+                      "first_uncached_chunk": buckets}}
+
+    def check(prompt_shape=None):
+        s = snap()
+        if prompt_shape is not None:
+            s["prompt_shape"] = prompt_shape
+        return next(c for c in doctor_checks(s, 1 << 30) if c["check"] == "prompt structure")
+
+    assert check()["detail"].startswith("not enough lookups yet")  # no prompt_shape at all
+    warn = check(shape(10, 290, 0))
+    assert warn["verdict"] == "warn" and "prompts diverge at chunk 0–1" in warn["detail"]
+    assert "org/m@1 (128-token chunks)" in warn["detail"] and "prompt_shape" in warn["dig"]
+    assert check(shape(200, 0, 0, after1=100))["verdict"] == "warn"  # a third go on as other prompts do
+    assert check(shape(220, 0, 0, after1=70))["verdict"] == "ok"  # 24 %
+    assert check(shape(300, 0, 0))["verdict"] == "ok"  # new prompts
+    assert check(shape(1, 0, 299))["verdict"] == "ok"  # after a shared system prompt
+    assert check(shape(10, 100, 0))["detail"].startswith("not enough lookups yet: 110")
+
+
 def test_hit_rate_history_windows():
     h = HitRateHistory(every=10)
     h.sample(0, 0, 0)
