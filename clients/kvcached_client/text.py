@@ -25,7 +25,6 @@ exact path. No dependencies beyond the standard library.
 from __future__ import annotations
 
 import hashlib
-import re
 import unicodedata
 from typing import Iterable
 
@@ -48,7 +47,6 @@ _PUNCT = {
 _PUNCT_TABLE = str.maketrans(_PUNCT)
 # Zero-width characters that change tokens but not what a reader sees.
 _INVISIBLE = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"), None)
-_SPACE_RUN = re.compile(r"\s+")
 
 
 def normalize(text: str) -> str:
@@ -60,9 +58,11 @@ def normalize(text: str) -> str:
     if not isinstance(text, str):
         raise TypeError(f"normalize() takes str, not {type(text).__name__}")
     t = unicodedata.normalize("NFKC", text)
-    t = t.translate(_INVISIBLE).translate(_PUNCT_TABLE)
+    if not t.isascii():  # both tables map only non-ASCII characters
+        t = t.translate(_INVISIBLE).translate(_PUNCT_TABLE)
     # NFKC turns "…" into "...", so the mapping can't reintroduce anything NFKC would change.
-    return _SPACE_RUN.sub(" ", t).strip()
+    # str.split() splits on exactly the characters r"\s" matches in a str pattern, several times faster.
+    return " ".join(t.split())
 
 
 def text_key(*parts: str, version: int = NORMALIZATION_VERSION) -> str:

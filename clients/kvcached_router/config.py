@@ -26,6 +26,13 @@ events = "tcp://10.0.0.1:5557"            # its daemon's kv_events_endpoint
 replay = "tcp://10.0.0.1:5558"            # and kv_events_replay_endpoint
 daemon_socket = ""                        # optional: the daemon's socket, to audit routes (Lookup)
 ```
+
+``normalize_prompts = true`` (top level, off by default) normalises prompt text
+(:func:`kvcached_client.text.normalize`: width, CJK punctuation, whitespace) before the router
+tokenises and forwards it: more KV reuse, but the model then sees the normalised text.
+
+The ``[semantic]`` section (off by default) turns on the response cache
+(:class:`SemanticConfig`; the router README's "Semantic response cache" section).
 """
 
 from __future__ import annotations
@@ -52,6 +59,43 @@ class HostConfig:
 
 
 @dataclass(frozen=True)
+class SemanticConfig:
+    """``[semantic]``: the response cache in front of the engines."""
+
+    enabled: bool = False
+    match: bool = True  # the semantic path (MiniLM embeddings); false: the exact path only
+    calibration: str = ""  # `kvcached-router calibrate` output: thresholds, reference histogram
+    max_entries: int = 10_000
+    max_bytes: int = 256 << 20  # responses, query texts and embeddings
+    ttl: float = 3600.0  # s an answer is served after it was stored
+    max_response_bytes: int = 1 << 20  # larger answers are not stored
+    max_queued_lookups: int = 8  # semantic lookups waiting for the embedder; beyond, requests skip that path
+    tenant_header: str = ""  # a header your gateway sets (e.g. X-Tenant); else a hash of Authorization
+    cache_sampled: bool = False  # serve requests with temperature > 0 from the cache too
+    default_temperature: float = 1.0  # the engine's temperature for requests that set none
+    shadow_rate: float = 0.01  # fraction of semantic hits also answered by the engine, to measure false hits
+    shadow_agree_similarity: float = 0.9  # cosine at which the engine's answer agrees with the cached one
+    false_hit_bound: float = 0.02  # the shadow-measured false-hit rate the doctor check holds it to
+    drift_threshold: float = 0.25  # PSI of the live top-1 similarity distribution vs the reference
+    drift_min_samples: int = 200
+    drift_window: int = 2000
+    drift_reference: str = "calibration"  # the calibration's pair similarities when it has them, or "live"
+    drift_reference_samples: int = 500  # a live reference: the first this many lookups
+
+    def __post_init__(self) -> None:
+        if self.max_entries < 1 or self.max_bytes < 1 or self.ttl <= 0 or self.max_response_bytes < 1:
+            raise RouterConfigError("[semantic] max_entries, max_bytes, ttl and max_response_bytes must be positive")
+        if self.max_queued_lookups < 0:
+            raise RouterConfigError("[semantic] max_queued_lookups must be >= 0")
+        if not 0 <= self.shadow_rate <= 1:
+            raise RouterConfigError("[semantic] shadow_rate must be in [0, 1]")
+        if self.drift_reference not in ("calibration", "live"):
+            raise RouterConfigError('[semantic] drift_reference must be "calibration" or "live"')
+        if self.drift_window < self.drift_min_samples:
+            raise RouterConfigError("[semantic] drift_window must be >= drift_min_samples")
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     hosts: tuple[HostConfig, ...]
     layout: KVLayout
@@ -67,6 +111,8 @@ class RouterConfig:
     health_interval: float = 1.0
     request_timeout: float = 600.0
     audit: bool = False  # ask every daemon (Lookup) at routing time whether the route was the best
+    normalize_prompts: bool = False  # normalise prompt text before tokenising and forwarding
+    semantic: SemanticConfig = SemanticConfig()
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -100,6 +146,7 @@ def config_from_dict(raw: dict[str, Any]) -> RouterConfig:
     try:
         hosts = tuple(HostConfig(**h) for h in raw.pop("hosts", []))
         layout = KVLayout.from_dict(raw.pop("layout"))
+        semantic = _semantic_config(raw.pop("semantic", {}))
     except KeyError as e:
         raise RouterConfigError(f"missing setting {e}") from None
     except (TypeError, ValueError) as e:
@@ -107,11 +154,20 @@ def config_from_dict(raw: dict[str, Any]) -> RouterConfig:
     for name in ("hash_key_file", "tokenizer"):
         if name not in raw:
             raise RouterConfigError(f"missing setting {name}")
-    known = set(RouterConfig.__dataclass_fields__) - {"hosts", "layout", "extra"}
+    known = set(RouterConfig.__dataclass_fields__) - {"hosts", "layout", "extra", "semantic"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise RouterConfigError(f"unknown setting(s) {', '.join(unknown)}")
     try:
-        return RouterConfig(hosts=hosts, layout=layout, **raw)
+        return RouterConfig(hosts=hosts, layout=layout, semantic=semantic, **raw)
     except TypeError as e:
         raise RouterConfigError(str(e)) from None
+
+
+def _semantic_config(raw: Any) -> SemanticConfig:
+    if not isinstance(raw, dict):
+        raise RouterConfigError("[semantic] must be a table")
+    unknown = sorted(set(raw) - set(SemanticConfig.__dataclass_fields__))
+    if unknown:
+        raise RouterConfigError(f"unknown [semantic] setting(s) {', '.join(unknown)}")
+    return SemanticConfig(**raw)

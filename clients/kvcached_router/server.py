@@ -14,6 +14,10 @@ healthy host as is):
 3. forward the request and stream the answer back byte for byte (server-sent events
    included); the chunks it will store count as held there until its daemon confirms them.
 
+With ``[semantic] enabled`` a response cache answers repeated (and, guarded, rephrased)
+questions before step 1 (:mod:`kvcached_router.semantic.frontend`); with ``normalize_prompts``
+the prompt text is normalised before step 1 and forwarded so.
+
 Fail open: the router must never be the reason a request fails. A body it cannot read or a
 prompt it cannot tokenize is still routed (to the least-loaded host, without the cache); a host
 that refuses the connection is marked down and the request goes to the next one; a lost event
@@ -39,6 +43,7 @@ from aiohttp import ClientConnectionError, ClientSession, ClientTimeout, TCPConn
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvcached.keys import ChunkHasher, Namespace, load_shared_key
+from kvcached_client.text import normalize, normalize_messages
 from kvcached_router.config import HostConfig, RouterConfig, RouterConfigError, load_config
 from kvcached_router.index import HostIndex
 from kvcached_router.policy import Decision, HostState, Router
@@ -85,7 +90,7 @@ class Metrics:
 class RouterService:
     """The router's state and handlers (one per process)."""
 
-    def __init__(self, config: RouterConfig, tokenizer: Any = None) -> None:
+    def __init__(self, config: RouterConfig, tokenizer: Any = None, embedder: Any = None) -> None:
         self.config = config
         self.layout = config.layout
         key = load_shared_key(config.hash_key_file)
@@ -103,6 +108,11 @@ class RouterService:
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Future] = set()  # audits in flight
         self.decisions: list[dict] = []  # the last routes (for /router/state and tests), bounded
+        self.semantic = None
+        if config.semantic.enabled:
+            from kvcached_router.semantic.frontend import build
+
+            self.semantic = build(config.semantic, self.metrics.registry, shadow=self._shadow, embedder=embedder)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -120,6 +130,8 @@ class RouterService:
             from kvcached_client.aio import AsyncClient
 
             self._audit_clients = {h.name: AsyncClient(h.daemon_socket, timeout=5.0) for h in self.config.hosts}
+        if self.semantic is not None:
+            self.semantic.warm_up()
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -128,6 +140,8 @@ class RouterService:
             await sub.stop()
         for c in self._audit_clients.values():
             await c.close()
+        if self.semantic is not None:
+            await self.semantic.close()
         if self._session is not None:
             await self._session.close()
 
@@ -139,6 +153,7 @@ class RouterService:
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/router/state", self.handle_state)
         app.router.add_get("/router/decisions", self.handle_decisions)
+        app.router.add_get("/router/semantic", self.handle_semantic)
         app.router.add_route("*", "/{tail:.*}", self.handle_other)
 
         async def on_startup(_: web.Application) -> None:
@@ -176,18 +191,54 @@ class RouterService:
         raw = await request.read()
         ids: list[int] = []
         hashes: list[bytes] = []
+        capture = None
         try:
             body = json.loads(raw)
+            if self.config.normalize_prompts:
+                body = _normalized(body)
+                raw = json.dumps(body, ensure_ascii=False).encode()
+            if self.semantic is not None:
+                try:
+                    served = await self.semantic.lookup(request, body)
+                except Exception as e:  # noqa: BLE001 - fail open: the engine answers without the response cache
+                    served = None
+                    self.metrics.fail_open.labels("semantic_" + type(e).__name__).inc()
+                    log.warning("semantic cache lookup failed: %s: %s", type(e).__name__, e,
+                                extra={"event": "router_fail_open"})
+                if isinstance(served, web.Response):
+                    return served
+                capture = served
             ids = self.prompt_ids(request.path, body)
             hashes = self.chunk_hashes(ids)
         except Exception as e:  # noqa: BLE001 - fail open: the engine answers what we cannot read
             self.metrics.fail_open.labels(type(e).__name__).inc()
             log.warning("routing %s without the cache: %s: %s", request.path, type(e).__name__, e,
                         extra={"event": "router_fail_open"})
-        return await self._route_and_forward(request, raw, ids, hashes)
+        return await self._route_and_forward(request, raw, ids, hashes, capture)
+
+    async def _shadow(self, path: str, body: dict, headers: dict[str, str]) -> tuple[int, bytes]:
+        """Send a request to a host and read its whole answer (the semantic cache's shadow
+        sample: nobody waits for it). Counted in the host's in-flight requests."""
+        assert self._session is not None
+        try:
+            hashes = self.chunk_hashes(self.prompt_ids(path, body))
+        except Exception:  # noqa: BLE001 - routed without the cache, as handle_generate would
+            hashes = []
+        decision = self.router.choose(hashes, frozenset())
+        if decision is None:
+            return 0, b""
+        host = decision.host
+        host.in_flight += 1
+        try:
+            url = self.host_config[host.name].url.rstrip("/") + path
+            headers = {k: v for k, v in headers.items() if k.lower() not in _HOP and k.lower() != "content-type"}
+            async with self._session.post(url, json=body, headers=headers) as r:
+                return r.status, await r.read()
+        finally:
+            host.in_flight -= 1
 
     async def _route_and_forward(self, request: web.Request, raw: bytes, ids: list[int],
-                                 hashes: list[bytes]) -> web.StreamResponse:
+                                 hashes: list[bytes], capture: Any = None) -> web.StreamResponse:
         tried: set[str] = set()
         ct = self.layout.chunk_tokens
         while True:
@@ -205,7 +256,7 @@ class RouterService:
             host.in_flight += 1
             host.index.expect(hashes[decision.cached_chunks:])
             try:
-                return await self._forward(request, raw, host, queued)
+                return await self._forward(request, raw, host, queued, capture)
             except _Unreachable as e:
                 tried.add(host.name)
                 host.healthy = False
@@ -216,7 +267,10 @@ class RouterService:
                 host.in_flight -= 1
                 queued.started()
 
-    async def _forward(self, request: web.Request, raw: bytes, host: HostState, queued: "_Queued") -> web.StreamResponse:
+    async def _forward(self, request: web.Request, raw: bytes, host: HostState, queued: "_Queued",
+                       capture: Any = None) -> web.StreamResponse:
+        """Send the request to ``host`` and stream its answer back; ``capture`` (the semantic
+        cache's) sees the answer's bytes, and its status once the answer is complete."""
         assert self._session is not None
         url = self.host_config[host.name].url.rstrip("/") + request.path_qs
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
@@ -229,7 +283,8 @@ class RouterService:
             out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP
                            and k.lower() != "content-encoding"}
             out_headers["X-Kvcached-Host"] = host.name  # which host served it (logs, benches)
-            if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            ctype = upstream.headers.get("content-type", "")
+            if ctype.startswith("text/event-stream"):
                 resp = web.StreamResponse(status=upstream.status, headers=out_headers)
                 await resp.prepare(request)
                 last_data = b""
@@ -237,14 +292,21 @@ class RouterService:
                     if queued.started():
                         self.metrics.ttft.labels(host.name).observe(time.perf_counter() - t0)
                     last_data = _last_event(last_data + piece)
+                    if capture is not None:
+                        capture.feed(piece)
                     await resp.write(piece)
                 await resp.write_eof()
                 self._realised(host, last_data)
+                if capture is not None:
+                    capture.finish(upstream.status, ctype)
                 return resp
             body = await upstream.read()
             queued.started()
             self.metrics.ttft.labels(host.name).observe(time.perf_counter() - t0)
             self._realised(host, body)
+            if capture is not None:
+                capture.feed(body)
+                capture.finish(upstream.status, ctype)
             return web.Response(status=upstream.status, body=body, headers=out_headers)
         finally:
             upstream.release()
@@ -316,12 +378,20 @@ class RouterService:
         subs = {s.name: s for s in self.subscribers}
         return web.json_response({
             "policy": self.config.policy,
+            "semantic": self.semantic.summary() if self.semantic is not None else None,
             "hosts": [{"name": h.name, "healthy": h.healthy, "in_flight": h.in_flight, "queued_tokens": h.queued_tokens,
                        "indexed_chunks": len(h.index), "cleared": h.index.cleared,
                        "events_next_seq": subs[h.name].next_seq if h.name in subs else None,
                        "events_restarts": subs[h.name].restarts if h.name in subs else None}
                       for h in self.hosts],
         })
+
+    async def handle_semantic(self, request: web.Request) -> web.Response:
+        """The semantic cache: entries, lookups by outcome and reason, drift, shadow sample
+        (what :func:`kvcached_router.semantic.drift.semantic_checks` judges)."""
+        if self.semantic is None:
+            return web.json_response({"enabled": False})
+        return await self.semantic.handle_state(request)
 
     async def handle_decisions(self, request: web.Request) -> web.Response:
         """The last routes (at most 10,000): host, reason, the index's prefix at the chosen host and
@@ -382,6 +452,20 @@ def _last_event(buf: bytes) -> bytes:
     return tail if tail else buf[-65536:]
 
 
+def _normalized(body: dict) -> dict:
+    """The body with its prompt text normalised (``normalize_prompts``): every message's text,
+    or a completion's prompt string(s). Token-id prompts are left alone."""
+    body = dict(body)
+    if isinstance(body.get("messages"), list):
+        body["messages"] = normalize_messages(body["messages"])
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        body["prompt"] = normalize(prompt)
+    elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        body["prompt"] = [normalize(p) for p in prompt]
+    return body
+
+
 def _load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
@@ -389,11 +473,25 @@ def _load_tokenizer(path: str) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvcached-router", description="cache-aware OpenAI-compatible router")
+    """``kvcached-router --config router.toml`` serves; ``kvcached-router calibrate ...`` picks the
+    semantic cache's thresholds from labelled pairs (:mod:`kvcached_router.semantic.calibrate`);
+    ``kvcached-router doctor [--url URL]`` checks a running router's semantic cache."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["calibrate"]:
+        from kvcached_router.semantic.calibrate import main as calibrate_main
+
+        return calibrate_main(args_list[1:])
+    if args_list[:1] == ["doctor"]:
+        from kvcached_router.semantic.drift import doctor_main
+
+        return doctor_main(args_list[1:])
+    ap = argparse.ArgumentParser(prog="kvcached-router", description="cache-aware OpenAI-compatible router "
+                                 "(`kvcached-router calibrate --help`: the semantic cache's thresholds; "
+                                 "`kvcached-router doctor --help`: its checks)")
     ap.add_argument("--config", required=True, help="router TOML (see kvcached_router.config)")
     ap.add_argument("--listen", help="HOST:PORT (overrides the config)")
     ap.add_argument("--policy", help="override the config's policy")
-    args = ap.parse_args(argv)
+    args = ap.parse_args(args_list)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config, listen=args.listen, policy=args.policy)
@@ -408,8 +506,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         uvloop.install()
     except ImportError:  # pragma: no cover - uvloop is a dependency
         pass
-    print(f"kvcached-router: {config.policy} policy over {len(config.hosts)} hosts on http://{config.listen}",
-          flush=True)
+    semantic = ""
+    if config.semantic.enabled:
+        semantic = ", semantic cache " + ("on" if config.semantic.match else "on (exact path only)")
+    print(f"kvcached-router: {config.policy} policy over {len(config.hosts)} hosts on http://{config.listen}"
+          f"{semantic}", flush=True)
     web.run_app(service.app(), host=host or "127.0.0.1", port=int(port), print=None, access_log=None)
     return 0
 

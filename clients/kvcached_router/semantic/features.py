@@ -1,0 +1,319 @@
+"""What the guards compare, read once per text: words, numbers, dates, named entities,
+negation cues, script and language, template slots.
+
+:func:`analyse` is pure and deterministic (regexes and the word lists of
+:mod:`kvcached_router.semantic.lexicon`); the matcher runs it once per stored entry and once
+per query, so guards over k candidates cost k set comparisons.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from dataclasses import dataclass
+
+from kvcached_client.text import normalize
+
+from . import lexicon as lx
+
+#: Scripts whose words the English embedder reads (possibly badly); other letters it maps to
+#: [UNK] or to unrelated pieces, so texts in them are compared letter by letter.
+EMBEDDABLE_SCRIPTS = frozenset({"LATIN", "GREEK", "CYRILLIC"})
+
+_CONTACT = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+|https?://\S+|www\.\S+|(?<!\w)[@#]\w+")
+_QUOTED = re.compile(r'"([^"]+)"|`([^`]+)`|(?<!\w)\'([^\']+)\'(?!\w)')
+_LABEL = re.compile(r"^([^:\n]{1,80}?)(?<!\d):(?!\d)\s*(.+)$", re.S)
+_TOKEN = re.compile(r"[£$€¥]?\w+(?:['.,:/]\w+)*")
+_NUMBER = re.compile(r"[£$€¥]?\d+(?:[.,:/]\d+)*")
+_NUMBER_UNIT = re.compile(r"([£$€¥]?\d+(?:[.,]\d+)*)([a-z]+)")
+_N_T = {"ca": "can", "wo": "will", "sha": "shall", "ai": "is"}
+_CLITICS = frozenset({"s", "re", "ve", "ll", "d", "m"})
+_LONG_DATE_WORDS = tuple(sorted(w for w in lx.DATE_WORDS if len(w) >= 6))
+_AUDIENCE_GROUP = {w: g for g, words in enumerate(lx.AUDIENCES) for w in words.split()}
+_PREPOSITIONS = frozenset({"from", "to", "into", "onto", "than", "versus", "vs", "between"})
+
+
+@dataclass(frozen=True)
+class Features:
+    """One text as the guards see it (all words lower case, stemmed where it says so)."""
+
+    text: str  # the normalised text
+    words: frozenset[str]  # every word token and its stem
+    stems: frozenset[str]  # stems of every word token (numbers excluded)
+    content: tuple[str, ...]  # stems of the words that carry meaning, in order
+    negations: int  # negation cues ("not", "never", "without", ...; "n't" counts)
+    negation_cues: tuple[str, ...]
+    numbers: tuple[str, ...]  # canonical values, sorted ("2", "50000", "£50", "9:15")
+    dates: frozenset[str]  # weekdays, months, "tomorrow", "next week", "pm", ...
+    entities: frozenset[str]  # capitalised names, ids, emails, URLs (lower case)
+    audiences: dict[int, str]  # lexicon.AUDIENCES group -> the word that named it ("children")
+    prep_objects: frozenset[tuple[str, str]]  # ("from", "savings"): who is on which side
+    scripts: frozenset[str]  # Unicode scripts of the letters (LATIN, CJK, HANGUL, ...)
+    foreign_letters: str  # the letters outside EMBEDDABLE_SCRIPTS, in order
+    language: str | None  # "en", "es", ... when the stopwords say so clearly
+    label: str | None  # "label" of a "label: value" text
+    value: str | None
+    quoted: tuple[str, ...]  # quoted or back-ticked spans
+
+
+def _fold(text: str) -> str:
+    return " ".join(re.findall(r"\w+", text.casefold()))
+
+
+def _script(ch: str) -> str:
+    name = unicodedata.name(ch, "")
+    first = name.split(" ", 1)[0]
+    return "CJK" if first in ("CJK", "IDEOGRAPHIC") else (first or "UNKNOWN")
+
+
+def _scripts(text: str) -> tuple[frozenset[str], str]:
+    scripts: set[str] = set()
+    foreign = []
+    for ch in text:
+        if unicodedata.category(ch).startswith("L"):
+            s = _script(ch)
+            scripts.add(s)
+            if s not in EMBEDDABLE_SCRIPTS:
+                foreign.append(ch)
+    return frozenset(scripts), "".join(foreign)
+
+
+def _language(lower_tokens: list[str], text: str) -> str | None:
+    scores = {lang: sum(t in words for t in lower_tokens) for lang, words in lx.LANGUAGE_STOPWORDS.items()}
+    for ch in text.lower():
+        lang = lx.LANGUAGE_LETTERS.get(ch)
+        if lang:
+            scores[lang] += 1
+    ranked = sorted(scores.items(), key=lambda kv: kv[1], reverse=True)
+    (best, top), (_, second) = ranked[0], ranked[1]
+    return best if top >= 2 and top > second else None
+
+
+def _number_value(digits: str) -> str:
+    currency = digits[0] if digits[0] in "£$€¥" else ""
+    body = digits[len(currency):]
+    if ":" in body or "/" in body:
+        return currency + body
+    body = body.replace(",", "")
+    try:
+        v = float(body)
+    except ValueError:
+        return currency + body
+    return currency + (str(int(v)) if v.is_integer() else repr(v))
+
+
+def _expand(token: str) -> list[str]:
+    """``don't`` -> do not, ``can't`` and ``cant`` -> can not, ``Mary's`` -> Mary."""
+    low = token.lower()
+    if low in lx.BARE_NEGATIVES:
+        return [lx.BARE_NEGATIVES[low], "not"]
+    if low.endswith("n't"):
+        head = token[:-3]
+        return [_N_T.get(head.lower(), head), "not"]
+    if low == "cannot":
+        return [token[:3], "not"]
+    if "'" in token:
+        head, tail = token.split("'", 1)
+        if tail.lower() in _CLITICS:
+            return [head] if head else []
+    return [token]
+
+
+def _damerau1(a: str, b: str) -> bool:
+    """True when ``a`` and ``b`` differ by at most one edit or one swap of neighbours."""
+    if a == b:
+        return True
+    la, lb = len(a), len(b)
+    if abs(la - lb) > 1:
+        return False
+    i = 0
+    while i < min(la, lb) and a[i] == b[i]:
+        i += 1
+    if la == lb:
+        if a[i + 1:] == b[i + 1:]:
+            return True
+        return i + 1 < la and a[i] == b[i + 1] and a[i + 1] == b[i] and a[i + 2:] == b[i + 2:]
+    return a[i + 1:] == b[i:] if la > lb else a[i:] == b[i + 1:]
+
+
+def _starts_sentence(body: str, start: int) -> bool:
+    j = start - 1
+    while j >= 0 and body[j].isspace():
+        j -= 1
+    return j < 0 or body[j] in '.!?:;"('
+
+
+def _date_word(low: str, stemmed: str) -> str | None:
+    """The DATE_WORDS entry ``low`` is, plural, inflected or misspelt ("weekends", "evenings",
+    "Mondys"), or None."""
+    for form in (low, low[:-1] if low.endswith("s") else "", stemmed):
+        if form in lx.DATE_ALIASES:
+            return lx.DATE_ALIASES[form]
+        if form in lx.DATE_WORDS:
+            return form
+    return _misspelt_date(low)
+
+
+def _misspelt_date(low: str) -> str | None:
+    """The long date word ("Mondys", "evenigns", "Febuary") a typing slip away from ``low``."""
+    if len(low) < 6:
+        return None
+    base = low[:-1] if low.endswith("s") else low
+    return next((d for d in _LONG_DATE_WORDS if _damerau1(base, d) or _damerau1(low, d)), None)
+
+
+def analyse(text: str) -> Features:
+    """Read ``text`` (normalised first with :func:`kvcached_client.text.normalize`)."""
+    t = normalize(text)
+    scripts, foreign = _scripts(t)
+    m = _LABEL.match(t)
+    label, value = (_fold(m.group(1)), _fold(m.group(2))) if m else (None, None)
+    quoted = tuple(_fold(next(g for g in q.groups() if g is not None)) for q in _QUOTED.finditer(t))
+
+    reader = _Reader()
+    reader.entities.update(c.lower() for c in _CONTACT.findall(t))
+    body = _CONTACT.sub(" ", t)
+    raw: list[tuple[str, bool]] = []  # (token, starts a sentence)
+    for mt in _TOKEN.finditer(body):
+        initial = _starts_sentence(body, mt.start())
+        raw.extend((piece, initial and k == 0) for k, piece in enumerate(_expand(mt.group())))
+    # In Title Case or ALL CAPS text a capital says nothing: that shows on the small words.
+    reader.case_informative = not any(tok[:1].isupper() and not initial and tok.lower() in lx.FUNCTION_WORDS
+                                      and tok != "I" for tok, initial in raw)
+    for i, (tok, initial) in enumerate(raw):
+        reader.feed(tok, initial, raw[i + 1][0].lower() if i + 1 < len(raw) else "")
+    reader.flush_number_words()
+    r = reader
+    return Features(
+        text=t, words=frozenset(r.words), stems=frozenset(r.stems), content=tuple(r.content),
+        negations=len(r.cues), negation_cues=tuple(r.cues), numbers=tuple(sorted(r.numbers)),
+        dates=frozenset(r.dates), entities=frozenset(r.entities), audiences=_audiences(r.lower_tokens),
+        prep_objects=frozenset(r.prep_objects),
+        scripts=scripts, foreign_letters=foreign, language=_language(r.lower_tokens, t),
+        label=label, value=value, quoted=quoted)
+
+
+class _Reader:
+    """Walks the tokens of one text left to right and sorts each into what the guards compare."""
+
+    def __init__(self) -> None:
+        self.case_informative = True
+        self.words: set[str] = set()
+        self.stems: set[str] = set()
+        self.content: list[str] = []
+        self.cues: list[str] = []
+        self.numbers: list[str] = []
+        self.dates: set[str] = set()
+        self.entities: set[str] = set()
+        self.prep_objects: set[tuple[str, str]] = set()
+        self.lower_tokens: list[str] = []
+        self._number_words: list[str] = []
+        self._prev_was_number = False
+        self._open_prep: str | None = None
+        self._leading = True  # still in the greetings and hesitations a text may open with
+
+    def flush_number_words(self) -> None:
+        if self._number_words:
+            self.numbers.append(_number_value(str(_parse_number_words(self._number_words))))
+            self._number_words.clear()
+            self._prev_was_number = True
+
+    def feed(self, tok: str, initial: bool, next_low: str) -> None:
+        low = tok.lower()
+        self.lower_tokens.append(low)
+        if low in lx.NUMBER_WORDS or low in lx.NUMBER_SCALES:
+            self._number_words.append(low)
+            return
+        self.flush_number_words()
+        was_number, self._prev_was_number = self._prev_was_number, False
+        if self._number(tok, low):
+            self._prev_was_number = True
+            self._leading = False
+            return
+        if was_number and low in lx.CURRENCY_WORDS:
+            if self.numbers[-1][:1].isdigit():
+                self.numbers[-1] = lx.CURRENCY_WORDS[low] + self.numbers[-1]
+            return
+        if was_number and low in ("am", "pm"):
+            self.dates.add(low)
+            return
+        self._word(tok, low, initial, next_low)
+
+    def _number(self, tok: str, low: str) -> bool:
+        if _NUMBER.fullmatch(tok):
+            self.numbers.append(_number_value(tok))
+            return True
+        mu = _NUMBER_UNIT.fullmatch(low)
+        if mu and mu.group(2) in lx.NUMBER_UNITS:
+            self.numbers.append(_number_value(mu.group(1)))
+            if mu.group(2) in ("am", "pm"):
+                self.dates.add(mu.group(2))
+            return True
+        if any(ch.isdigit() for ch in tok):  # an id: "A123", "2FA", "B2B"
+            self.entities.add(low)
+            self.content.append(low)
+            self.words.add(low)
+            self._leading = False
+        return False
+
+    def _word(self, tok: str, low: str, initial: bool, next_low: str) -> None:
+        if any(ch.isdigit() for ch in tok):
+            return  # an id, already taken
+        s = lx.stem(low)
+        self.words.update((low, s))
+        self.stems.add(s)
+        if self._leading and (low in lx.FILLERS or low in lx.LEADING_GREETINGS):
+            return
+        self._leading = False
+        date = _date_word(low, s)
+        if date in ("may", "march") and not (tok[:1].isupper() and not initial):
+            date = None  # the verbs
+        if (tok[:1].isupper() and not initial and self.case_informative and not date and low != "i"
+                and low not in lx.FUNCTION_WORDS and low not in lx.FILLERS):
+            self.entities.add(s)
+        if date:
+            self.dates.add(date)
+        elif low in lx.DATE_RELATIVE and lx.stem(next_low) in lx.DATE_UNITS:
+            self.dates.add(f"{low} {lx.stem(next_low)}")
+        elif low in lx.NEGATION_CUES:
+            self.cues.append(low)
+        elif low in _PREPOSITIONS:
+            self._open_prep = low
+        elif low not in lx.FUNCTION_WORDS and low not in lx.FILLERS and low not in lx.LIGHT_PREPOSITIONS:
+            self.content.append(s)
+            if self._open_prep is not None:
+                self.prep_objects.add((self._open_prep, s))
+                self._open_prep = None
+
+
+def _audiences(lower_tokens: list[str]) -> dict[int, str]:
+    """The AUDIENCES groups named, by single words or hyphenated pairs ("self-employed"), each
+    with the word that named it."""
+    found: dict[int, str] = {}
+    for i, w in enumerate(lower_tokens):
+        pair = f"{lower_tokens[i - 1]}-{w}" if i else ""
+        for key in (pair, w, w[:-1] if w.endswith("s") else ""):
+            group = _AUDIENCE_GROUP.get(key)
+            if group is not None:
+                found.setdefault(group, key)
+                break
+    return found
+
+
+def _parse_number_words(ws: list[str]) -> float:
+    """``["two", "hundred", "fifty"]`` -> 250; ``["twenty", "five"]`` -> 25."""
+    total, current = 0.0, 0.0
+    for w in ws:
+        if w in lx.NUMBER_SCALES:
+            scale = lx.NUMBER_SCALES[w]
+            current = (current or 1) * scale
+            if scale >= 1000:
+                total, current = total + current, 0.0
+        else:
+            current += lx.NUMBER_WORDS[w]
+    return total + current
+
+
+def typo_equal(a: str, b: str) -> bool:
+    """Two stems a typing slip apart: one edit or neighbour swap, both at least 5 letters long."""
+    return a == b or (min(len(a), len(b)) >= 5 and _damerau1(a, b))

@@ -1,0 +1,204 @@
+"""Guards: reasons to refuse a semantic match however similar the two embeddings are.
+
+An embedding scores "Is the clinic open on Sundays?" and "Is the clinic closed on Sundays?" at
+0.93, and most Chinese questions at 1.000 (MiniLM reads their characters as [UNK]). The guards
+compare what embeddings blur, and refuse when it differs:
+
+============  =====================================================================================
+reason        refuses when
+============  =====================================================================================
+language      the letters outside Latin/Greek/Cyrillic differ at all (CJK, Hangul, Arabic, ...: the
+              embedder cannot read them, so only the same letters match), the scripts differ, or
+              the two texts are clearly in two languages
+slot          both texts are ``label: value`` with the same label and another value (or the same
+              value under another label), or their quoted spans differ
+number        the numbers differ (digits, number words: "two" = 2, "£50" is not "50 USD")
+date          weekdays, months, "tomorrow", "next week", am/pm differ
+negation      the count of negation cues differs ("don't", "never", "without", "stop", ...), or
+              a word on one side has its antonym on the other (open/closed, eat/avoid,
+              enable/disable, include/exclude), or its negated form (lock/unlock, refundable/
+              non-refundable)
+entity        a capitalised name, id, email or URL of one text is missing from the other, the
+              colours differ ("the red light" / "the blue light"), or the
+              same words swap sides of a preposition ("from savings to current" vs "from current
+              to savings")
+scope         they are about or for different people: adults / children, employees /
+              self-employed, tenants / landlords (:data:`lexicon.AUDIENCES`)
+============  =====================================================================================
+
+The guards never say yes; :func:`compare` also says how far apart the two texts' words are
+(:data:`TIERS`), and the calibrated threshold of that tier decides the rest.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from functools import lru_cache
+
+from . import lexicon as lx
+from .features import Features, analyse, typo_equal
+
+#: How much two texts' meaningful words differ: ``same`` (none, after fillers, function words
+#: and typing slips), ``edit`` (at least half of them shared), ``reworded`` (the rest).
+TIERS = ("same", "edit", "reworded")
+#: Bumped whenever a rule or word list changes what is refused: a calibration records it.
+GUARDS_VERSION = 1
+EDIT_OVERLAP = 0.5
+REASONS = ("language", "slot", "number", "date", "negation", "entity", "scope")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    reason: str  # one of REASONS
+    detail: str  # what differed, for logs and the calibration report
+
+
+@dataclass(frozen=True)
+class Comparison:
+    refusal: Refusal | None
+    tier: str  # one of TIERS
+    overlap: float  # share of content words matched (Jaccard, typing slips forgiven)
+
+
+def check(query: str, candidate: str) -> Refusal | None:
+    """Why ``candidate``'s answer must not serve ``query``, or None when no guard objects."""
+    return refuse(analyse(query), analyse(candidate))
+
+
+def compare(q: Features, c: Features) -> Comparison:
+    shared, only_q, only_c = match_content(q.content, c.content)
+    union = shared + only_q + only_c
+    overlap = shared / union if union else 1.0
+    if only_q == only_c == 0:
+        tier = "same"
+    elif overlap >= EDIT_OVERLAP:
+        tier = "edit"
+    else:
+        tier = "reworded"
+    return Comparison(refuse(q, c), tier, overlap)
+
+
+def refuse(q: Features, c: Features) -> Refusal | None:
+    """The first guard (in :data:`REASONS` order) that objects, or None."""
+    for guard in (_language, _slot, _number, _date, _negation, _entity, _scope):
+        r = guard(q, c)
+        if r is not None:
+            return r
+    return None
+
+
+def match_content(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[int, int, int]:
+    """(shared, only in a, only in b) of two sets of content stems, a typing slip counting as
+    shared."""
+    sa, sb = set(a), set(b)
+    left = sb - sa
+    matched = len(sa & sb)
+    for w in sa - sb:
+        hit = next((x for x in left if typo_equal(w, x)), None)
+        if hit is not None:
+            left.discard(hit)
+            matched += 1
+    return matched, len(sa) - matched, len(sb) - matched
+
+
+def content_overlap(a: tuple[str, ...], b: tuple[str, ...]) -> float:
+    """Jaccard overlap of two sets of content stems, a typing slip counting as a match."""
+    shared, only_a, only_b = match_content(a, b)
+    union = shared + only_a + only_b
+    return shared / union if union else 1.0
+
+
+def _language(q: Features, c: Features) -> Refusal | None:
+    if q.foreign_letters != c.foreign_letters:
+        scripts = "/".join(sorted((q.scripts | c.scripts) - {"LATIN"})) or "non-Latin"
+        return Refusal("language", f"{scripts} letters differ: the embedder cannot read them")
+    if q.scripts and c.scripts and q.scripts != c.scripts:
+        return Refusal("language", f"scripts differ: {'+'.join(sorted(q.scripts))} vs {'+'.join(sorted(c.scripts))}")
+    if q.language and c.language and q.language != c.language:
+        return Refusal("language", f"{q.language} vs {c.language}")
+    return None
+
+
+def _slot(q: Features, c: Features) -> Refusal | None:
+    if q.label is not None and c.label is not None:
+        if q.label == c.label and q.value != c.value:
+            return Refusal("slot", f"{q.label}: {q.value!r} vs {c.value!r}")
+        if q.label != c.label and q.value == c.value:
+            return Refusal("slot", f"{q.label!r} vs {c.label!r} for the same value")
+    if q.quoted and c.quoted and q.quoted != c.quoted:
+        return Refusal("slot", f"quoted {list(q.quoted)} vs {list(c.quoted)}")
+    return None
+
+
+def _number(q: Features, c: Features) -> Refusal | None:
+    if q.numbers != c.numbers:
+        a, b = Counter(q.numbers), Counter(c.numbers)
+        return Refusal("number", f"{sorted((a - b).elements())} vs {sorted((b - a).elements())}")
+    return None
+
+
+def _date(q: Features, c: Features) -> Refusal | None:
+    only_q, only_c = set(q.dates - c.dates), set(c.dates - q.dates)
+    for marker, inside in lx.HALF_DAYS.items():  # "7pm" agrees with "this evening"
+        for mine, theirs in ((only_q, only_c), (only_c, only_q)):
+            if marker in mine and theirs & inside:
+                mine.discard(marker)
+                theirs -= inside
+    if only_q or only_c:
+        return Refusal("date", f"{sorted(only_q)} vs {sorted(only_c)}")
+    return None
+
+
+@lru_cache(maxsize=1)
+def _antonym_stems() -> tuple[tuple[frozenset[str], frozenset[str]], ...]:
+    return tuple((frozenset(map(lx.stem, left.split())), frozenset(map(lx.stem, right.split())))
+                 for left, right in lx.ANTONYMS)
+
+
+def _negation(q: Features, c: Features) -> Refusal | None:
+    if q.negations != c.negations:
+        return Refusal("negation", f"negation cues {list(q.negation_cues)} vs {list(c.negation_cues)}")
+    only_q, only_c = q.stems - c.stems, c.stems - q.stems
+    if not only_q or not only_c:
+        return None
+    for left, right in _antonym_stems():
+        for mine, theirs in ((only_q, only_c), (only_c, only_q)):
+            a, b = mine & left, theirs & right
+            if a and b:
+                return Refusal("negation", f"antonyms {min(a)}/{min(b)}")
+    for mine, other in ((only_q, c.stems), (only_c, q.stems)):
+        for w in mine:
+            for p in lx.NEGATING_PREFIXES:
+                if w.startswith(p) and len(w) - len(p) >= 3 and w[len(p):] in other:
+                    return Refusal("negation", f"{w[len(p):]} vs {w}")
+    return None
+
+
+def _entity(q: Features, c: Features) -> Refusal | None:
+    missing_q = sorted(e for e in q.entities if e not in c.words)
+    missing_c = sorted(e for e in c.entities if e not in q.words)
+    if missing_q or missing_c:
+        return Refusal("entity", f"{missing_q} vs {missing_c}")
+    colours_q, colours_c = q.words & lx.COLOURS, c.words & lx.COLOURS
+    if colours_q != colours_c:
+        return Refusal("entity", f"colour {sorted(colours_q)} vs {sorted(colours_c)}")
+    content_q, content_c = set(q.content), set(c.content)
+    for prep, x in q.prep_objects - c.prep_objects:
+        for prep2, y in c.prep_objects - q.prep_objects:
+            if prep == prep2 and x != y and x in content_c and y in content_q:
+                return Refusal("entity", f"swapped: '{prep} {x}' vs '{prep} {y}'")
+    return None
+
+
+def _scope(q: Features, c: Features) -> Refusal | None:
+    """Refuse when one text names an audience the other does not (a typing slip of the same
+    word, "chlid", does not count)."""
+    def unmatched(mine: Features, other: Features) -> list[str]:
+        return sorted(word for group, word in mine.audiences.items() if group not in other.audiences
+                      and not any(typo_equal(word, w) for w in other.words))
+
+    only_q, only_c = unmatched(q, c), unmatched(c, q)
+    if only_q or only_c:
+        return Refusal("scope", f"for {only_q} vs {only_c}")
+    return None

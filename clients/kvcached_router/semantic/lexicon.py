@@ -1,0 +1,180 @@
+"""Small word lists the guards read: function words, fillers, negation cues, antonyms, number
+and date words, and a few stopwords per language for telling languages apart.
+
+English only, lower case, surface forms; :func:`stem` is applied to both the lists and the text,
+so "closed", "closes" and "close" meet. The lists are general-purpose (what a newcomer would
+write down for "words that flip or scope a question"), not a dictionary: a pair missing here is
+left to the calibrated threshold.
+"""
+
+from __future__ import annotations
+
+
+def stem(word: str) -> str:
+    """A crude suffix stripper, the same on both sides of every comparison: ``closed`` ->
+    ``clos``, ``close`` -> ``clos``, ``policies`` -> ``policy``, ``stopped`` -> ``stop``."""
+    w = word.lower()
+    if len(w) > 4 and w.endswith("ies"):
+        return w[:-3] + "y"
+    for suffix in ("ing", "ed", "es", "s"):
+        if w.endswith(suffix) and len(w) - len(suffix) >= 3:
+            if suffix == "s" and w.endswith(("ss", "us", "is")):
+                break
+            w = w[: -len(suffix)]
+            if suffix in ("ing", "ed") and len(w) >= 4 and w[-1] == w[-2] and w[-1] not in "lsz":
+                w = w[:-1]
+            break
+    else:
+        if w.endswith("ly") and len(w) >= 6:  # lawfully -> lawful, legally -> legal
+            w = w[:-2]
+    if len(w) > 3 and w.endswith("e"):
+        w = w[:-1]
+    return w
+
+
+#: Words that carry little of a question's meaning: articles, auxiliaries, modals, first- and
+#: second-person pronouns, light prepositions. Negation, direction, quantity and third persons
+#: are deliberately not here (they change answers).
+FUNCTION_WORDS = frozenset("""
+a an the this that these those it its itself
+i me my mine myself you your yours yourself we us our ours ourselves
+do does did doing done be is are was were been being am have has had having get got
+can could may might must shall should will would
+of for with at by to from as about into onto upon via per
+and or but if then so than too also just
+what which there here some any o'clock whats hows whos wheres whens im ive id youre
+""".split())
+
+#: Contractions typed without the apostrophe; they negate like their spelt-out forms.
+BARE_NEGATIVES = {"dont": "do", "doesnt": "does", "didnt": "did", "cant": "can", "wont": "will",
+                  "isnt": "is", "arent": "are", "wasnt": "was", "werent": "were", "shouldnt": "should",
+                  "couldnt": "could", "wouldnt": "would", "havent": "have", "hasnt": "has", "mustnt": "must"}
+
+#: Prepositions that mean little on their own; the negation guard still reads them (on/off,
+#: in/out, over/under), the word-overlap measure does not.
+LIGHT_PREPOSITIONS = frozenset("on in at off out up down over under before after above below within".split())
+
+#: Conversational padding that changes no answer: hesitations, greetings, politeness.
+FILLERS = frozenset("""
+um uh er erm hmm ah oh like yeah okay ok well hi hello hey hiya please pls thanks thank cheers
+sorry bother silly quick question wondering tell actually basically really kindly
+usually normally typically generally possible
+""".split())
+
+#: Greetings that are padding only at the very start of a text ("Morning! How do I...").
+LEADING_GREETINGS = frozenset({"morning", "afternoon", "evening", "good", "team", "there", "all"})
+
+#: Words that negate what follows (contractions are expanded to "not" before counting).
+NEGATION_CUES = frozenset("""
+not no never none nothing nobody nowhere neither nor without cannot stop avoid non
+""".split())
+
+#: Prefixes that negate the word they are attached to: w vs un+w is a negation ("non-" is a
+#: word of its own once hyphens split words, and a negation cue).
+NEGATING_PREFIXES = ("un", "non", "dis", "in", "im", "il", "ir")
+
+#: Pairs whose two sides ask opposite questions. Each side may list several words.
+ANTONYMS: tuple[tuple[str, str], ...] = (
+    ("open", "close closed shut"), ("on", "off"), ("in", "out"), ("enable", "disable"),
+    ("include included inclusive cover covered", "exclude excluded exclusive"), ("add", "remove delete"),
+    ("increase raise bigger larger higher", "decrease reduce lower smaller"), ("upgrade", "downgrade"),
+    ("accept approve approved", "decline reject rejected refuse"),
+    ("allow allowed permit permitted legal lawful",
+     "ban banned forbid forbidden prohibit prohibited illegal unlawful"),
+    ("eat take", "avoid"),
+    ("benefit advantage pro", "drawback disadvantage con downside risk"), ("best", "worst"),
+    ("most", "least"), ("more", "less fewer"), ("maximum max", "minimum min"),
+    ("highest", "lowest"), ("high", "low"), ("hot warm", "cold cool"), ("big large", "small"),
+    ("long", "short"), ("early", "late"), ("before", "after"), ("start begin", "stop end finish"),
+    ("pause", "resume"), ("join enrol enroll", "leave withdraw quit"), ("pass", "fail"),
+    ("success", "failure"), ("win", "lose"), ("buy", "sell"), ("import", "export"),
+    ("upload", "download"), ("send", "receive"), ("lend", "borrow"), ("deposit", "withdraw"),
+    ("credit", "debit"), ("profit", "loss"), ("true", "false"), ("yes", "no"),
+    ("right", "wrong"), ("safe", "dangerous"), ("spicy", "mild"), ("busy", "quiet"),
+    ("grant", "revoke"), ("show", "hide"), ("public", "private"),
+    ("compulsory mandatory required", "optional"), ("free", "paid"), ("cheap", "expensive"),
+    ("fast quick", "slow"), ("new", "old"), ("first", "last"), ("entry", "exit"),
+    ("arrival arrive", "departure depart"), ("inbound", "outbound"), ("input", "output"),
+    ("plus", "minus"), ("positive", "negative"), ("male", "female"), ("man men", "woman women"),
+    ("boy", "girl"), ("left", "right"), ("up", "down"), ("above", "below"), ("over", "under"),
+    ("inside", "outside"), ("internal", "external"), ("domestic home", "international abroad overseas"),
+    ("north", "south"), ("east", "west"), ("day", "night"), ("summer", "winter"),
+    ("light", "dark"), ("black", "white"), ("love like", "hate dislike"), ("wet", "dry"),
+    ("full", "empty part"), ("lock", "unlock"), ("mute", "unmute"), ("subscribe", "unsubscribe"),
+    ("connect", "disconnect"), ("install", "uninstall"), ("merge", "split"),
+    ("with", "without"), ("within", "after outside"), ("overpay", "underpay"),
+    ("outstanding good", "inadequate bad poor"),
+    ("healthy", "unhealthy"), ("improve", "damage worsen"), ("help", "harm"), ("push", "pull"),
+    ("employed", "unemployed"), ("work working functioning", "broken faulty fault malfunctioning"),
+    ("online digital", "paper offline store post"),
+)
+
+#: Who a question is about or for; words in one group mean the same audience. A question for
+#: adults is not one for children, nor an employee's one a contractor's.
+AUDIENCES: tuple[str, ...] = (
+    "adult adults grown-up grown-ups", "child children kid kids toddler toddlers", "baby babies infant infants",
+    "teenager teenagers teen teens", "senior seniors pensioner pensioners elderly retiree retirees",
+    "student students pupil pupils", "undergraduate undergraduates", "postgraduate postgraduates master's masters phd",
+    "employee employees", "self-employed freelancer freelancers", "contractor contractors",
+    "visitor visitors guest guests", "resident residents", "tenant tenants renter renters", "landlord landlords",
+    "homeowner homeowners", "nonprofit nonprofits charity charities", "colleague colleagues",
+    "mother mum mom father dad parent parents", "son daughter", "friend friends", "pregnant",
+    "veteran veterans", "patient patients", "puppy puppies", "kitten kittens", "dog dogs", "cat cats",
+    "economy", "business-class first-class premium-economy",
+)
+
+#: Colours: a closed class that names which thing is meant ("the red light" is not "the blue").
+COLOURS = frozenset("red blue green yellow black white orange purple pink brown grey gray silver gold".split())
+
+#: Number words (values); "one" is left out: "a quick one", "which one" are not numbers.
+NUMBER_WORDS: dict[str, int] = {
+    "zero": 0, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8,
+    "nine": 9, "ten": 10, "eleven": 11, "twelve": 12, "thirteen": 13, "fourteen": 14,
+    "fifteen": 15, "sixteen": 16, "seventeen": 17, "eighteen": 18, "nineteen": 19, "twenty": 20,
+    "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70, "eighty": 80, "ninety": 90,
+    "second": 2, "third": 3, "fourth": 4, "fifth": 5, "sixth": 6, "seventh": 7, "eighth": 8,
+    "ninth": 9, "tenth": 10, "twice": 2, "double": 2, "triple": 3, "dozen": 12, "half": 0.5,
+    "quarter": 0.25,
+}
+NUMBER_SCALES: dict[str, int] = {"hundred": 100, "thousand": 1000, "million": 10**6, "billion": 10**9}
+
+#: Letters written straight after a number that are its unit, not part of an id ("10GB", "7pm").
+NUMBER_UNITS = frozenset("""
+st nd rd th am pm k m bn x h hr hrs min mins s ms g kg mg lb lbs oz ml l cl km cm mm mi ft in
+mph kmh kb mb gb tb kwh kw w v mah p
+""".split())
+
+WEEKDAYS = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday")
+MONTHS = ("january", "february", "march", "april", "may", "june", "july", "august", "september",
+          "october", "november", "december")
+#: Words that name a time on their own.
+DATE_WORDS = frozenset(WEEKDAYS + MONTHS + (
+    "today", "tomorrow", "yesterday", "tonight", "weekday", "weekend", "morning", "afternoon",
+    "evening", "night", "overnight", "midnight", "noon", "midday", "spring", "summer", "autumn",
+    "winter", "weekly", "monthly", "yearly", "daily", "hourly", "fortnightly"))
+#: Spellings of the same period.
+DATE_ALIASES = {"annually": "yearly"}
+#: Half-day markers and the words that fall inside them ("7pm" vs "seven this evening").
+HALF_DAYS = {"am": frozenset({"morning"}), "pm": frozenset({"afternoon", "evening", "night", "tonight"})}
+#: Words for a currency written after an amount ("fifty pounds" is "£50").
+CURRENCY_WORDS = {"pound": "£", "pounds": "£", "quid": "£", "gbp": "£", "dollar": "$", "dollars": "$",
+                  "usd": "$", "euro": "€", "euros": "€", "eur": "€", "yen": "¥", "jpy": "¥"}
+#: Words that make a date out of the unit after them: "next week", "same day", "last year".
+DATE_RELATIVE = frozenset({"next", "last", "previous", "this", "same", "coming", "following"})
+DATE_UNITS = frozenset({"day", "week", "month", "year", "weekend", "quarter", "term", "fortnight",
+                        "season", "hour", "time"})
+
+#: A few frequent words that are each specific to one language (none shared with English).
+LANGUAGE_STOPWORDS: dict[str, frozenset[str]] = {
+    "en": frozenset("the is are do does how what why where when which who my your can i you".split()),
+    "es": frozenset("el los las es cómo como qué por para mi tu puedo hacer está son una del".split()),
+    "fr": frozenset("le les est comment quoi pourquoi mon ma mes je vous des une où puis faire".split()),
+    "de": frozenset("der die das ist wie was warum wo mein meine ich kann sie ein eine nicht und".split()),
+    "it": frozenset("il gli è come cosa perché dove mio mia posso sono della che non una".split()),
+    "pt": frozenset("o os é como porque onde meu minha eu posso fazer uma não você".split()),
+    "nl": frozenset("het is hoe wat waarom waar mijn ik kan een niet van zijn".split()),
+}
+#: Letters that point to a language on their own.
+LANGUAGE_LETTERS: dict[str, str] = {"ñ": "es", "¿": "es", "¡": "es", "ß": "de", "ä": "de", "ö": "de",
+                                    "ü": "de", "ç": "fr", "ê": "fr", "è": "fr", "à": "fr", "ã": "pt",
+                                    "õ": "pt", "ì": "it", "ò": "it"}

@@ -1,0 +1,160 @@
+"""The guards: each trap class is refused for the reason it is, in both directions; repeats and
+paraphrases are not; what the features read from a text; the tiers."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcached_router.semantic.features import analyse, typo_equal
+from kvcached_router.semantic.guards import REASONS, check, compare, content_overlap
+from kvcached_router.semantic.lexicon import stem
+from tests.router.semantic.minilm import fixture_pairs, minilm
+
+REFUSED = [
+    # negation: cues, antonyms, negated forms
+    ("negation", "Can I pay by card?", "Can't I pay by card?"),
+    ("negation", "Is the shop open on Sundays?", "Is the shop closed on Sundays?"),
+    ("negation", "Which foods should I eat after a filling?", "Which foods should I avoid after a filling?"),
+    ("negation", "How do I enable notifications?", "How do I disable notifications?"),
+    ("negation", "Which costs are included in the rent?", "Which costs are excluded from the rent?"),
+    ("negation", "How do I lock the front door remotely?", "How do I unlock the front door remotely?"),
+    ("negation", "Is the booking fee refundable?", "Is the booking fee non-refundable?"),
+    ("negation", "Do you deliver with a signature?", "Do you deliver without a signature?"),
+    ("negation", "Is it legal to park here at night?", "Is it illegal to park here at night?"),
+    ("negation", "Which apps use the most battery?", "Which apps use the least battery?"),
+    # numbers, in digits or words, with units and currencies
+    ("number", "Track parcel 55821", "Track parcel 55812"),
+    ("number", "Is there a room for 2 people?", "Is there a room for 4 people?"),
+    ("number", "What's 20% of 150?", "What's 25% of 150?"),
+    ("number", "Convert 250 grams to ounces", "Convert 500 grams to ounces"),
+    ("number", "Can I send £20 to my brother?", "Can I send twenty dollars to my brother?"),
+    ("number", "Does the 10:40 bus stop here?", "Does the 10:04 bus stop here?"),
+    # dates
+    ("date", "Is the gym open on Monday?", "Is the gym open on Wednesday?"),
+    ("date", "What was my bill in March?", "What was my bill in May?"),
+    ("date", "Set an alarm for 8am", "Set an alarm for 8pm"),
+    ("date", "Can I see a doctor today?", "Can I see a doctor tomorrow?"),
+    ("date", "What's on at the cinema this week?", "What's on at the cinema next week?"),
+    # named entities, ids, emails, colours, swapped roles
+    ("entity", "How do I sync my Dropbox folder?", "How do I sync my OneDrive folder?"),
+    ("entity", "What's the weather in Lisbon?", "What's the weather in Madrid?"),
+    ("entity", "Forward this to jo@example.org", "Forward this to kim@example.org"),
+    ("entity", "Where is gate B12?", "Where is gate C12?"),
+    ("entity", "Why is the orange light blinking?", "Why is the green light blinking?"),
+    ("entity", "Move £100 from my savings to my current account", "Move £100 from my current account to my savings"),
+    ("entity", "Is the train from Paris to Lyon fast?", "Is the train from Lyon to Paris fast?"),
+    # audience
+    ("scope", "What's the dose of vitamin D for adults?", "What's the dose of vitamin D for toddlers?"),
+    ("scope", "Can tenants keep pets?", "Can landlords keep pets?"),
+    ("scope", "How much holiday do employees get?", "How much holiday do freelancers get?"),
+    ("scope", "How do I reset my password?", "How do I reset my colleague's password?"),
+    # language and script
+    ("language", "如何关闭深色模式？", "如何打开深色模式？"),
+    ("language", "How do I change my password?", "¿Cómo cambio mi contraseña?"),
+    ("language", "Wie ändere ich mein Passwort?", "Comment changer mon mot de passe ?"),
+    ("language", "How do I change my password?", "Как изменить пароль?"),
+    ("language", "パスワードを変更する方法", "パスワードを削除する方法"),
+    # template slots
+    ("slot", "Rewrite in a formal tone: I want my money back", "Rewrite in a formal tone: I want a new card"),
+    ("slot", "Rewrite in a formal tone: I want my money back", "Rewrite in a casual tone: I want my money back"),
+    ('slot', 'Translate "thank you" into Italian', 'Translate "see you soon" into Italian'),
+]
+
+SERVED = [
+    ("How do I renew my library card?", "how do i renew my library card"),
+    ("How do I renew my library card?", "Hi, how do I renew my library card? Thanks"),
+    ("How do I renew my library card?", "How do I renwe my library card?"),
+    ("Where can I park near the station?", "Near the station, where can I park?"),
+    ("What's the price of a day pass?", "What is the price of a day pass?"),
+    ("How much is the 7pm show?", "How much is the show at seven in the evening?"),
+    ("Send £50 to my landlord", "Send fifty pounds to my landlord"),
+    ("I can't log in to my account", "I cannot log in to my account"),
+    ("Why doesn't the printer connect?", "Why won't the printer connect?"),
+    ("Do you ACCEPT Apple Pay?", "Do you accept Apple Pay?"),
+    ("How do I unlock my phone?", "How can I unlock my phone?"),
+    ("What's the price for non-members?", "How much does it cost if I'm not a member?"),
+    ("如何关闭深色模式？", "如何关闭深色模式?"),
+]
+
+
+@pytest.mark.parametrize("reason,a,b", REFUSED, ids=[f"{r}:{a[:30]}" for r, a, _ in REFUSED])
+def test_each_trap_is_refused_for_its_reason_both_ways(reason, a, b):
+    assert reason in REASONS
+    for q, c in ((a, b), (b, a)):
+        r = check(q, c)
+        assert r is not None, f"{q!r} vs {c!r} passed"
+        assert r.reason == reason, r
+        assert r.detail
+
+
+@pytest.mark.parametrize("a,b", SERVED, ids=[a[:30] for a, _ in SERVED])
+def test_repeats_and_paraphrases_pass_every_guard(a, b):
+    assert check(a, b) is None
+    assert check(b, a) is None
+
+
+def test_the_fixture_set_every_trap_refused_every_repeat_passes():
+    pairs = fixture_pairs()
+    assert {p["category"] for p in pairs if not p["same_answer"]} >= {
+        "negation", "number_date", "entity_swap", "scope", "language", "slot"}
+    for p in pairs:
+        r = check(p["b"], p["a"])
+        assert (r is None) == p["same_answer"], (p, r)
+
+
+def test_minilm_cannot_tell_these_chinese_questions_apart_so_the_guard_must():
+    e = minilm()
+    a, b = "如何关闭深色模式？", "如何打开深色模式？"  # "how to turn off / turn on dark mode"
+    v = e.encode([a, b])
+    assert float(v[0] @ v[1]) > 0.99
+    r = check(a, b)
+    assert r is not None and r.reason == "language"
+
+
+def test_tiers_say_how_far_apart_the_meaningful_words_are():
+    def tier(a, b):
+        return compare(analyse(a), analyse(b)).tier
+
+    assert tier("How do I renew my library card?", "so um how do i renew my libary card") == "same"
+    assert tier("How do I renew my library card?", "How can I extend my library card?") == "edit"
+    assert tier("How do I renew my library card?", "My borrowing pass runs out soon, what should I do?") == "reworded"
+    assert content_overlap(("renew", "library", "card"), ("renew", "library", "card")) == 1.0
+    assert content_overlap(("renew", "library", "card"), ("extend", "library", "card")) == pytest.approx(0.5)
+    assert content_overlap((), ()) == 1.0
+
+
+def test_features_read_numbers_in_digits_and_words_with_currencies():
+    assert analyse("Book a table for two at 7pm").numbers == ("2", "7")
+    assert analyse("Book a table for two at 7pm").dates == frozenset({"pm"})
+    assert analyse("Pay £1,250.50 now").numbers == ("£1250.5",)
+    assert analyse("twenty five people, three hundred seats").numbers == ("25", "300")
+    assert analyse("fifty pounds").numbers == ("£50",)
+    assert analyse("Is it a quick one?").numbers == ()  # "one" is not counted: "which one", "a quick one"
+    assert analyse("Track order A1234").entities == frozenset({"a1234"})
+
+
+def test_features_read_negation_entities_and_audiences():
+    f = analyse("Why don't my Sonos speakers connect without Wi-Fi?")
+    assert f.negations == 2 and set(f.negation_cues) == {"not", "without"}
+    assert "sono" in f.entities  # stemmed, like every word
+    assert analyse("WHY IS MY SONOS OFFLINE?").entities == frozenset()  # all caps: capitals say nothing
+    assert analyse("Can my kids come?").audiences.keys() == analyse("Can my children come?").audiences.keys()
+    assert analyse("Can self-employed people claim?").audiences != analyse("Can employed people claim?").audiences
+
+
+def test_features_read_script_language_and_slots():
+    assert analyse("如何关闭深色模式？").foreign_letters == "如何关闭深色模式"
+    assert analyse("How do I pay?").scripts == frozenset({"LATIN"})
+    assert analyse("¿Cómo puedo pagar con mi tarjeta?").language == "es"
+    assert analyse("How do I pay with my card?").language == "en"
+    assert analyse("Order 55").language is None  # too short to tell
+    f = analyse('Summarise: "the report"')
+    assert (f.label, f.value, f.quoted) == ("summarise", "the report", ("the report",))
+    assert analyse("Is the 9:15 train late?").label is None  # a time is not a label
+
+
+def test_stems_and_typing_slips():
+    assert stem("closed") == stem("close") == stem("closes") == stem("closing")
+    assert stem("policies") == "policy" and stem("stopped") == stem("stop")
+    assert typo_equal("adress", "address") and typo_equal("recieve", "receive")
+    assert not typo_equal("mary", "mark")  # short words differ too easily to forgive
