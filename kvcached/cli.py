@@ -13,7 +13,7 @@ import os
 import re
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from kvcached import __version__
 from kvcached.settings import SettingsError, default_socket, load_settings, parse_size
@@ -441,15 +441,21 @@ def _doctor(c: Any, args: argparse.Namespace) -> int:
 
     s = c.stats(doctor=True)
     checks = doctor_checks(s, shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None)
+    return print_checks(checks, args.json)
+
+
+def print_checks(checks: list[dict], as_json: bool, dig: Callable[[str], str] = str) -> int:
+    """Print doctor checks (a table, or ``--json``); exit status 1 when any is not ok. ``dig``
+    rewrites each check's "where to dig" hint (kvcached-router puts its URL in)."""
     bad = any(x["verdict"] != "ok" for x in checks)
-    if args.json:
+    if as_json:
         print(json.dumps({"checks": checks, "healthy": not bad}, indent=2))
     else:
         width = max(len(x["check"]) for x in checks)
         for x in checks:
             print(f"{x['verdict'].upper():<4}  {x['check']:<{width}}  {x['detail']}")
             if x["verdict"] != "ok":
-                print(f"{'':<4}  {'':<{width}}  dig: {x['dig']}")
+                print(f"{'':<4}  {'':<{width}}  dig: {dig(x['dig'])}")
     return 1 if bad else 0
 
 

@@ -6,8 +6,10 @@ pays nothing. RPC latency is the only thing observed per call, by a gRPC interce
 (:class:`LatencyInterceptor`).
 
 The three metrics the seed names keep their names: ``cache_hit_rate_by_model``,
-``cache_memory_utilization`` and ``semantic_similarity_distribution`` (a histogram the
-semantic layer will fill; it is exported, empty, so dashboards can be built now). Everything
+``cache_memory_utilization`` and ``semantic_similarity_distribution``. The semantic response
+cache lives in kvcached-router (``kvcached_router.semantic``), whose ``/metrics`` fills a
+histogram of that name (the top-1 similarity of every semantic lookup); the daemon answers no
+semantic lookups, so its own stays empty, exported so that one dashboard reads either. Everything
 else is prefixed ``kvcached_``.
 """
 
@@ -238,7 +240,7 @@ class Metrics:
         self.rpc_latency = Histogram("kvcached_rpc_latency_seconds", "Time in the RPC handler", ["method"],
                                      buckets=RPC_BUCKETS, registry=self.registry)
         self.similarity = Histogram("semantic_similarity_distribution",
-                                    "Similarity of semantic-cache candidates (filled by the semantic layer)",
+                                    "Top-1 similarity of semantic-cache lookups (filled by kvcached-router; empty in the daemon)",
                                     buckets=SIMILARITY_BUCKETS, registry=self.registry)
         self.interceptor = LatencyInterceptor(self.rpc_latency)
         self._events = KvEventsCollector()

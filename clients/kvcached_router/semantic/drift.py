@@ -234,14 +234,6 @@ def doctor_main(argv: Sequence[str]) -> int:
     except (OSError, ValueError) as e:
         print(f"kvcached-router doctor: cannot read {args.url}/router/semantic: {e}")
         return 2
-    checks = semantic_checks(state)
-    bad = any(c["verdict"] != "ok" for c in checks)
-    if args.json:
-        print(json.dumps({"checks": checks, "healthy": not bad}, indent=2))
-        return 1 if bad else 0
-    width = max(len(c["check"]) for c in checks)
-    for c in checks:
-        print(f"{c['verdict'].upper():<4}  {c['check']:<{width}}  {c['detail']}")
-        if c["verdict"] != "ok":
-            print(f"{'':<4}  {'':<{width}}  dig: {c['dig'].replace('ROUTER', args.url.rstrip('/'))}")
-    return 1 if bad else 0
+    from kvcached.cli import print_checks  # kvcachectl doctor's format
+
+    return print_checks(semantic_checks(state), args.json, lambda d: d.replace("ROUTER", args.url.rstrip("/")))
