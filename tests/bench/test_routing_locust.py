@@ -18,6 +18,7 @@ The trace is the repository's excerpt (tests/data), so a clone without ../shared
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -25,14 +26,17 @@ import sys
 
 import pytest
 
+from tests.requirements import require
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXCERPT = os.path.join(ROOT, "tests", "data", "mooncake-fast25-excerpt")
-
-pytest.importorskip("locust", reason="the bench extra (scripts/test installs it)")
 
 
 @pytest.mark.slow
 def test_bounded_locust_run_meets_the_checklist(tmp_path):
+    # Not importorskip: importing locust monkey-patches the whole process with gevent, and the
+    # gRPC clients of every later test in this pytest process would then hang.
+    require(importlib.util.find_spec("locust") is not None, "locust (the bench extra; scripts/test installs it)")
     env = dict(os.environ, KVCACHED_TRACES=EXCERPT)
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "routing", "run.py"), "--quick",
                         "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
