@@ -200,6 +200,8 @@ def ideal_windows(rows: list[dict], prewarm: int, t_start: float, window: float,
     for i in range(prewarm):
         seen.update(chunks(i))
     per: dict[int, list[int]] = {}
+    uncached: list[int] = []  # per request: realised prompt tokens not from the cache
+    ideal_uncached: list[int] = []  # and the ideal's
     for r in sorted(rows, key=lambda r: r["t"]):
         hs = chunks(prewarm + r["trace_index"])  # the users' trace indices start after the prewarm's
         n = 0
@@ -208,6 +210,9 @@ def ideal_windows(rows: list[dict], prewarm: int, t_start: float, window: float,
         seen.update(hs)
         if not r["ok"]:
             continue
+        if r["t"] - t_start > warmup:
+            uncached.append(r["prompt_tokens"] - r["cached_tokens"])
+            ideal_uncached.append(r["prompt_tokens"] - min(n * chunk_tokens, r["prompt_tokens"]))
         w = per.setdefault(int((r["t"] - t_start) // window), [0, 0, 0])
         w[0] += r["prompt_tokens"]
         w[1] += r["cached_tokens"]
@@ -223,7 +228,13 @@ def ideal_windows(rows: list[dict], prewarm: int, t_start: float, window: float,
         m = statistics.fmean(xs) if xs else float("nan")
         return max(abs(x - m) / m for x in xs) if xs and m else float("nan")
 
-    return {"windows": out, "steady_windows": len(steady), "ideal_hit_rate_fluctuation": fluct("ideal_hit_rate"),
+    return {"windows": out, "steady_windows": len(steady),
+            # What bounds TTFT: the prefill each request needs. The ideal's p90 is the least any
+            # routing can leave (before queueing); a policy's p90 TTFT cannot fall far below its
+            # uncached p90 / prefill_tps.
+            "uncached_tokens_p90": percentile(uncached, 0.9), "ideal_uncached_tokens_p90": percentile(ideal_uncached, 0.9),
+            "uncached_tokens_mean": statistics.fmean(uncached) if uncached else float("nan"),
+            "ideal_uncached_tokens_mean": statistics.fmean(ideal_uncached) if ideal_uncached else float("nan"), "ideal_hit_rate_fluctuation": fluct("ideal_hit_rate"),
             "hit_over_ideal_fluctuation": fluct("hit_over_ideal"),
             "hit_over_ideal_mean": statistics.fmean([w["hit_over_ideal"] for w in steady]) if steady else float("nan")}
 
@@ -299,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             r = results[p]
             print(f"  hit rate {r['hit_rate_steady_mean']:.3f} (fluctuation {r['hit_rate_fluctuation']:.3f}; the ideal's "
                   f"{r['ideal_hit_rate_fluctuation']:.3f}; realised/ideal {r['hit_over_ideal_mean']:.3f}, fluctuation "
-                  f"{r['hit_over_ideal_fluctuation']:.3f}), "
+                  f"{r['hit_over_ideal_fluctuation']:.3f}), uncached tokens p90 {r['ideal']['uncached_tokens_p90']:.0f} "
+                  f"(the ideal's {r['ideal']['ideal_uncached_tokens_p90']:.0f}), "
                   f"wrong routes {r['wrong_routes']:.0f}/{r['audited_routes']:.0f}, TTFT p50/p90/p99 "
                   f"{r['ttft_ms']['p50']:.0f}/{r['ttft_ms']['p90']:.0f}/{r['ttft_ms']['p99']:.0f} ms, "
                   f"{r['requests_per_s']:.1f} req/s, busiest/least {r['busiest_over_least_busy']}, "
