@@ -96,9 +96,13 @@ class LeaseView(_core.LeaseBase):
     lease, and must not do so before this view's reads are done (a CUDA reader synchronises
     its device first, as :meth:`Lease.release` does)."""
 
-    def release(self) -> None:
+    def release(self, *, synced: bool = False) -> None:
+        """Stop this view. ``synced``: the caller knows every GPU read of its chunks has
+        completed (it waited for an event on the stream that read them), so the device-wide
+        synchronisation is skipped."""
         if not self.released:
-            self._sync_device()
+            if not synced:
+                self._sync_device()
             self.released = True
 
 
@@ -445,19 +449,21 @@ class Client:
             self._ensure_pool(resp.pool_generation)
         return view
 
-    def reserve(self, layout: KVLayout, tokens: TokenInput, *, skip_empty: bool = False) -> Reservation:
+    def reserve(self, layout: KVLayout, tokens: TokenInput, *, skip_empty: bool = False, ttl: float | None = None,
+                map_pool: bool = True) -> Reservation:
         """Reserve the full chunks of ``tokens`` that are not cached yet, to write in place
         (see :class:`Reservation`); :meth:`put` is reserve, write, commit. ``skip_empty``: open
-        no reservation when there is nothing to write (then commit costs no call)."""
+        no reservation when there is nothing to write (then commit costs no call). ``ttl``: the
+        reservation's (default the daemon's); ``map_pool=False``: see :meth:`acquire_reserve`."""
         packed = _core.pack_tokens(tokens)
 
         def reserve(lid: str) -> tuple[pb.ReserveResponse, str]:
             return self._with_session(lambda sid: self._call(self._stub.Reserve, pb.ReserveRequest(
-                layout_id=lid, tokens=packed, session_id=sid, skip_empty=skip_empty)))
+                layout_id=lid, tokens=packed, session_id=sid, skip_empty=skip_empty, ttl_seconds=ttl or 0)))
 
         r, sid = self._with_layout(layout, reserve)
         res = Reservation(self, layout, r, sid)
-        if res.slots:
+        if res.slots and map_pool:
             try:
                 self._ensure_pool(r.pool_generation)
             except BaseException:
@@ -467,10 +473,13 @@ class Client:
 
     def acquire_reserve(self, layout: KVLayout, tokens: TokenInput, *, no_cache: bool = False,
                         no_store: bool = False, ttl: float | None = None,
-                        reservation_ttl: float | None = None) -> CacheRequest:
+                        reservation_ttl: float | None = None, map_pool: bool = True) -> CacheRequest:
         """A request's first round trip: pin the cached prefix of ``tokens`` and reserve pool room
         for its uncached full chunks (one AcquireReserve call). ``no_cache``: serve nothing from
-        the cache; ``no_store``: reserve nothing. Finish it with :meth:`CacheRequest.finish`."""
+        the cache; ``no_store``: reserve nothing. Finish it with :meth:`CacheRequest.finish`.
+        ``map_pool=False``: for a holder that only hands tickets to readers and writers in other
+        processes (vLLM's scheduler): this client maps nothing (no CUDA context here) and cannot
+        read or write the chunks itself."""
         packed = _core.pack_tokens(tokens)
         direct = self.nvme_read == "direct"
 
@@ -484,6 +493,8 @@ class Client:
         lease = Lease(self, layout, resp.lease)
         lease.session_id = sid
         res = Reservation(self, layout, resp.reservation, sid)
+        if not map_pool:
+            return CacheRequest(self, lease, res)
         try:
             if lease._offsets or res.slots:
                 self._ensure_pool(resp.lease.pool_generation or resp.reservation.pool_generation)

@@ -53,12 +53,15 @@ class Engine:
     """One engine process; :meth:`call` sends a command and returns its JSON answer."""
 
     def __init__(self, model: str, tmp: str, socket: str | None = None, *, extra: dict | None = None,
-                 connector: str | None = None, env: dict[str, str] | None = None, timeout: float = 300) -> None:
-        cmd = [sys.executable, "-m", "tests.vllm.engine_proc", model]
+                 connector: str | None = None, env: dict[str, str] | None = None, timeout: float = 300,
+                 tp: int = 1, args: list[str] | None = None) -> None:
+        cmd = [sys.executable, "-m", "tests.vllm.engine_proc", model, *(args or [])]
         if socket:
             cmd += ["--socket", socket, "--extra", json.dumps(extra or {})]
         if connector:
             cmd += ["--connector", connector]
+        if tp != 1:  # tensor parallelism: one worker process per rank
+            cmd += ["--tp", str(tp)]
         self.log: list[str] = []
         self._answers: queue.Queue[dict | None] = queue.Queue()
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**engine_env(tmp), **(env or {})}, text=True,
@@ -92,8 +95,9 @@ class Engine:
         self.proc.stdin.flush()
         return self._next(self.timeout)
 
-    def generate(self, prompts: list[list[int]], *, max_tokens: int = 8, kv: dict | None = None) -> dict:
-        return self.call(op="generate", prompts=prompts, max_tokens=max_tokens, kv=kv)
+    def generate(self, prompts: list[list[int]], *, max_tokens: "int | list[int]" = 8, kv: dict | None = None,
+                 salt: "str | list[str | None] | None" = None, ignore_eos: bool = False) -> dict:
+        return self.call(op="generate", prompts=prompts, max_tokens=max_tokens, kv=kv, salt=salt, ignore_eos=ignore_eos)
 
     def output(self) -> str:
         return "".join(self.log)

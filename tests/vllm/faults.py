@@ -1,5 +1,6 @@
 """Faults the vLLM tests cannot cause from outside: a connector that SIGKILLs the daemon at the
-worst moment, after the lookup promised a hit and before the lease is taken."""
+worst moment, after the lookup promised a hit and before the lease is taken; one whose copies
+are reported late, as a GPU's are while they run on a side stream."""
 
 from __future__ import annotations
 
@@ -28,3 +29,23 @@ class KillDaemonBeforeAcquire(KvcachedConnector):
                     break
                 time.sleep(0.01)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+
+#: while this file exists, the worker holds back its reports of completed copies (as a slow GPU
+#: copy would: the load is still "in flight" for the scheduler)
+HOLD_FILE_ENV = "KVCACHED_TEST_HOLD_FILE"
+
+
+class HoldCopyReports(KvcachedConnector):
+    """The worker's copies are done at once (a CPU engine), but their completion is reported
+    only once the test removes the hold file: the window in which a GPU copy is still running."""
+
+    def get_finished(self, finished_req_ids):  # noqa: ANN001
+        if os.path.exists(os.environ.get(HOLD_FILE_ENV, "")):
+            return None, None
+        return super().get_finished(finished_req_ids)
+
+    def build_connector_worker_meta(self):  # noqa: ANN201
+        if os.path.exists(os.environ.get(HOLD_FILE_ENV, "")):
+            return None
+        return super().build_connector_worker_meta()

@@ -33,6 +33,7 @@ class Req:
     lora_request: object = None
     mm_features: list = field(default_factory=list)
     prompt_embeds: object = None
+    cache_salt: str | None = None
 
 
 class Blocks:
@@ -79,6 +80,13 @@ def leases_after_release(d) -> int:
     return leases(d)
 
 
+def report(**kw: object) -> SimpleNamespace:
+    """A step's connector output carrying the workers' report."""
+    from kvcached_client.vllm.plan import KvcachedWorkerMetadata
+
+    return SimpleNamespace(kv_connector_worker_meta=KvcachedWorkerMetadata(**kw))
+
+
 def empty_step(**kw: object) -> SimpleNamespace:
     base = dict(preempted_req_ids=set(), scheduled_new_reqs=[], num_scheduled_tokens={},
                 scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[],
@@ -108,19 +116,20 @@ def test_whole_blocks_and_one_prompt_token_left(side, vdaemon):
 
 
 def test_not_yet_then_the_answer(side, vdaemon):
-    """A lookup that is not answered within lookup_wait_ms is "not yet" (None); vLLM asks again."""
+    """A lookup that has not landed is "not yet" (None), at once; vLLM asks again next step."""
     import threading
 
-    s = side(lookup_wait_ms=1)
+    s = side()
     p = prompt(300, 3)
     store(vdaemon, p)
     r = Req("a", p)
     gate = threading.Event()
-    s._bg.submit(gate.wait, 10)  # the connector's thread is busy: the daemon answers late
+    for _ in range(s._bg._max_workers):  # the connector's threads are busy: the daemon answers late
+        s._bg.submit(gate.wait, 10)
     t0 = time.perf_counter()
     assert s.get_num_new_matched_tokens(r, 0) == (None, False)
     assert s.get_num_new_matched_tokens(r, 0) == (None, False)
-    assert time.perf_counter() - t0 < 0.5  # the scheduler did not wait for the daemon
+    assert time.perf_counter() - t0 < 0.05  # the scheduler did not wait for the daemon
     gate.set()
     assert ask(s, r) == (256, False)
     assert s.stats["lookups"] == 1 and s.stats["lookup_not_yet"] >= 2  # asked again, looked up once
@@ -168,7 +177,7 @@ def test_a_miss_is_stored_with_one_more_call(side, vdaemon):
         assert [slot.position for slot in view.slots] == [0, 1, 2, 3]
         for slot in view.slots:
             view.view(slot).fill_(1.0)
-    s.update_connector_output(SimpleNamespace(kv_connector_worker_meta=KvcachedWorkerMetadata(set(), {("a", 0): 4})))
+    s.update_connector_output(report(saved={(save.key, 0): [4]}))
     s._bg.submit(lambda: None).result(timeout=10)  # the commit runs on the connector's thread
     assert calls == ["CommitRequest"]
     with Client(vdaemon.socket) as c:
@@ -200,6 +209,7 @@ def test_plan_loads_then_saves_only_new_chunks(side, vdaemon):
     meta = s.build_connector_meta(empty_step(scheduled_new_reqs=[new], num_scheduled_tokens={"a": 344}))
     (load,) = meta.loads
     assert (load.first_block, load.block_ids, load.loadable_blocks) == (0, (20, 21), (1 * 2,))
+    assert load.load_before > time.monotonic() + 10  # the daemon's lease TTL (30 s) less the margin
     (save,) = meta.saves  # chunks 2 and 3 become whole this step; 0 and 1 were loaded
     assert (save.from_chunk, save.to_chunk, save.block_ids) == (2, 4, (20, 21, 22, 23))
     assert save.tickets[0] is not None
@@ -246,3 +256,213 @@ def test_requests_the_cache_cannot_key(side, vdaemon):
     assert s.get_num_new_matched_tokens(Req("mm", p, mm_features=[object()]), 0) == (0, False)
     assert s.get_num_new_matched_tokens(Req("nc", p, kv_transfer_params={"kvcached": {"no_cache": True}}), 0) == (0, False)
     assert ask(s, Req("ok", p)) == (512, False)
+
+
+# -- what async scheduling, short requests and long queues do (issue: nothing released or
+#    committed before the worker reports its copies; leases outlive the queue) ----------------
+
+def scheduled(rid: str, blocks: list[int], computed: int, tokens: int) -> SimpleNamespace:
+    new = SimpleNamespace(req_id=rid, block_ids=(blocks,), num_computed_tokens=computed)
+    return empty_step(scheduled_new_reqs=[new], num_scheduled_tokens={rid: tokens})
+
+
+def reservations(d) -> int:
+    with Client(d.socket, session=False) as c:
+        return c.stats()["reservations_active"]
+
+
+def test_a_request_that_ends_in_its_first_step_still_commits(side, vdaemon):
+    """A 1-token request finishes in the step that wrote its chunks: vLLM calls request_finished
+    before it hands the connector that step's worker report. The chunks are committed all the
+    same (they used to be aborted: a store counted on the worker, nothing in the daemon)."""
+    s = side()
+    p = prompt(600, 50)
+    r = Req("a", p)
+    assert ask(s, r) == (0, False)
+    (save,) = s.build_connector_meta(scheduled("a", [1, 2, 3, 4, 5], 0, 600)).saves
+    with Client(vdaemon.socket) as w:
+        view = w.open_reservation(save.tickets[0])
+        for slot in view.slots:
+            view.view(slot).fill_(2.0)
+    s.request_finished(r)  # finished with its first token, before the report
+    assert reservations(vdaemon) == 1  # not given back: the worker may still be writing
+    assert s.has_pending_push_work()  # vLLM keeps stepping until the report comes
+    s.update_connector_output(report(saved={(save.key, 0): [4]}))
+    s._bg.submit(lambda: None).result(timeout=10)
+    with Client(vdaemon.socket) as c:
+        assert c.lookup(LAYOUT, p) == 512
+    assert s.live_attempts == 0 and not s.has_pending_push_work()
+
+
+def test_an_abort_during_a_load_releases_only_after_the_copy(side, vdaemon):
+    """Async scheduling: the request is aborted while the step that loads its chunks still runs.
+    The lease stays pinned until every rank reports the copy done."""
+    s = side()
+    p = prompt(600, 51)
+    store(vdaemon, p)
+    r = Req("a", p)
+    n, _ = ask(s, r)
+    s.update_state_after_alloc(r, Blocks([10, 11, 12, 13, 14]), n)
+    (load,) = s.build_connector_meta(scheduled("a", [10, 11, 12, 13, 14], n, 600 - n)).loads
+    s.request_finished(r)  # aborted; the worker has not reported the load yet
+    time.sleep(0.2)
+    assert leases(vdaemon) == 1  # still pinned: the copy may be running
+    s.update_connector_output(report(loaded={(load.key, 0): 1}))
+    assert leases_after_release(vdaemon) == 0 and s.live_attempts == 0
+
+
+def test_a_preemption_during_a_store_gives_nothing_back_before_the_report(side, vdaemon):
+    s = side()
+    p = prompt(600, 52)
+    r = Req("a", p)
+    assert ask(s, r) == (0, False)
+    (save,) = s.build_connector_meta(scheduled("a", [1, 2, 3, 4, 5], 0, 600)).saves
+    meta = s.build_connector_meta(empty_step(preempted_req_ids={"a"}))  # the next step preempts it
+    assert meta.saves == [] and meta.loads == []
+    assert reservations(vdaemon) == 1  # the worker may be writing those slots now
+    with Client(vdaemon.socket) as w:  # ... and it does
+        view = w.open_reservation(save.tickets[0])
+        for slot in view.slots:
+            view.view(slot).fill_(3.0)
+    s.update_connector_output(report(saved={(save.key, 0): [4]}))
+    s._bg.submit(lambda: None).result(timeout=10)
+    with Client(vdaemon.socket) as c:
+        assert c.lookup(LAYOUT, p) == 512  # what was written is committed
+    assert reservations(vdaemon) == 0
+    s.request_finished(r)
+
+
+def test_a_failed_load_is_not_promised_again(side, vdaemon):
+    s = side()
+    p = prompt(600, 53)
+    store(vdaemon, p)
+    r = Req("a", p)
+    n, _ = ask(s, r)
+    s.update_state_after_alloc(r, Blocks([1, 2, 3, 4, 5]), n)
+    (load,) = s.build_connector_meta(scheduled("a", [1, 2, 3, 4, 5], n, 600 - n)).loads
+    s.update_connector_output(report(loaded={(load.key, 0): 1}, load_failed={load.key}))
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)  # vLLM asks again after freeing the blocks
+    s.request_finished(r)
+
+
+@pytest.mark.parametrize("renew", [True, False], ids=["renewed", "control-not-renewed"])
+def test_a_queued_request_keeps_its_lease(side, vdaemon, renew, monkeypatch):
+    """A request that waits in vLLM's queue longer than the lease TTL keeps its hit: the
+    scheduler renews the lease while it steps. Control: without the renewal the daemon ends
+    the lease, and the connector then promises nothing (it used to plan a load anyway, from
+    pool blocks the daemon may have given to other chunks)."""
+    s = side(lease_ttl_s=0.6)
+    if not renew:
+        monkeypatch.setattr(s, "_renew_leases", lambda: None)
+    p = prompt(600, 54)
+    store(vdaemon, p)
+    r = Req("a", p)
+    n, _ = ask(s, r)
+    assert n == 512
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:  # other requests are being scheduled meanwhile
+        s.build_connector_meta(empty_step())
+        time.sleep(0.05)
+    if renew:
+        assert leases(vdaemon) == 1 and s.stats["lease_renewals"] >= 2
+        assert s.get_num_new_matched_tokens(r, 0) == (512, False)
+        s.update_state_after_alloc(r, Blocks([1, 2, 3, 4, 5]), 512)
+        (load,) = s.build_connector_meta(scheduled("a", [1, 2, 3, 4, 5], 512, 88)).loads
+        assert load.load_before > time.monotonic() and load.tickets[0] is not None
+        s.update_connector_output(report(loaded={(load.key, 0): 1}))
+    else:
+        assert leases(vdaemon) == 0  # expired on the daemon
+        assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    s.request_finished(r)
+    assert leases_after_release(vdaemon) == 0
+
+
+def test_the_ranks_lookups_run_side_by_side(side, vdaemon):
+    """With TP = 2 each rank's AcquireReserve is its own call; they run at once, so a request
+    waits for one round trip, not one per rank."""
+    from kvcached_client.vllm.config import ConnectorConfig
+    from kvcached_client.vllm.scheduler import SchedulerSide
+
+    lay1 = KVLayout(model="tiny@test", num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32", chunk_tokens=BLOCK,
+                    extra=(("engine", "vllm"), ("tp", "1/2")))
+    lay0 = KVLayout(model="tiny@test", num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32", chunk_tokens=BLOCK,
+                    extra=(("engine", "vllm"), ("tp", "0/2")))
+    client = Client(vdaemon.socket)
+    real = client.acquire_reserve
+
+    def slow(*a, **kw):
+        time.sleep(0.4)
+        return real(*a, **kw)
+
+    client.acquire_reserve = slow
+    s = SchedulerSide(ConnectorConfig(socket=vdaemon.socket), (lay0, lay1), BLOCK, lambda: client)
+    try:
+        r = Req("a", prompt(600, 55))
+        t0 = time.monotonic()
+        assert ask(s, r) == (0, False)
+        assert time.monotonic() - t0 < 0.7  # one slow round trip, not two
+        assert len(s._reqs["a"].attempt.cache) == 2
+        s.request_finished(r)
+    finally:
+        s.close()
+
+
+def test_cache_salt_is_part_of_the_chunk_identity(side, vdaemon):
+    """Requests with another salt, or none, never match a salted request's chunks."""
+    from kvcached_client.vllm.plan import KvcachedWorkerMetadata  # noqa: F401 (vLLM present)
+    from kvcached_client.vllm.spec import with_salt
+
+    s = side()
+    p = prompt(600, 56)
+    with Client(vdaemon.socket) as c:
+        c.put(with_salt(LAYOUT, "tenant-a"), p, torch.zeros(2, 2, 2, 600, 32))
+    a, b, none = (Req("a", p), Req("b", p), Req("n", p))
+    a.cache_salt, b.cache_salt = "tenant-a", "tenant-b"
+    assert ask(s, a) == (512, False)
+    assert ask(s, b) == (0, False)
+    assert ask(s, none) == (0, False)
+    assert with_salt(LAYOUT, "tenant-a").layout_id != with_salt(LAYOUT, "tenant-b").layout_id != LAYOUT.layout_id
+    for r in (a, b, none):
+        s.request_finished(r)
+
+
+def test_a_prefix_in_flight_does_not_lose_the_second_requests_chunks(side, vdaemon):
+    """Two requests share a prefix and arrive together. The daemon reserves nothing after a chunk
+    another request is writing, so the second one's AcquireReserve gets no room for its own
+    chunks. It reserves again once it has computed them: both prompts end up stored whole (the
+    second's own chunks used to be lost: a replay got 256 of the 512 tokens it should have hit)."""
+    s = side()
+    a_p = prompt(600, 57)
+    b_p = a_p[:300] + prompt(300, 58)  # shares 2 whole chunks
+    a, b = Req("a", a_p), Req("b", b_p)
+    assert ask(s, a) == (0, False)
+    assert ask(s, b) == (0, False)
+    res_b = s._reqs["b"].attempt.cache[0].reservation
+    assert res_b.slots == () and res_b.in_flight_tokens == 512  # a writes chunks 0-1: nothing reserved from there on
+    step1 = empty_step(scheduled_new_reqs=[SimpleNamespace(req_id="a", block_ids=([1, 2, 3, 4, 5],), num_computed_tokens=0),
+                                           SimpleNamespace(req_id="b", block_ids=([1, 2, 6, 7, 8],), num_computed_tokens=256)],
+                       num_scheduled_tokens={"a": 600, "b": 344})
+    (save_a,) = s.build_connector_meta(step1).saves  # b has nothing reserved yet
+    s.update_connector_output(report(saved={(save_a.key, 0): [4]}))
+    s._bg.submit(lambda: None).result(timeout=10)
+    saves = []
+    for _ in range(50):  # the next steps (decoding): b reserves again and writes its own chunks
+        cached = SimpleNamespace(req_ids=["b"], resumed_req_ids=set(), new_block_ids=[None], num_computed_tokens=[600])
+        saves = s.build_connector_meta(empty_step(scheduled_cached_reqs=cached, num_scheduled_tokens={"b": 1})).saves
+        if saves:
+            break
+        time.sleep(0.02)
+    (save_b,) = saves
+    with Client(vdaemon.socket) as w:
+        view = w.open_reservation(save_b.tickets[0])
+        assert [slot.position for slot in view.slots] == [2, 3]
+        for slot in view.slots:
+            view.view(slot).fill_(4.0)
+    s.update_connector_output(report(saved={(save_b.key, 0): [4]}))
+    s._bg.submit(lambda: None).result(timeout=10)
+    s._bg.submit(lambda: None).result(timeout=10)
+    with Client(vdaemon.socket) as c:
+        assert c.lookup(LAYOUT, a_p) == 512 and c.lookup(LAYOUT, b_p) == 512
+    s.request_finished(a)
+    s.request_finished(b)
+    assert s.stats["rereserves"] >= 1 and s.live_attempts == 0

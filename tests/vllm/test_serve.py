@@ -108,3 +108,44 @@ def test_cache_control_header_reaches_the_connector(server, vdaemon):
     hits = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
             if line.startswith("vllm:external_prefix_cache_hits_total")]
     assert hits and sum(hits) == 512, [m for m in metrics.splitlines() if "external_prefix" in m]
+
+
+def kvcached_counters(url: str) -> dict[str, float]:
+    """``kvcached_vllm_*`` samples on the server's ``/metrics``, summed over their labels (engines)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvcached_vllm_"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_connector_counters_on_the_api_servers_metrics(server, vdaemon):
+    """The connector's counters reach the API server's own ``/metrics`` (vLLM's connector-stats
+    hook: engine core -> SchedulerStats -> the API server's Prometheus logger), though the
+    connector itself runs in the engine-core process."""
+    url, model = server
+
+    def complete(ids: list[int]) -> int:
+        r = post(url + "/v1/completions", {"model": model, "prompt": ids, "max_tokens": 4, "temperature": 0})
+        return (r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    p = prompt(600, 23)
+    assert complete(p) == 0  # a miss; stores the prompt's 4 whole chunks
+    assert complete(p) == 512  # vLLM's prefix cache is off: the same prompt again is a kvcached hit
+    want = {"kvcached_vllm_requests_total": 2, "kvcached_vllm_hit_requests_total": 1,
+            "kvcached_vllm_load_tokens_total": 1}
+    deadline = time.monotonic() + 15  # stats travel with the engine's next outputs
+    while True:
+        got = kvcached_counters(url)
+        if all(got.get(k, 0) >= v for k, v in want.items()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert got.get("kvcached_vllm_requests_total", 0) >= 2, got
+    assert got.get("kvcached_vllm_hit_requests_total", 0) >= 1, got
+    assert got.get("kvcached_vllm_load_tokens_total", 0) > 0, got
+    assert got.get("kvcached_vllm_miss_requests_total", 0) >= 1, got
+    assert got.get("kvcached_vllm_stored_chunks_total", 0) >= 4, got
+    assert got.get("kvcached_vllm_scheduler_seconds_count", 0) >= 2, got

@@ -4,6 +4,7 @@ CPU backend lays it out; loads and stores bit-exact, and failures become failed 
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 import torch
@@ -43,10 +44,24 @@ def blocks_as_kv(w, block_ids: list[int]) -> torch.Tensor:
     return out
 
 
-def plan(lease, first_block: int, block_ids: list[int], loadable: int):
+def plan(lease, first_block: int, block_ids: list[int], loadable: int, *, load_before: float | None = None,
+         async_load: bool = False):
     from kvcached_client.vllm.plan import KvcachedMetadata, LoadPlan
 
-    return KvcachedMetadata(loads=[LoadPlan("r", first_block, tuple(block_ids), (lease.ticket(),), (loadable,))])
+    before = time.monotonic() + 60 if load_before is None else load_before
+    return KvcachedMetadata(loads=[LoadPlan("r", 7, first_block, tuple(block_ids), (lease.ticket(),), (loadable,),
+                                            before, async_load)])
+
+
+def step(w, meta=None):
+    """One engine step on the worker as vLLM drives it; returns (report, finished receiving)."""
+    from kvcached_client.vllm.plan import KvcachedMetadata
+
+    meta = meta or KvcachedMetadata()
+    w.begin_step(meta)
+    w.start_load(meta)
+    w.finish_step()
+    return w.take_report(), w.get_finished()
 
 
 def test_load_puts_the_chunks_into_the_blocks(worker, vdaemon):
@@ -55,10 +70,10 @@ def test_load_puts_the_chunks_into_the_blocks(worker, vdaemon):
         c.put(LAYOUT, p, kv)
         with c.acquire(LAYOUT, p[:384]) as lease:  # 3 chunks = 6 blocks
             ids = [9, 3, 17, 4, 30, 1]
-            worker.start_load(plan(lease, 0, ids, 6))
-            meta = worker.finish_step()
+            meta, recving = step(worker, plan(lease, 0, ids, 6))
     assert torch.equal(blocks_as_kv(worker, ids), kv[:, :, :, :384])
-    assert meta.loaded == {"r"} and worker.take_failed_blocks() == set()
+    assert meta.loaded == {(7, 0): 1} and worker.take_failed_blocks() == set()
+    assert recving == set()  # a synchronous load: not one vLLM waits for
     assert worker.stats["loaded_blocks"] == 6
 
 
@@ -70,8 +85,8 @@ def test_load_from_mid_chunk_and_a_short_lease(worker, vdaemon):
         with c.acquire(LAYOUT, p[:512]) as lease:  # 3 chunks cached: blocks 0..5
             assert lease.matched_tokens == 384
             ids = [11, 12, 13, 14]  # blocks 3..6 of the prompt
-            worker.start_load(plan(lease, 3, ids, 3))
-            worker.finish_step()
+            report, _ = step(worker, plan(lease, 3, ids, 3))
+    assert report.load_failed == {7}
     assert torch.equal(blocks_as_kv(worker, ids[:3]), kv[:, :, :, 3 * BLOCK : 6 * BLOCK])
     assert worker.take_failed_blocks() == {14}  # vLLM recomputes it
 
@@ -91,15 +106,13 @@ def test_a_lease_of_a_dead_daemon(worker, vdaemon):
         ticket_plan = plan(lease, 0, [1, 2, 3, 4], 4)
     vdaemon.stop(signal.SIGKILL)
     vdaemon.start()  # a new pool: the lease's offsets mean nothing in it
-    worker.start_load(ticket_plan)
-    assert worker.finish_step().loaded == {"r"} and worker.take_failed_blocks() == set()
+    assert step(worker, ticket_plan)[0].loaded == {(7, 0): 1} and worker.take_failed_blocks() == set()
     assert torch.equal(blocks_as_kv(worker, [1, 2, 3, 4]), kv)
 
     fresh = WorkerSide(NAMES, BLOCK, CHUNK, 0, CPU, lambda: Client(vdaemon.socket))
     fresh.register({n: torch.zeros(32, H, BLOCK, 2 * D) for n in NAMES})  # maps the new daemon's pool
     try:
-        fresh.start_load(ticket_plan)
-        assert fresh.finish_step().loaded == {"r"}
+        assert step(fresh, ticket_plan)[0].loaded == {(7, 0): 1}
         assert fresh.take_failed_blocks() == {1, 2, 3, 4}
         assert fresh.fail.total("load") == 1
     finally:
@@ -120,10 +133,39 @@ def test_store_writes_the_reserved_blocks_and_reports_them(worker, vdaemon):
         holder.put(LAYOUT, p[:128], kv[:, :, :, :128])  # the daemon has chunk 0 already
         req = holder.acquire_reserve(LAYOUT, p)
         assert [slot.position for slot in req.reservation.slots] == [1, 2, 3]
-        worker.begin_step(KvcachedMetadata(saves=[SavePlan("r", (req.reservation.ticket(),), 0, 4, tuple(ids))]))
-        out = worker.finish_step()
-        assert out.saved == {("r", 0): 4} and worker.stats["stored_chunks"] == 3
+        out, _ = step(worker, KvcachedMetadata(saves=[SavePlan("r", 7, (req.reservation.ticket(),), 0, 4, tuple(ids))]))
+        assert out.saved == {(7, 0): [4]} and worker.stats["stored_chunks"] == 3
         assert req.finish().stored_chunks == 3
     with Client(vdaemon.socket) as c, c.acquire(LAYOUT, p) as lease:
         assert lease.matched_tokens == 512
         assert torch.equal(lease.kv()[:, :, :, 128:], kv[:, :, :, 128:])
+
+
+def test_asynchronous_load_is_reported_finished_once_copied(worker, vdaemon):
+    """An asynchronous load (vLLM parks the request in WAITING_FOR_REMOTE_KVS) is reported in
+    get_finished once its copies are done, and in the step's report for the scheduler side."""
+    p, kv = prompt(256, 5), kv_of(256, 5)
+    with Client(vdaemon.socket) as c:
+        c.put(LAYOUT, p, kv)
+        with c.acquire(LAYOUT, p) as lease:
+            report, recving = step(worker, plan(lease, 0, [2, 4, 6, 8], 4, async_load=True))
+    assert recving == {"r"} and report.loaded == {(7, 0): 1}
+    assert torch.equal(blocks_as_kv(worker, [2, 4, 6, 8]), kv)
+    assert step(worker)[1] == set()  # reported once
+
+
+def test_a_lease_past_its_end_is_refused(worker, vdaemon):
+    """A plan whose lease has run out (the request waited past the TTL) loads nothing: its
+    blocks go back to vLLM as failed loads, and the pool blocks are never read (the daemon may
+    have given them to other chunks). Control: the same plan within its time loads."""
+    p, kv = prompt(256, 6), kv_of(256, 6)
+    ids = [3, 5, 7, 9]
+    with Client(vdaemon.socket) as c:
+        c.put(LAYOUT, p, kv)
+        with c.acquire(LAYOUT, p) as lease:
+            report, _ = step(worker, plan(lease, 0, ids, 4, load_before=time.monotonic() - 0.001))
+            assert worker.take_failed_blocks() == set(ids) and report.load_failed == {7}
+            assert report.loaded == {(7, 0): 1}  # reported all the same: the scheduler may release
+            assert not torch.equal(blocks_as_kv(worker, ids), kv) and worker.stats["expired_leases"] == 1
+            step(worker, plan(lease, 0, ids, 4))
+            assert worker.take_failed_blocks() == set() and torch.equal(blocks_as_kv(worker, ids), kv)

@@ -18,6 +18,9 @@ from typing import Any, Mapping
 from kvcached_client._core import NVME_READ_DEFAULT, NVME_READ_MODES
 
 
+LOAD_MODES = ("auto", "async", "sync")
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     #: the daemon's socket; default $KVCACHED_SOCKET or the daemon's default socket
@@ -26,9 +29,8 @@ class ConnectorConfig:
     chunk_tokens: int | None = None
     #: the weights' identity in cache keys; default "model@revision" from vLLM's model config
     model_id: str | None = None
-    #: how long the scheduler waits for a lookup before answering "not yet" (vLLM asks again next step)
-    lookup_wait_ms: float = 2.0
-    #: a lookup still unanswered after this long counts as a failure (the request runs without the cache)
+    #: a lookup still unanswered after this long counts as a failure (the request runs without the cache);
+    #: until then the scheduler answers "not yet" and vLLM asks again on its next step (it never waits)
     lookup_timeout_s: float = 1.0
     #: after the daemon fails (absent, restarting), requests skip the cache for this long before trying again
     retry_s: float = 1.0
@@ -38,6 +40,15 @@ class ConnectorConfig:
     #: AcquireReserve) until its prefill has written them (the Commit); a queued request plus a
     #: long CPU prefill can take minutes
     reservation_ttl_s: float = 600.0
+    #: the leases' TTL (0: the daemon's lease_ttl); the scheduler renews a lease still needed once a
+    #: third of it has passed, and a worker refuses to load through one within ``load_margin_s`` of its end
+    lease_ttl_s: float = 0.0
+    #: a worker loads through a lease only if it has at least this long to live (capped at a quarter of its TTL)
+    load_margin_s: float = 2.0
+    #: "async": loads run between scheduler steps (vLLM's WAITING_FOR_REMOTE_KVS; the copy on a side
+    #: stream after the forward is launched); "sync": in the step that computes the rest of the prompt;
+    #: "auto": async on CUDA engines, sync on CPU engines (measured faster there, README "Use with vLLM")
+    load_mode: str = "auto"
     #: how NVMe-only chunks reach the worker: "direct" (read the LMDB file) or "promote" (the daemon copies)
     nvme_read: str = NVME_READ_DEFAULT
     #: vLLM's load-failure policy must be "recompute" for fail-open loads; the connector sets it unless False
@@ -51,9 +62,23 @@ class ConnectorConfig:
         if unknown:
             raise ValueError(f"kvcached connector: unknown kv_connector_extra_config keys {unknown} "
                              f"(known: {sorted(known)})")
-        cfg = cls(**extra)
+        try:
+            cfg = cls(**extra)
+        except TypeError as e:
+            raise ValueError(f"kvcached connector: kv_connector_extra_config: {e}") from None
         if cfg.nvme_read not in NVME_READ_MODES:
             raise ValueError(f"kvcached connector: nvme_read must be one of {NVME_READ_MODES}")
-        if cfg.lookup_wait_ms < 0 or cfg.lookup_timeout_s <= 0 or cfg.retry_s < 0 or cfg.rpc_timeout_s <= 0:
-            raise ValueError("kvcached connector: lookup_wait_ms, retry_s must be >= 0, timeouts > 0")
+        if cfg.load_mode not in LOAD_MODES:
+            raise ValueError(f"kvcached connector: load_mode must be one of {LOAD_MODES}, not {cfg.load_mode!r}")
+        if (cfg.lookup_timeout_s <= 0 or cfg.retry_s < 0 or cfg.rpc_timeout_s <= 0 or cfg.lease_ttl_s < 0
+                or cfg.load_margin_s < 0 or cfg.reservation_ttl_s <= 0):
+            raise ValueError("kvcached connector: retry_s, lease_ttl_s and load_margin_s must be >= 0, "
+                             "lookup_timeout_s, rpc_timeout_s and reservation_ttl_s > 0")
         return cfg
+
+
+def async_loads(cfg: ConnectorConfig, vllm_config: Any) -> bool:
+    """Whether loads run asynchronously (``load_mode``; "auto": on CUDA engines only)."""
+    if cfg.load_mode != "auto":
+        return cfg.load_mode == "async"
+    return getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu") == "cuda"

@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvcached_client.client import Client
-from kvcached_client.vllm.config import ConnectorConfig
+from kvcached_client.vllm.config import ConnectorConfig, async_loads
 from kvcached_client.vllm.paged import converter_for, verify_cpu_layout
 from kvcached_client.vllm.plan import KvcachedMetadata, KvcachedWorkerMetadata
 from kvcached_client.vllm.scheduler import SchedulerSide
@@ -39,6 +39,8 @@ from kvcached_client.vllm.spec import (
     engine_layouts,
     model_id,
 )
+from kvcached_client.vllm import stats
+from kvcached_client.vllm.stats import SCHEDULER_KEYS, KvcachedConnectorStats, KvcachedPromMetrics, StatsDelta
 from kvcached_client.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -69,10 +71,10 @@ class KvcachedConnector(KVConnectorBase_V1):
             ktc.kv_load_failure_policy = "recompute"
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
-        self._worker_meta: KvcachedWorkerMetadata | None = None
         name = f"vllm {role.name.lower()} pid {os.getpid()}"
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(cfg, self.layouts, block_size, lambda: self._client(name))
+            self.scheduler = SchedulerSide(cfg, self.layouts, block_size, lambda: self._client(name),
+                                           async_load=async_loads(cfg, vllm_config))
             self.scheduler.check_daemon()
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -82,10 +84,38 @@ class KvcachedConnector(KVConnectorBase_V1):
             self.worker = WorkerSide(self.layer_names, block_size, chunk, rank, converter_for(backend),
                                      lambda: self._client(f"{name} rank {rank}"))
             self._backend = backend
+        self._delta = self._stats_delta()
         log.info("kvcached connector (%s): layout %s, %d layers, %d KV heads, head dim %d, %s, chunk %d tokens "
                  "(%d vLLM blocks), socket %s", role.name.lower(), self.layouts[0].model, self.layouts[0].num_layers,
                  self.layouts[0].num_kv_heads, self.layouts[0].head_dim, self.layouts[0].dtype, chunk,
                  chunk // block_size, cfg.socket or "default")
+
+    def _stats_delta(self) -> StatsDelta:
+        """The counters this side adds to vLLM's connector stats (they reach ``vllm serve``'s
+        /metrics as ``kvcached_vllm_*``, :mod:`~kvcached_client.vllm.stats`)."""
+        if self.scheduler is not None:
+            sch = self.scheduler
+            seconds = sch.unreported_seconds
+            return StatsDelta(lambda: {**{k: sch.stats.get(k, 0) for k in SCHEDULER_KEYS},
+                                       "fail_open_events": sch.fail.total()},
+                              lambda: [seconds.popleft() for _ in range(len(seconds))])
+        w = self.worker
+        assert w is not None
+        return StatsDelta(lambda: {"loaded_blocks": w.stats["loaded_blocks"], "failed_blocks": w.stats["failed_blocks"],
+                                   "expired_leases": w.stats["expired_leases"],
+                                   "store_failures_worker": w.stats["store_failures"], "fail_open_events": w.fail.total()})
+
+    def get_kv_connector_stats(self) -> KvcachedConnectorStats | None:
+        return self._delta.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvcachedConnectorStats:
+        return stats.build_kv_connector_stats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: Any,
+                           per_engine_labelvalues: Any) -> KvcachedPromMetrics:
+        return stats.build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def _client(self, name: str) -> Client:
         return Client(self.config.socket, timeout=self.config.rpc_timeout_s, client_name=name,
@@ -146,13 +176,16 @@ class KvcachedConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         if self.worker is not None and self.has_connector_metadata():
-            meta = self.worker.finish_step()
-            if meta is not None:
-                self._worker_meta = meta if self._worker_meta is None else self._worker_meta.aggregate(meta)
+            self.worker.finish_step()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Asynchronous loads whose copies completed on this rank (vLLM waits for every rank)."""
+        if self.worker is None:
+            return None, None
+        return None, self.worker.get_finished() or None
 
     def build_connector_worker_meta(self) -> KvcachedWorkerMetadata | None:
-        meta, self._worker_meta = self._worker_meta, None
-        return meta
+        return self.worker.take_report() if self.worker is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_failed_blocks() if self.worker is not None else set()
@@ -188,4 +221,10 @@ class KvcachedConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is not None:
             self.scheduler.request_finished(request)
-        return False, None  # stores are synchronous: vLLM may free the blocks now
+        # vLLM may free the blocks now: a store's copies are ordered before any later step's
+        # writes to them (on CUDA the compute stream waits for the store's event), and an
+        # asynchronous load's blocks are held by vLLM itself until the load is reported.
+        return False, None
+
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler is not None and self.scheduler.has_pending_push_work()

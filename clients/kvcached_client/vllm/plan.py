@@ -1,32 +1,57 @@
 """What the scheduler side tells the worker side each step, and what comes back.
 
 Both travel between processes (vLLM pickles them to its workers), so they hold plain data:
-block ids, lease and reservation tickets.
+block ids, lease and reservation tickets, and the key of the *attempt* they belong to (one
+AcquireReserve of one request: a preempted request that comes back makes a new attempt, and
+the old one's reports must not be taken for the new one's).
+
+Every plan handed to a worker is reported back by every tensor-parallel rank exactly once, when
+that rank's copies for it have *completed* (not merely been queued on a CUDA stream). The
+scheduler side releases a lease, commits a reservation or gives its room back only after every
+rank reported every plan it was given for it: under vLLM's async scheduling a request can be
+aborted or preempted while the worker still runs the step that copies its chunks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
-
 from kvcached_client._core import LeaseTicket, ReservationTicket
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+except ImportError:  # the worker's data path runs without vLLM too (bench/gpu_check.py on a bare GPU machine)
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        pass
+
+    class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
+        pass
 
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """Copy cached chunks into a request's blocks, before its forward.
+    """Copy cached chunks into a request's blocks.
 
     Block ``block_ids[j]`` receives the tokens ``[(first_block + j) * block_size, ...)`` of the
     prompt. ``tickets[r]`` is tensor-parallel rank r's lease (None: its acquire failed), and
     ``loadable_blocks[r]`` how many of the blocks that lease covers; the blocks past it are
-    reported to vLLM as failed loads, so vLLM recomputes them."""
+    reported to vLLM as failed loads, so vLLM recomputes them.
+
+    ``load_before`` is when the daemon may end the leases, less a margin for the copies
+    (``time.monotonic()``, one clock for every process of a Linux host): a worker that would copy
+    later refuses the whole plan (failed blocks) instead of reading pool blocks the daemon may
+    have handed to other chunks by then. ``async_load``: vLLM waits for the request in
+    WAITING_FOR_REMOTE_KVS, and the worker reports it in ``get_finished`` once the copies are
+    done on every rank; otherwise the load feeds this step's forward."""
 
     req_id: str
+    key: int  # the attempt
     first_block: int
     block_ids: tuple[int, ...]
     tickets: tuple[LeaseTicket | None, ...]
     loadable_blocks: tuple[int, ...]
+    load_before: float
+    async_load: bool = False
 
 
 @dataclass(frozen=True)
@@ -34,9 +59,10 @@ class SavePlan:
     """Write the request's reserved chunks ``from_chunk <= position < to_chunk`` (whole now)
     into their pool room. ``tickets[r]`` is rank r's reservation (None: nothing to write for
     it); ``block_ids`` the blocks of the prompt's first ``to_chunk`` chunks, in order. The
-    scheduler side commits once the worker reports them written."""
+    scheduler side commits once every rank reports them written."""
 
     req_id: str
+    key: int  # the attempt
     tickets: tuple[ReservationTicket | None, ...]  # per tensor-parallel rank
     from_chunk: int
     to_chunk: int
@@ -51,16 +77,29 @@ class KvcachedMetadata(KVConnectorMetadata):
 
 @dataclass
 class KvcachedWorkerMetadata(KVConnectorWorkerMetadata):
-    """Requests whose loads of this step are done (so the scheduler may release their leases),
-    and, per (request, rank), the chunk up to which its reserved chunks are written (-1: a
-    write failed, commit nothing more)."""
+    """What one or more ranks finished since their last report, keyed by (attempt, rank):
 
-    loaded: set[str] = field(default_factory=set)
-    saved: dict[tuple[str, int], int] = field(default_factory=dict)
+    * ``loaded``: how many of the attempt's load plans completed on that rank (copies done);
+    * ``load_failed``: attempts some of whose blocks could not be loaded on some rank;
+    * ``saved``: per save plan completed, the chunk up to which the attempt's reserved chunks are
+      written on that rank (-1: a write failed, commit nothing more).
+
+    vLLM merges the ranks' reports with :meth:`aggregate` (and the connector merges one rank's
+    reports of several steps the same way), so nothing is lost or counted twice."""
+
+    loaded: dict[tuple[int, int], int] = field(default_factory=dict)
+    load_failed: set[int] = field(default_factory=set)
+    saved: dict[tuple[int, int], list[int]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvcachedWorkerMetadata)
-        saved = dict(self.saved)
-        for key, n in other.saved.items():
-            saved[key] = min(saved[key], n) if key in saved else n
-        return KvcachedWorkerMetadata(self.loaded | other.loaded, saved)
+        loaded = dict(self.loaded)
+        for k, n in other.loaded.items():
+            loaded[k] = loaded.get(k, 0) + n
+        saved = {k: list(v) for k, v in self.saved.items()}
+        for k, v in other.saved.items():
+            saved.setdefault(k, []).extend(v)
+        return KvcachedWorkerMetadata(loaded, self.load_failed | other.load_failed, saved)
+
+    def __bool__(self) -> bool:
+        return bool(self.loaded or self.load_failed or self.saved)

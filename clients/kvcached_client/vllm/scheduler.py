@@ -1,39 +1,55 @@
 """The connector's scheduler side: how much of each prompt kvcached has, leases, the plan.
 
-Runs on vLLM's scheduler thread, so every hook is short and nothing here waits long for
-the daemon:
+Runs on vLLM's scheduler thread, the thread that schedules every request of the engine, so no
+hook here ever waits for the daemon: every call to it runs on the connector's own threads, and
+a hook only looks at answers that have already landed.
 
-Two round trips per request, both on the connector's own thread:
+Two round trips per request:
 
-* ``on_new_request`` / ``get_num_new_matched_tokens``: one **AcquireReserve** starts as soon as
-  vLLM has the request: it pins the cached prefix (a lease: the daemon will not evict or
-  overwrite those chunks) and reserves pool room for the prompt's uncached full chunks. The
-  scheduler waits at most ``lookup_wait_ms`` for it, and an answer that is not there yet is
-  "not yet" (``None``): vLLM asks again on its next step. The hit is whole chunks, cut to whole
+* ``on_new_request``: one **AcquireReserve** per tensor-parallel rank starts as soon as vLLM has
+  the request, the ranks' calls side by side: it pins the cached prefix (a lease: the daemon
+  will not evict or overwrite those chunks) and reserves pool room for the prompt's uncached
+  full chunks. ``get_num_new_matched_tokens`` answers "not yet" (``None``) until every rank's
+  answer has landed; vLLM asks again on its next step. The hit is whole chunks, cut to whole
   vLLM blocks and to at least one prompt token left to compute.
-* ``update_state_after_alloc``: once vLLM has allocated the blocks, plans the load of the
-  leased chunks into them (no call to the daemon).
-* ``build_connector_meta``: hands the worker a :class:`LoadPlan` (lease tickets, target
-  blocks) and a :class:`SavePlan` (reservation tickets) for the reserved chunks that are whole
-  by the end of the step; the worker writes them into the pool.
-* ``update_connector_output``: the worker says which loads are done (their leases are
-  released on the session stream: no round trip) and up to which chunk it wrote; once every
-  reserved chunk is written, one **Commit** publishes them. Leases are also released, and
-  what was written committed (the rest given back), on preemption and when the request
-  finishes, whatever happened, so a finished, aborted or preempted request pins nothing.
+* ``update_state_after_alloc`` plans the load of the leased chunks into the blocks vLLM
+  allocated (no call). ``build_connector_meta`` hands the worker the :class:`LoadPlan` and, for
+  the reserved chunks that are whole by the end of the step, a :class:`SavePlan`.
+* ``update_connector_output``: the worker reports each plan once per rank when its copies have
+  completed. A lease is released (on the session stream: no round trip) once its loads are
+  reported; once a rank's reserved chunks are all written, one **Commit** publishes them.
+
+Loads are asynchronous by default on CUDA engines (``(n, True)``: vLLM parks the request in
+WAITING_FOR_REMOTE_KVS, the worker copies on a side stream after the step's forward is
+launched and reports the request in ``get_finished``), synchronous on CPU engines, where the
+copy is a memcpy on the cores that would otherwise run the forward and waiting one more step
+costs more than it saves (``load_mode``, README "Use with vLLM").
+
+**Nothing is released or committed before the worker says the copies it was given are done.**
+A request that finishes, is aborted or is preempted *retires* its attempt: the leases and
+reservations stay held until every rank has reported every plan it was handed, then the
+leases are released, what was written is committed and the rest given back. Until then
+``has_pending_push_work`` keeps vLLM stepping, so the reports come even on an idle engine.
+
+**Leases are renewed while they are needed.** A lease is granted with the daemon's TTL when the
+request arrives; a request that waits in vLLM's queue longer than that would load blocks the
+daemon may have given to other chunks. The scheduler renews (one KeepAlive for the attempt's
+ranks) once a third of the TTL has passed, and each plan carries the deadline it knows of; a
+worker refuses a plan past it (failed blocks: recomputed), and a lease that could not be renewed
+serves nothing.
 
 Fail open: a daemon that is absent, restarting or refusing makes the request run without
 the cache (0 external tokens), logs once, counts ``kvcached_client_fail_open_total`` and
 makes the next requests skip the daemon for ``retry_s`` (so a dead daemon costs nothing per
-request). A lease that covers less than was promised to vLLM (the chunks went between the
-lookup and the acquire, or the daemon did) becomes failed blocks in the plan; the worker
-reports them to vLLM, which recomputes them.
+request). A lease that covers less than was promised to vLLM becomes failed blocks in the
+plan; the worker reports them to vLLM, which recomputes them.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -41,13 +57,13 @@ from typing import Any, Callable
 
 from kvcached.keys import KVLayout
 from kvcached_client import _core
-from kvcached_client.client import CacheRequest, Client
+from kvcached_client.client import CacheRequest, Client, Reservation
 from kvcached_client.errors import DeadlineExceededError, KvcachedError, UnavailableError
 from kvcached_client.failopen import FailOpen
 from kvcached_client.policy import CachePolicy
 from kvcached_client.vllm.config import ConnectorConfig
 from kvcached_client.vllm.plan import KvcachedMetadata, KvcachedWorkerMetadata, LoadPlan, SavePlan
-from kvcached_client.vllm.spec import request_cacheable, with_lora
+from kvcached_client.vllm.spec import request_cacheable, with_lora, with_salt
 
 log = logging.getLogger("kvcached_client.vllm")
 
@@ -69,49 +85,107 @@ def policy_of(request: Any) -> CachePolicy:
 
 
 @dataclass
+class _Attempt:
+    """One AcquireReserve of a request (per rank: its lease and its reservation) and the plans
+    handed to the workers for it. Lives until every plan is reported and everything it holds is
+    released, committed or given back, which may be after its request is gone."""
+
+    key: int
+    req_id: str
+    cache: list[CacheRequest]  # per tensor-parallel rank
+    matched: int  # tokens every rank's lease covers
+    lease_ttl: float
+    lease_deadline: float  # monotonic; the daemon may end the leases from then on
+    leases_held: bool = True
+    lease_lost: bool = False  # a renewal failed: the leases may be gone
+    renewal: "concurrent.futures.Future[float] | None" = None
+    renewal_sent: float = 0.0
+    written: list[int] = field(default_factory=list)  # per rank: reserved chunks written up to here (-1: failed)
+    committed: list[bool] = field(default_factory=list)  # per rank: its reservation is closed
+    save_tickets: tuple | None = None
+    reserved_at: float = 0.0  # when the reservations were granted (their TTL runs from there)
+    loads_out: list[int] = field(default_factory=list)  # per rank: load plans handed out, not reported
+    saves_out: list[int] = field(default_factory=list)  # per rank: save plans handed out, not reported
+    load_done: bool = False  # its load (if any) is reported by every rank: the leases may go
+    retired: bool = False  # its request finished or was preempted
+
+    @property
+    def in_flight(self) -> bool:
+        return any(self.loads_out) or any(self.saves_out)
+
+
+@dataclass
 class _Req:
     req_id: str
     tokens: bytes  # the prompt, packed
     n_prompt: int
     policy: CachePolicy
-    layouts: tuple[KVLayout, ...]  # per tensor-parallel rank, with the request's LoRA
+    layouts: tuple[KVLayout, ...]  # per tensor-parallel rank, with the request's LoRA and salt
     skip: str | None = None  # why this request does not use the cache at all
-    lookup: "concurrent.futures.Future[list[CacheRequest]] | None" = None
+    lookup: "list[concurrent.futures.Future[CacheRequest]] | None" = None  # per rank
     lookup_started: float = 0.0
-    matched: int | None = None  # tokens cached in the daemon (all ranks), once known
+    attempt: _Attempt | None = None
+    matched: int | None = None  # tokens the request may load (all ranks), once known
+    no_more_loads: bool = False  # a load failed: ask for none again
     local_computed: int = 0  # vLLM's own (block-aligned) prefix-cache hit at the last ask
     pending: LoadPlan | None = None  # planned, not yet handed to the worker
-    cache: list[CacheRequest] | None = None  # per rank: its lease and reservation (AcquireReserve)
-    leases_held: bool = False  # the leases are not released yet
-    written: list[int] = field(default_factory=list)  # per rank: reserved chunks written up to here (-1: failed)
-    committed: list[bool] = field(default_factory=list)  # per rank: its reservation is closed
-    save_tickets: tuple | None = None
-    reserved_at: float = 0.0  # when the reservations were granted (their TTL runs from there)
     block_ids: list[int] = field(default_factory=list)
     saved_chunks: int = 0  # chunks already handed to the worker to write
     sched_s: float = 0.0  # time spent for it on the scheduler thread
+    hit_tokens: int = 0  # tokens loaded from kvcached (for the counters)
+    store: "_Attempt | None" = None  # a later reservation for its chunks (see _reserve_again), else attempt's
+    rereserve: "list[concurrent.futures.Future[Reservation]] | None" = None  # per rank, in flight
+    rereserves: int = 0
+
+
+class _NoLease:
+    """The lease slot of a store-only attempt (a second reservation): nothing pinned."""
+
+    lease_id = ""
+    matched_tokens = 0
+    ttl_seconds = 0.0
+    session_id = ""
+
+    def release(self) -> None:
+        pass
+
+
+_NO_LEASE: Any = _NoLease()
+
+
+def _abort_late(fut: "concurrent.futures.Future[Reservation]") -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        fut.result().abort()
 
 
 class SchedulerSide:
     def __init__(self, cfg: ConnectorConfig, layouts: tuple[KVLayout, ...], block_size: int,
-                 client_factory: Callable[[], Client], clock: Callable[[], float] = time.monotonic) -> None:
+                 client_factory: Callable[[], Client], clock: Callable[[], float] = time.monotonic,
+                 *, async_load: bool = False) -> None:
         self.cfg = cfg
         self.layouts = layouts
         self.block_size = block_size
         self.chunk_tokens = layouts[0].chunk_tokens
         self.blocks_per_chunk = self.chunk_tokens // block_size
+        self.async_load = async_load
         self._client_factory = client_factory
         self._client: Client | None = None
         self._clock = clock
         self._reqs: dict[str, _Req] = {}
+        self._attempts: dict[int, _Attempt] = {}  # live attempts, by key (the retired included)
+        self._keys = itertools.count(1)
+        self._pending: list[_Req] = []  # requests with a planned load not handed out yet
         self._retry_at = 0.0
         self.fail = FailOpen("vllm")
         #: connector time on the scheduler thread per finished request (seconds), newest last
         self.request_seconds: collections.deque[float] = collections.deque(maxlen=100_000)
-        self.stats = collections.Counter()
-        # Lookups and releases run here, off the scheduler thread: a blocking gRPC call releases
-        # the GIL while it waits (grpc's own futures cost more to issue, ~1 ms, than a whole call).
-        self._bg = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcached-scheduler")
+        #: the same, not yet handed to vLLM's connector stats (drained by :mod:`~kvcached_client.vllm.stats`)
+        self.unreported_seconds: collections.deque[float] = collections.deque(maxlen=10_000)
+        self.stats: collections.Counter[str] = collections.Counter()
+        # Calls to the daemon run here, off the scheduler thread: a blocking gRPC call releases
+        # the GIL while it waits (grpc's own futures cost more to issue, ~1 ms, than a whole
+        # call). One thread per rank, so a TP engine's per-rank AcquireReserves run side by side.
+        self._bg = concurrent.futures.ThreadPoolExecutor(max(2, len(layouts)), thread_name_prefix="kvcached-scheduler")
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -136,8 +210,9 @@ class SchedulerSide:
             skip = request_cacheable(request)
             tokens = b"" if skip else _core.pack_tokens(request.prompt_token_ids)
             lora = getattr(request, "lora_request", None)
+            salt = getattr(request, "cache_salt", None)
             st = _Req(request.request_id, tokens, len(tokens) // 4, policy_of(request),
-                      tuple(with_lora(lay, lora) for lay in self.layouts), skip)
+                      tuple(with_salt(with_lora(lay, lora), salt) for lay in self.layouts), skip)
             self._reqs[request.request_id] = st
         return st
 
@@ -154,7 +229,9 @@ class SchedulerSide:
             log.log(level, "kvcached connector: the daemon cannot serve this engine's layout (%s: %s); "
                     "the engine runs without the cache until it can", e.code.name, e)
         else:
-            log.info("kvcached connector: daemon at %s serves layout %s", self.client.target, self.layouts[0].model)
+            log.info("kvcached connector: connected to the daemon at %s (layout %s, %d rank(s), %s loads)",
+                     self.client.target, self.layouts[0].model, len(self.layouts),
+                     "asynchronous" if self.async_load else "synchronous")
 
     # -- vLLM hooks ----------------------------------------------------------------------
 
@@ -167,81 +244,97 @@ class SchedulerSide:
         st.sched_s += time.perf_counter() - t0
 
     def _start_lookup(self, st: _Req) -> bool:
-        """Start the request's AcquireReserve if it has none; False if it cannot (daemon down, ...)."""
+        """Start the request's AcquireReserves if it has none; False if it cannot (daemon down, ...)."""
         if st.lookup is not None or st.matched is not None:
             return True
         store = st.policy.should_store(st.n_prompt)
         if st.skip or not (st.policy.read or store) or self._daemon_down():
             return False
         self.stats["lookups"] += 1
-        st.lookup = self._bg.submit(self._lookup, st.layouts, st.tokens, not st.policy.read, not store)
+        st.lookup = [self._bg.submit(self._acquire_reserve, lay, st.tokens, not st.policy.read, not store)
+                     for lay in st.layouts]
         st.lookup_started = self._clock()
         return True
 
-    def _lookup(self, layouts: tuple[KVLayout, ...], tokens: bytes, no_cache: bool, no_store: bool) -> list[CacheRequest]:
-        """On the connector's thread: each tensor-parallel rank's lease and reservation."""
-        reqs: list[CacheRequest] = []
-        try:
-            for lay in layouts:
-                reqs.append(self.client.acquire_reserve(lay, tokens, no_cache=no_cache, no_store=no_store,
-                                                        reservation_ttl=self.cfg.reservation_ttl_s))
-        except BaseException:
-            for r in reqs:
-                r.finish(commit=False)
-            raise
-        return reqs
+    def _acquire_reserve(self, layout: KVLayout, tokens: bytes, no_cache: bool, no_store: bool) -> CacheRequest:
+        """On a connector thread: one rank's lease and reservation. The scheduler never maps the
+        pool (the workers read and write it through tickets)."""
+        return self.client.acquire_reserve(layout, tokens, no_cache=no_cache, no_store=no_store,
+                                           ttl=self.cfg.lease_ttl_s or None,
+                                           reservation_ttl=self.cfg.reservation_ttl_s, map_pool=False)
+
+    def _landed(self, st: _Req) -> bool:
+        """Whether the request's lookup has an outcome now (never waits); takes it if so."""
+        if st.matched is not None:
+            return True
+        futs = st.lookup
+        if futs is None:
+            return False
+        if not all(f.done() for f in futs):
+            if self._clock() - st.lookup_started < self.cfg.lookup_timeout_s:
+                return False
+            self._failed("lookup", TimeoutError(f"no answer in {self.cfg.lookup_timeout_s} s"))
+            for f in futs:  # whatever lands later is given back when it lands
+                f.add_done_callback(self._drop_late)
+            st.lookup, st.matched = None, 0
+            return True
+        st.lookup = None
+        got: list[CacheRequest] = []
+        error: BaseException | None = None
+        for f in futs:
+            e = f.exception()
+            if e is None:
+                got.append(f.result())
+            else:
+                error = error or e
+        if error is not None:
+            for r in got:
+                self._give_back(r)
+            self._failed("lookup", error)
+            st.matched = 0
+            return True
+        self.fail.ok("lookup")
+        self._take(st, got)
+        return True
 
     def _take(self, st: _Req, reqs: list[CacheRequest]) -> None:
-        st.cache = reqs
-        st.leases_held = True
-        st.written = [0] * len(reqs)
-        st.committed = [not r.reservation.opened for r in reqs]
-        st.save_tickets = tuple(r.reservation.ticket() if r.reservation.slots else None for r in reqs)
-        st.reserved_at = self._clock()
-        st.matched = min(r.matched_tokens for r in reqs) if st.policy.read else 0
-
-    def _cache_now(self, st: _Req) -> list[CacheRequest] | None:
-        """The request's AcquireReserve answer if it has come (never waits)."""
-        if st.cache is None and st.lookup is not None and st.lookup.done():
-            try:
-                self._take(st, st.lookup.result())
-            except Exception as e:  # noqa: BLE001 - fail open
-                self._failed("lookup", e)
-                st.lookup = None
-                st.matched = 0 if st.matched is None else st.matched
-        return st.cache
+        n = len(reqs)
+        ttl = min((r.lease.ttl_seconds for r in reqs if r.lease.lease_id), default=0.0)
+        att = _Attempt(next(self._keys), st.req_id, reqs, min(r.matched_tokens for r in reqs) if st.policy.read else 0,
+                       ttl, st.lookup_started + ttl if ttl else float("inf"),
+                       leases_held=any(r.lease.lease_id for r in reqs),
+                       written=[0] * n, committed=[not r.reservation.opened for r in reqs],
+                       save_tickets=tuple(r.reservation.ticket() if r.reservation.slots else None for r in reqs),
+                       reserved_at=st.lookup_started, loads_out=[0] * n, saves_out=[0] * n)
+        self._attempts[att.key] = att
+        st.attempt = att
+        st.matched = att.matched
+        if not att.matched:
+            self._settle(att)  # nothing to load: the (empty) leases go now
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         t0 = time.perf_counter()
         st = self._state(request)
         try:
-            return self._matched(st, num_computed_tokens), False
+            n = self._matched(st, num_computed_tokens)
+            return n, bool(n) and self.async_load
         finally:
             st.sched_s += time.perf_counter() - t0
 
     def _matched(self, st: _Req, num_computed: int) -> int | None:
         st.local_computed = num_computed
-        if st.skip or not st.policy.read:
+        if st.skip or not st.policy.read or st.no_more_loads:
             return 0
         if st.matched is None:
-            if not self._start_lookup(st) or st.lookup is None:
+            if not self._start_lookup(st):
                 return 0
-            try:
-                self._take(st, st.lookup.result(timeout=self.cfg.lookup_wait_ms / 1000))
-                self.fail.ok("lookup")
-            except concurrent.futures.TimeoutError:
-                if self._clock() - st.lookup_started < self.cfg.lookup_timeout_s:
-                    self.stats["lookup_not_yet"] += 1
-                    # Let the connector's thread run: an idle engine asks again at once, in a loop
-                    # that would hold the GIL and starve the lookup it waits for (5 ms switches).
-                    time.sleep(0)
-                    return None  # vLLM asks again next step
-                self._failed("lookup", TimeoutError(f"no answer in {self.cfg.lookup_timeout_s} s"))
-                st.matched = 0
-            except Exception as e:  # noqa: BLE001 - fail open: whatever went wrong, compute instead
-                self._failed("lookup", e)
-                st.matched = 0
-            assert st.matched is not None
+            if not self._landed(st):
+                self.stats["lookup_not_yet"] += 1
+                return None  # vLLM asks again next step
+        assert st.matched is not None
+        att = st.attempt
+        if att is None or att.lease_lost or not att.leases_held or self._clock() >= att.lease_deadline:
+            return 0  # nothing leased (any more): promise nothing
         # Whole blocks (chunks are whole blocks), and at least one prompt token left to compute:
         # vLLM needs the last prompt position's logits.
         end = min(st.matched, (st.n_prompt - 1) // self.block_size * self.block_size)
@@ -252,14 +345,16 @@ class SchedulerSide:
             return
         t0 = time.perf_counter()
         st = self._state(request)
+        att = st.attempt
+        assert att is not None, "vLLM allocated for external tokens the connector did not promise"
         start, end = st.local_computed, st.local_computed + num_external_tokens
         first, last = start // self.block_size, end // self.block_size
         block_ids = tuple(blocks.get_block_ids()[0][first:last])
         tickets: list[Any] = []
         loadable: list[int] = []
-        for r in st.cache or [None] * len(st.layouts):
-            lease = r.lease if r is not None and st.leases_held else None
-            if lease is None or not lease.lease_id:
+        for r in att.cache:
+            lease = r.lease
+            if not att.leases_held or att.lease_lost or not lease.lease_id:
                 tickets.append(None)
                 loadable.append(0)
                 continue
@@ -267,7 +362,11 @@ class SchedulerSide:
             loadable.append(max(0, min(lease.matched_tokens, end) // self.block_size - first))
         if min(loadable) < len(block_ids):
             self.stats["short_acquires"] += 1
-        st.pending = LoadPlan(st.req_id, first, block_ids, tuple(tickets), tuple(loadable))
+        margin = min(self.cfg.load_margin_s, att.lease_ttl / 4)
+        st.pending = LoadPlan(st.req_id, att.key, first, block_ids, tuple(tickets), tuple(loadable),
+                              att.lease_deadline - margin, self.async_load)
+        self._pending.append(st)
+        st.hit_tokens += num_external_tokens
         self.stats["loads"] += 1
         self.stats["load_tokens"] += num_external_tokens
         st.sched_s += time.perf_counter() - t0
@@ -277,15 +376,21 @@ class SchedulerSide:
         for rid in so.preempted_req_ids or ():
             st = self._reqs.get(rid)
             if st is not None:  # its blocks are gone; it starts over (and may load again) when resumed
-                self._end(st)
-                st.block_ids, st.saved_chunks, st.pending, st.matched, st.lookup = [], 0, None, None, None
-                st.cache, st.save_tickets = None, None
+                self.stats["preemptions"] += 1
+                self._retire(st)
+                st.block_ids, st.saved_chunks, st.matched, st.lookup = [], 0, None, None
+        # Every planned load goes out in the step that planned it, scheduled or not (an
+        # asynchronous one is not: its request waits for it), and even if its request has
+        # ended since (vLLM holds the blocks until the load is reported).
+        for st in self._pending:
+            self._hand_out_load(meta, st)
+        self._pending.clear()
         for nr in so.scheduled_new_reqs:
             st = self._reqs.get(nr.req_id)
             if st is not None:
                 t0 = time.perf_counter()
                 st.block_ids = list(nr.block_ids[0])
-                self._plan(meta, st, nr.num_computed_tokens + so.num_scheduled_tokens.get(nr.req_id, 0))
+                self._plan_save(meta, st, nr.num_computed_tokens + so.num_scheduled_tokens.get(nr.req_id, 0))
                 st.sched_s += time.perf_counter() - t0
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -298,55 +403,141 @@ class SchedulerSide:
                 st.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
                 st.block_ids.extend(new_ids[0])
-            self._plan(meta, st, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0))
+            self._plan_save(meta, st, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0))
             st.sched_s += time.perf_counter() - t0
+        self._renew_leases()
         return meta
 
-    def _plan(self, meta: KvcachedMetadata, st: _Req, computed_after_step: int) -> None:
-        if st.pending is not None:
-            meta.loads.append(st.pending)
-            if st.matched:  # chunks loaded from the daemon are there already: no need to store them
-                st.saved_chunks = max(st.saved_chunks, (st.pending.first_block + min(st.pending.loadable_blocks))
-                                      // self.blocks_per_chunk)
-            st.pending = None
-        if st.skip or not st.policy.should_store(st.n_prompt) or self._cache_now(st) is None:
+    def _hand_out_load(self, meta: KvcachedMetadata, st: _Req) -> None:
+        lp, st.pending = st.pending, None
+        if lp is None:
+            return
+        att = self._attempts.get(lp.key)
+        if att is None:  # cannot happen: an attempt with a pending plan is never settled
+            return
+        meta.loads.append(lp)
+        for rank in range(len(att.cache)):
+            att.loads_out[rank] += 1
+        if st.attempt is att:  # chunks loaded from the daemon are there already: no need to store them
+            st.saved_chunks = max(st.saved_chunks, (lp.first_block + min(lp.loadable_blocks)) // self.blocks_per_chunk)
+
+    def _plan_save(self, meta: KvcachedMetadata, st: _Req, computed_after_step: int) -> None:
+        if st.skip or not st.policy.should_store(st.n_prompt) or not self._landed(st):
+            return
+        self._take_rereserve(st)
+        att = st.store or st.attempt
+        if att is None or att.retired:
             return
         ready = min(computed_after_step, st.n_prompt) // self.chunk_tokens
-        if ready <= st.saved_chunks or st.save_tickets is None or not any(st.save_tickets):
+        if ready > st.saved_chunks and st.store is None and st.rereserve is None:
+            self._reserve_again(st, att, ready)
+        if ready <= st.saved_chunks or att.save_tickets is None or not any(att.save_tickets):
             return
-        if self._clock() - st.reserved_at > self.cfg.reservation_ttl_s / 2:
+        if self._clock() - att.reserved_at > self.cfg.reservation_ttl_s / 2:
             # The room may be gone by the time the worker writes (the daemon frees an expired
             # reservation and may give the room to another writer): store nothing of this request.
             self.stats["saves_too_late"] += 1
-            st.save_tickets = None
-            for rank in range(len(st.cache or ())):
-                self._close_reservation(st, rank)
+            att.save_tickets = None
+            self._settle(att, close_reservations=True)
             return
         n_blocks = ready * self.blocks_per_chunk
         if len(st.block_ids) < n_blocks:  # should not happen: computed tokens have blocks
             return
-        meta.saves.append(SavePlan(st.req_id, st.save_tickets, st.saved_chunks, ready, tuple(st.block_ids[:n_blocks])))
+        meta.saves.append(SavePlan(st.req_id, att.key, att.save_tickets, st.saved_chunks, ready,
+                                   tuple(st.block_ids[:n_blocks])))
+        for rank, ticket in enumerate(att.save_tickets):
+            if ticket is not None:
+                att.saves_out[rank] += 1
         st.saved_chunks = ready
         self.stats["saves"] += 1
 
+    def _reserve_again(self, st: _Req, att: _Attempt, ready: int) -> None:
+        """The daemon reserves nothing after a chunk another request is writing (a chunk is only
+        stored after its whole prefix), so two requests that share a prefix and arrive together
+        used to store the first one's chunks only: the second's own chunks were lost for good
+        (this is how a replay lost 256 of 896 tokens it should have hit). Once this request has
+        computed chunks its reservation does not cover, and the reservation reported chunks in
+        flight, it reserves again (one more round trip, off the scheduler thread, at most 3
+        times); by then the other writer has usually committed."""
+        if st.rereserves >= 3:
+            return
+        for r in att.cache:
+            res = r.reservation
+            covered = res.slots[-1].position + 1 if res.slots else res.cached_tokens // self.chunk_tokens
+            if res.in_flight_tokens and covered < ready:
+                break
+        else:
+            return
+        st.rereserves += 1
+        self.stats["rereserves"] += 1
+        st.rereserve = [self._bg.submit(self.client.reserve, lay, st.tokens, skip_empty=True,
+                                        ttl=self.cfg.reservation_ttl_s, map_pool=False) for lay in st.layouts]
+
+    def _take_rereserve(self, st: _Req) -> None:
+        futs = st.rereserve
+        if futs is None or not all(f.done() for f in futs):
+            return
+        st.rereserve = None
+        got = [f.result() for f in futs if f.exception() is None]
+        if len(got) < len(futs):
+            for res in got:
+                res.abort()
+            self._failed("store", next(f.exception() for f in futs if f.exception() is not None))
+            return
+        if not any(res.slots for res in got):  # nothing more to write (or still in flight: try again later)
+            for res in got:
+                res.abort()
+            return
+        old = st.store or st.attempt
+        n = len(got)
+        now = self._clock()
+        store = _Attempt(next(self._keys), st.req_id, [CacheRequest(self.client, _NO_LEASE, res) for res in got], 0,
+                         0.0, float("inf"), leases_held=False, written=[0] * n,
+                         committed=[not res.opened for res in got],
+                         save_tickets=tuple(res.ticket() if res.slots else None for res in got),
+                         reserved_at=now, loads_out=[0] * n, saves_out=[0] * n, load_done=True)
+        self._attempts[store.key] = store
+        if old is not None and old is not st.attempt:
+            old.retired = True
+        if old is not None:
+            self._settle(old, close_reservations=True)  # commits what it wrote; no more plans use it
+        st.store = store
+        st.saved_chunks = 0  # the new reservation holds only what nobody has stored: offer it all again
+
     def update_connector_output(self, output: Any) -> None:
         wm = getattr(output, "kv_connector_worker_meta", None)
-        if isinstance(wm, KvcachedWorkerMetadata):
-            for rid in wm.loaded:
-                st = self._reqs.get(rid)
-                if st is not None:
-                    t0 = time.perf_counter()
-                    self._release(st)
-                    st.sched_s += time.perf_counter() - t0
-            for (rid, rank), upto in wm.saved.items():
-                st = self._reqs.get(rid)
-                if st is None or st.cache is None or rank >= len(st.cache) or st.committed[rank]:
-                    continue
-                t0 = time.perf_counter()
-                st.written[rank] = upto if upto < 0 or st.written[rank] < 0 else max(st.written[rank], upto)
-                res = st.cache[rank].reservation
-                if st.written[rank] < 0 or st.written[rank] > res.slots[-1].position:  # all written, or failed
-                    self._close_reservation(st, rank)
+        if not isinstance(wm, KvcachedWorkerMetadata):
+            return
+        touched: set[int] = set()
+        for (key, rank), n in wm.loaded.items():
+            att = self._attempts.get(key)
+            if att is not None and rank < len(att.loads_out):
+                att.loads_out[rank] -= n
+                assert att.loads_out[rank] >= 0, f"rank {rank} reported more loads than it was given"
+                touched.add(key)
+        for key in wm.load_failed:
+            att = self._attempts.get(key)
+            st = self._reqs.get(att.req_id) if att is not None else None
+            if st is not None and st.attempt is att:
+                st.no_more_loads = True  # if vLLM asks again after the failure, promise nothing
+        for (key, rank), results in wm.saved.items():
+            att = self._attempts.get(key)
+            if att is None or rank >= len(att.saves_out):
+                continue
+            for upto in results:
+                att.saves_out[rank] -= 1
+                assert att.saves_out[rank] >= 0, f"rank {rank} reported more saves than it was given"
+                w = att.written[rank]
+                att.written[rank] = -1 if upto < 0 or w < 0 else max(w, upto)
+            touched.add(key)
+        for key in touched:
+            att = self._attempts[key]
+            if not any(att.loads_out):
+                att.load_done = True
+            t0 = time.perf_counter()
+            self._settle(att)
+            st = self._reqs.get(att.req_id)
+            if st is not None:
                 st.sched_s += time.perf_counter() - t0
 
     def request_finished(self, request: Any) -> None:
@@ -354,47 +545,78 @@ class SchedulerSide:
         if st is None:
             return
         t0 = time.perf_counter()
-        self._end(st)
+        self._retire(st)
         st.sched_s += time.perf_counter() - t0
         self.request_seconds.append(st.sched_s)
+        self.unreported_seconds.append(st.sched_s)
+        self.stats["requests"] += 1
+        self.stats["hit_requests" if st.hit_tokens else "miss_requests"] += 1
 
-    def _end(self, st: _Req) -> None:
-        """The request is done with the cache (finished or preempted): release its leases,
-        commit what was written, give back the rest. Never waits for the daemon. A lookup still
-        in flight is cleaned up when it lands."""
-        if st.cache is None and st.lookup is not None and not st.lookup.done():
-            st.lookup.add_done_callback(self._drop_late)  # runs on the connector's thread, when it lands
-        self._cache_now(st)
-        self._release(st)
-        for rank in range(len(st.cache or ())):
-            self._close_reservation(st, rank)
+    def has_pending_push_work(self) -> bool:
+        """Reports still owed by the workers: keep vLLM stepping until they come."""
+        return any(att.in_flight for att in self._attempts.values())
+
+    # -- the end of an attempt --------------------------------------------------------------
+
+    def _retire(self, st: _Req) -> None:
+        """The request is done with its attempt (finished or preempted). What the attempt holds
+        goes once the workers have reported every copy they were given (:meth:`_settle`)."""
+        if st.lookup is not None:  # still in flight: given back when it lands
+            for f in st.lookup:
+                f.add_done_callback(self._drop_late)
+            st.lookup = None
+        if st.pending is not None and not st.pending.async_load:  # nobody needs it any more
+            st.pending = None
+            self._pending.remove(st)
+        if st.rereserve is not None:
+            for f in st.rereserve:
+                f.add_done_callback(_abort_late)
+            st.rereserve = None
+        for att in (st.attempt, st.store):  # an asynchronous load planned still goes out: see _settle
+            if att is not None:
+                att.retired = True
+                self._settle(att)
+        st.attempt = st.store = None
+
+    def _settle(self, att: _Attempt, *, close_reservations: bool = False) -> None:
+        """Release, commit or give back what the attempt no longer needs, never what a worker may
+        still be copying. Never waits for the daemon."""
+        if att.leases_held and not any(att.loads_out) and (att.retired or att.load_done or not att.matched):
+            if not any(st.pending is not None and st.pending.key == att.key for st in self._pending):
+                att.leases_held = False
+                for r in att.cache:
+                    r.lease.release()
+        for rank, r in enumerate(att.cache):
+            if att.committed[rank] or att.saves_out[rank]:
+                continue
+            res = r.reservation
+            w = att.written[rank]
+            if att.retired or close_reservations or w < 0 or (res.slots and w > res.slots[-1].position):
+                self._close_reservation(att, rank)
+        if att.retired and not att.leases_held and all(att.committed) and not att.in_flight:
+            self._attempts.pop(att.key, None)
 
     @staticmethod
-    def _drop_late(fut: "concurrent.futures.Future[list[CacheRequest]]") -> None:
+    def _give_back(r: CacheRequest) -> None:
+        try:
+            r.finish(commit=False)
+        except Exception as e:  # noqa: BLE001 - the session's end frees it anyway
+            log.debug("kvcached connector: giving back a late lease failed: %s", e)
+
+    @classmethod
+    def _drop_late(cls, fut: "concurrent.futures.Future[CacheRequest]") -> None:
         """A request that ended before its AcquireReserve answered: give back what it got."""
-        if fut.cancelled() or fut.exception() is not None:
-            return
-        for r in fut.result():
-            try:
-                r.finish(commit=False)
-            except Exception as e:  # noqa: BLE001 - the session's end frees it anyway
-                log.debug("kvcached connector: giving back a late lease failed: %s", e)
+        if not fut.cancelled() and fut.exception() is None:
+            cls._give_back(fut.result())
 
-    def _release(self, st: _Req) -> None:
-        """Release the request's leases: on the session stream, so no round trip at all."""
-        if st.cache is not None and st.leases_held:
-            st.leases_held = False
-            for r in st.cache:
-                r.lease.release()
-
-    def _close_reservation(self, st: _Req, rank: int) -> None:
+    def _close_reservation(self, att: _Attempt, rank: int) -> None:
         """Commit rank ``rank``'s written chunks (the rest are given back), on the connector's
         thread: the request's second round trip. Nothing written: an abort on the stream."""
-        if st.cache is None or st.committed[rank]:
+        if att.committed[rank]:
             return
-        st.committed[rank] = True
-        res = st.cache[rank].reservation
-        n = sum(1 for slot in res.slots if slot.position < st.written[rank])
+        att.committed[rank] = True
+        res = att.cache[rank].reservation
+        n = sum(1 for slot in res.slots if slot.position < att.written[rank])
         if n <= 0:
             res.abort()
             return
@@ -409,10 +631,42 @@ class SchedulerSide:
         self.fail.ok("store")
         self.stats["stored_chunks"] += receipt.stored_chunks
 
+    # -- lease renewal ----------------------------------------------------------------------
+
+    def _renew_leases(self) -> None:
+        """Renew the leases still needed once a third of their TTL has passed (one KeepAlive per
+        attempt, on a connector thread); take the answers of earlier renewals."""
+        now = self._clock()
+        for att in self._attempts.values():
+            if att.renewal is not None:
+                if not att.renewal.done():
+                    continue
+                try:
+                    ttl = att.renewal.result()
+                    att.lease_deadline = att.renewal_sent + ttl
+                    self.stats["lease_renewals"] += 1
+                except Exception as e:  # noqa: BLE001 - the leases are gone: load nothing through them
+                    att.lease_lost = True
+                    self._failed("renew", e)
+                att.renewal = None
+            if (not att.leases_held or att.lease_lost or not att.lease_ttl
+                    or now < att.lease_deadline - att.lease_ttl * 2 / 3):
+                continue
+            ids = [r.lease.lease_id for r in att.cache if r.lease.lease_id]
+            att.renewal_sent = now
+            att.renewal = self._bg.submit(self.client.keep_alive, ids, self.cfg.lease_ttl_s or None,
+                                          session_id=att.cache[0].lease.session_id)
+
     def close(self) -> None:
-        for st in self._reqs.values():
-            self._end(st)
+        for st in list(self._reqs.values()):
+            self._retire(st)
+        for att in list(self._attempts.values()):  # the engine is going: nothing more will be copied
+            att.loads_out = [0] * len(att.loads_out)
+            att.saves_out = [0] * len(att.saves_out)
+            att.retired = True
+            self._settle(att)
         self._reqs.clear()
+        self._pending.clear()
         self._bg.shutdown(wait=True)
         if self._client is not None:
             self._client.close()
@@ -421,3 +675,7 @@ class SchedulerSide:
     @property
     def tracked_requests(self) -> int:
         return len(self._reqs)
+
+    @property
+    def live_attempts(self) -> int:
+        return len(self._attempts)

@@ -4,7 +4,8 @@ Decided once, when the engine starts, so that an unsupported model is refused wi
 message at start instead of failing requests later. Supported: decoder-only models whose
 layers all use plain full attention (one KV-cache group of ``FullAttentionSpec``, no sliding
 window, no chunked-local attention, no KV quantisation, K and V of one head size), with
-tensor parallelism (each rank stores its own KV heads) and no pipeline parallelism.
+tensor parallelism (each rank stores its own KV heads), no pipeline and no context
+parallelism (decode or prefill: their blocks interleave tokens across ranks).
 Refused: sliding-window models (Mistral with a window, Gemma-2/3), hybrid models (Mamba,
 linear attention), MLA (DeepSeek), encoder-decoder models. Their KV for a prefix is not
 "every token's K and V in every layer", which is what a kvcached chunk holds.
@@ -16,6 +17,7 @@ prompt embeddings) are served without the cache: :func:`request_cacheable`.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +43,15 @@ def attention_spec(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | 
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise UnsupportedEngineError("kvcached connector: pipeline parallelism is not supported "
                                      f"(pipeline_parallel_size={vllm_config.parallel_config.pipeline_parallel_size})")
+    pc = vllm_config.parallel_config
+    dcp = getattr(pc, "decode_context_parallel_size", 1) or 1
+    pcp = getattr(pc, "prefill_context_parallel_size", 1) or 1
+    if dcp > 1 or pcp > 1:
+        # The scheduler's blocks are then block_size x dcp x pcp tokens spread over the ranks
+        # (interleaved), and a rank's cache holds every n-th token: a chunk is not one rank's slice.
+        raise UnsupportedEngineError(
+            f"kvcached connector: context parallelism is not supported (decode_context_parallel_size={dcp}, "
+            f"prefill_context_parallel_size={pcp}): its blocks interleave tokens across ranks; run without it")
     if vllm_config.model_config.is_encoder_decoder:
         raise UnsupportedEngineError(f"kvcached connector: {model} is an encoder-decoder model; not supported")
     if kv_cache_config is None:
@@ -120,6 +131,18 @@ def with_lora(layout: KVLayout, lora_request: Any) -> KVLayout:
         return layout
     return dataclasses.replace(layout, lora_name=lora_request.lora_name,
                                lora_version=f"{lora_request.lora_int_id}:{lora_request.lora_path}")
+
+
+def with_salt(layout: KVLayout, cache_salt: str | None) -> KVLayout:
+    """The layout of a request with vLLM's ``cache_salt`` (tenant isolation): a salted request
+    only ever matches chunks stored under the same salt, and never unsalted ones. The salt is
+    part of the layout's identity, so it enters every chunk hash; it is kept as a digest (the
+    daemon persists layouts, and a salt may be a tenant's secret). Each distinct salt is one
+    layout in the daemon."""
+    if not cache_salt:
+        return layout
+    digest = hashlib.sha256(b"vllm cache_salt\0" + cache_salt.encode()).hexdigest()[:32]
+    return dataclasses.replace(layout, extra=layout.extra + (("cache_salt", digest),))
 
 
 def request_cacheable(request: Any) -> str | None:

@@ -3,32 +3,45 @@
 Per step, in vLLM's order:
 
 1. ``begin_step`` (bind_connector_metadata): takes the step's plans.
-2. ``start_load`` (before the forward when the step has loads): opens each
-   :class:`LoadPlan`'s lease through its ticket and copies the chunks into the request's
-   blocks. On a CUDA engine the copies run on a side stream, layer by layer, and
-   ``wait_for_layer_load`` makes the forward wait for its layer only; on the CPU they are
-   done at once (the copies and the model compete for the same cores anyway).
-3. ``finish_step`` (wait_for_save, after the forward): for each :class:`SavePlan`, copies
-   the reserved chunks that are whole now out of the paged cache into their pool room (the
-   scheduler side reserved them with the request's AcquireReserve; no call to the daemon
-   here), then reports the loads done and the chunks written; the scheduler side releases the
-   leases and commits.
+2. ``start_load`` (before the forward when the step has synchronous loads, after it is launched
+   otherwise): opens each :class:`LoadPlan`'s lease through its ticket and copies the chunks
+   into the request's blocks. On a CUDA engine the copies run on a side stream (synchronous
+   loads layer by layer, so ``wait_for_layer_load`` makes the forward wait for its own layer
+   only); on the CPU they are done at once (the copies and the model share the same cores).
+3. ``finish_step`` (wait_for_save, after the forward): for each :class:`SavePlan`, copies the
+   reserved chunks that are whole now out of the paged cache into their pool room (on CUDA on a
+   second side stream that waits for the forward; the compute stream then waits for the copy,
+   so no later step overwrites a block before it is read).
+4. ``get_finished`` / ``take_report``: every plan is reported once its copies have *completed*
+   (a CUDA event on the stream that did them has fired; on the CPU at once): asynchronous loads
+   in ``get_finished``'s "finished receiving" set, and every load and save in the step's worker
+   metadata, from which the scheduler side releases leases and commits.
+
+No device-wide synchronisation anywhere on the step's path: completion is an event per batch of
+copies, polled without blocking, and the tensors a side stream uses (block-id indexes, staged
+chunks) are made on that stream and kept alive until its event fires. The lease views are
+closed then too, without their own device synchronisation.
+
+A plan whose lease has, or would have by the copy, run out (its ``lease_deadline`` minus a
+margin) is refused: its blocks are reported as failed loads and vLLM recomputes them, instead
+of reading pool blocks the daemon may have handed to other chunks.
 
 Fail open: a lease that cannot be read (daemon restarted, pool not mappable, an NVMe read
 error) turns its blocks into load errors, which vLLM recomputes
-(``get_block_ids_with_load_errors``); a store that fails is aborted and skipped. Neither
-fails the request.
+(``get_block_ids_with_load_errors``); a store that fails is reported -1 and not committed.
+Neither fails the request.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Callable
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
-from kvcached_client.client import Client, LeaseView, ReservationView
+from kvcached_client.client import Client, LeaseView
 from kvcached_client.errors import KvcachedError
 from kvcached_client.failopen import FailOpen
 from kvcached_client.vllm.paged import PagedLayout
@@ -44,30 +57,49 @@ class _Copy:
     chunk: torch.Tensor  # [2, layers, kv_heads, chunk_tokens, head_dim]
     sub: int
     take: int
-    block_ids: torch.Tensor
+    lo: int  # the block ids are index[lo : lo + take] of the step's index tensor
+    plan: int  # which of the step's plans
+
+
+@dataclass
+class _InFlight:
+    """Copies queued on a stream, what they use, and what to report once they are done."""
+
+    event: "torch.cuda.Event | None"  # None: already done (CPU)
+    keep: list[Any] = field(default_factory=list)  # tensors the stream still reads or writes
+    views: list[LeaseView] = field(default_factory=list)
+    loads: list[LoadPlan] = field(default_factory=list)
+    saves: list[tuple[SavePlan, int]] = field(default_factory=list)  # (plan, written up to or -1)
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
 
 
 class WorkerSide:
     def __init__(self, layer_names: list[str], block_size: int, chunk_tokens: int, tp_rank: int,
-                 converter: PagedLayout, client_factory: Callable[[], Client]) -> None:
+                 converter: PagedLayout, client_factory: Callable[[], Client], *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens
         self.blocks_per_chunk = chunk_tokens // block_size
         self.rank = tp_rank
         self.converter = converter
+        self._clock = clock
         self._client_factory = client_factory
         self._client: Client | None = None
         self.caches: list[torch.Tensor] = []
         self.fail = FailOpen("vllm")
         self._save_plans: list[SavePlan] = []
-        self._loaded: set[str] = set()
-        self._saved: dict[tuple[str, int], int] = {}
         self._failed_blocks: set[int] = set()
-        self._stream: "torch.cuda.Stream | None" = None
+        self._load_stream: "torch.cuda.Stream | None" = None
+        self._save_stream: "torch.cuda.Stream | None" = None
         self._layer_events: dict[int, "torch.cuda.Event"] = {}
-        self._views: list[LeaseView] = []  # this step's lease views, closed in finish_step
-        self.stats: dict[str, int] = {"loaded_blocks": 0, "failed_blocks": 0, "stored_chunks": 0, "store_failures": 0}
+        self._in_flight: list[_InFlight] = []
+        self._recving: set[str] = set()  # asynchronous loads done, for get_finished
+        self._report = KvcachedWorkerMetadata()
+        self.stats: dict[str, int] = {"loaded_blocks": 0, "failed_blocks": 0, "stored_chunks": 0, "store_failures": 0,
+                                      "expired_leases": 0}
 
     @property
     def client(self) -> Client:
@@ -75,70 +107,107 @@ class WorkerSide:
             self._client = self._client_factory()
         return self._client
 
+    @property
+    def _cuda(self) -> bool:
+        return self._load_stream is not None
+
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [n for n in self.layer_index if n not in kv_caches]
         if missing:
             raise ValueError(f"kvcached connector: vLLM registered no KV cache for layers {missing[:3]}")
         self.caches = [kv_caches[n] for n in self.layer_index]
         if self.caches and self.caches[0].is_cuda:
-            self._stream = torch.cuda.Stream(device=self.caches[0].device)
+            device = self.caches[0].device
+            self._load_stream = torch.cuda.Stream(device=device)
+            self._save_stream = torch.cuda.Stream(device=device)
         try:  # session and pool mapping now, not on the first request (a daemon that is down: later)
             self.client.warm_up()
         except KvcachedError as e:
             log.info("kvcached connector: worker could not reach the daemon yet (%s); it will on first use", e)
 
+    def _index(self, ids: list[int], stream: "torch.cuda.Stream | None") -> torch.Tensor:
+        """The step's block ids as one int64 tensor on the cache's device: one small host-to-device
+        copy per step (from pinned memory, on ``stream``), not one tensor per chunk and layer."""
+        host = torch.tensor(ids, dtype=torch.long)
+        if stream is None:
+            return host
+        return host.pin_memory().to(self.caches[0].device, non_blocking=True)
+
     # -- loads ---------------------------------------------------------------------------
 
     def start_load(self, meta: KvcachedMetadata) -> None:
-        """Copy each plan's leased chunks into its blocks, layer by layer (see the module docstring)."""
+        """Copy each plan's leased chunks into its blocks (see the module docstring)."""
+        self._layer_events.clear()
         if not meta.loads:
             return
-        views: list[LeaseView] = []
+        batch = _InFlight(None, loads=list(meta.loads))
         items: list[_Copy] = []
-        for lp in meta.loads:
-            items += self._prepare(lp, views)
+        ids: list[int] = []
+        for j, lp in enumerate(meta.loads):
+            items += self._prepare(j, lp, batch.views, ids)
         try:
-            if self._stream is None:
+            if not items:
+                pass
+            elif self._load_stream is None:
+                index = self._index(ids, None)
                 for layer in range(len(self.caches)):
-                    self._copy_layer(items, layer)
+                    self._copy_layer(items, index, layer)
             else:
-                self._layer_events.clear()
-                self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
-                with torch.cuda.stream(self._stream):
+                stream = self._load_stream
+                # After whatever the compute stream did to these blocks (vLLM zeroes new blocks there).
+                stream.wait_stream(torch.cuda.current_stream(stream.device))
+                with torch.cuda.stream(stream):
+                    index = self._index(ids, stream)
+                    batch.keep += [index] + [it.chunk for it in items]
+                    sync = [it for it in items if not meta.loads[it.plan].async_load]
+                    later = [it for it in items if meta.loads[it.plan].async_load]
                     for layer in range(len(self.caches)):
-                        self._copy_layer(items, layer)
-                        ev = torch.cuda.Event()
-                        ev.record(self._stream)
-                        self._layer_events[layer] = ev
+                        self._copy_layer(sync, index, layer)
+                        if sync:
+                            ev = torch.cuda.Event()
+                            ev.record(stream)
+                            self._layer_events[layer] = ev
+                    for layer in range(len(self.caches)):
+                        self._copy_layer(later, index, layer)
+                    batch.event = torch.cuda.Event()
+                    batch.event.record(stream)
         except RuntimeError as e:  # a copy that failed midway: none of this step's loads can be trusted
             self.fail.failed("load", e)
             for it in items:
-                self._failed_blocks.update(it.block_ids.tolist())
-                self.stats["loaded_blocks"] -= it.block_ids.numel()
-                self.stats["failed_blocks"] += it.block_ids.numel()
-        finally:
-            # Closed in finish_step, after the copies are done (closing a CUDA view synchronises the
-            # device, which here would end the layer-by-layer overlap). The leases themselves stay
-            # held by the scheduler side until it hears the loads are done.
-            self._views += views
+                block_ids = ids[it.lo : it.lo + it.take]
+                self._failed_blocks.update(block_ids)
+                self.stats["loaded_blocks"] -= len(block_ids)
+                self.stats["failed_blocks"] += len(block_ids)
+                self._report.load_failed.add(meta.loads[it.plan].key)
+            if self._load_stream is not None and batch.event is None:
+                batch.event = torch.cuda.Event()
+                batch.event.record(self._load_stream)
+        self._in_flight.append(batch)
+        self._poll()
 
     def wait_for_layer(self, layer_name: str) -> None:
         ev = self._layer_events.get(self.layer_index.get(layer_name, -1))
         if ev is not None:
-            torch.cuda.current_stream().wait_event(ev)
+            torch.cuda.current_stream(self.caches[0].device).wait_event(ev)  # the GPU waits; the host does not
 
-    def _copy_layer(self, items: list["_Copy"], layer: int) -> None:
+    def _copy_layer(self, items: list[_Copy], index: torch.Tensor, layer: int) -> None:
         cache, n = self.caches[layer], self.block_size
         for it in items:
-            self.converter.scatter(cache, it.block_ids, it.chunk[:, layer, :, it.sub * n : (it.sub + it.take) * n])
+            self.converter.scatter(cache, index[it.lo : it.lo + it.take],
+                                   it.chunk[:, layer, :, it.sub * n : (it.sub + it.take) * n])
 
-    def _prepare(self, lp: LoadPlan, views: list[LeaseView]) -> list["_Copy"]:
-        """Open the plan's lease and read its chunks (a pool view, or an NVMe read); the blocks
-        past what could be read are load errors, and so reported to vLLM."""
+    def _prepare(self, j: int, lp: LoadPlan, views: list[LeaseView], ids: list[int]) -> list[_Copy]:
+        """Open plan ``j``'s lease and find its chunks (a pool view, or an NVMe read); the blocks
+        past what can be read, and every block of a lease that is running out, are load errors,
+        and so reported to vLLM."""
         ticket = lp.tickets[self.rank] if self.rank < len(lp.tickets) else None
         want = lp.loadable_blocks[self.rank] if ticket is not None else 0
         items: list[_Copy] = []
         done = 0
+        if want and self._clock() >= lp.load_before:
+            want = 0
+            self.stats["expired_leases"] += 1
+            self.fail.failed("load", TimeoutError("the lease ran out before the load; recomputing"))
         if want:
             try:
                 view = self.client.open_lease(ticket)
@@ -152,80 +221,152 @@ class WorkerSide:
                     chunk = view.chunk(chunk_i - first_pos)
                     if chunk.device != device:
                         chunk = chunk.to(device, non_blocking=True)
-                    ids = torch.tensor(lp.block_ids[done : done + take], dtype=torch.long, device=device)
-                    items.append(_Copy(chunk, sub, take, ids))
+                    items.append(_Copy(chunk, sub, take, len(ids), j))
+                    ids += lp.block_ids[done : done + take]
                     done += take
                 self.fail.ok("load")
             except (KvcachedError, OSError, RuntimeError, ValueError) as e:
                 self.fail.failed("load", e)
+                del ids[len(ids) - sum(it.take for it in items):]
+                items, done = [], 0
         failed = lp.block_ids[done:]
-        self._failed_blocks.update(failed)
+        if failed:
+            self._failed_blocks.update(failed)
+            self._report.load_failed.add(lp.key)
         self.stats["loaded_blocks"] += done
         self.stats["failed_blocks"] += len(failed)
-        self._loaded.add(lp.req_id)
         return items
 
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
+    def get_finished(self) -> set[str]:
+        """Asynchronous loads whose copies completed since the last call (vLLM's "finished
+        receiving"; it counts every rank's answer before it schedules the request)."""
+        self._poll()
+        done, self._recving = self._recving, set()
+        return done
+
     # -- saves ---------------------------------------------------------------------------
 
     def begin_step(self, meta: KvcachedMetadata) -> None:
         self._save_plans = list(meta.saves)
 
-    def _store(self, sp: SavePlan) -> None:
-        """Copy this rank's reserved chunks ``from_chunk .. to_chunk - 1`` into their pool room
-        and report how far they are written (-1 on failure: the scheduler commits what was
-        written before and gives the rest back)."""
-        ticket = sp.tickets[self.rank] if self.rank < len(sp.tickets) else None
-        if ticket is None:
-            return
-        try:
-            res = self.client.open_reservation(ticket)
-            slots = [slot for slot in res.slots if sp.from_chunk <= slot.position < sp.to_chunk]
-            for layer, cache in enumerate(self.caches):
-                self._copy_out(sp, res, slots, layer, cache)
-            if slots and self.caches and self.caches[0].is_cuda:
-                torch.cuda.synchronize(self.caches[0].device)  # the commit must not overtake the copies
-        except (KvcachedError, RuntimeError, ValueError) as e:
-            self.fail.failed("store", e)
-            self.stats["store_failures"] += 1
-            self._saved[(sp.req_id, self.rank)] = -1
-            return
-        self.fail.ok("store")
-        self.stats["stored_chunks"] += len(slots)
-        self._saved[(sp.req_id, self.rank)] = sp.to_chunk
+    def finish_step(self) -> None:
+        """Queue this step's stores (after the forward), then take what has completed."""
+        plans, self._save_plans = self._save_plans, []
+        if plans:
+            self._store(plans)
+        self._poll()
 
-    def _copy_out(self, sp: SavePlan, res: ReservationView, slots: list, layer: int, cache: torch.Tensor) -> None:
+    def _store(self, plans: list[SavePlan]) -> None:
+        """Copy this rank's reserved chunks ``from_chunk .. to_chunk - 1`` of each plan into their
+        pool room; each plan is reported, once the copies are done, as written up to
+        ``to_chunk`` (-1 on failure: the scheduler commits what was written before and gives
+        the rest back)."""
+        batch = _InFlight(None)
+        work: list[tuple[Any, Any, int]] = []  # (reservation view, slot, first index)
+        ids: list[int] = []
         k = self.blocks_per_chunk
-        for slot in slots:
-            ids = torch.tensor(sp.block_ids[slot.position * k : (slot.position + 1) * k],
-                               dtype=torch.long, device=cache.device)
+        ok: list[tuple[SavePlan, bool, int]] = []  # (plan, opened, chunks to write)
+        for sp in plans:
+            ticket = sp.tickets[self.rank] if self.rank < len(sp.tickets) else None
+            if ticket is None:
+                continue
+            try:
+                res = self.client.open_reservation(ticket)
+                slots = [slot for slot in res.slots if sp.from_chunk <= slot.position < sp.to_chunk]
+                for slot in slots:
+                    work.append((res, slot, len(ids)))
+                    ids += sp.block_ids[slot.position * k : (slot.position + 1) * k]
+                ok.append((sp, True, len(slots)))
+            except (KvcachedError, RuntimeError, ValueError) as e:
+                self.fail.failed("store", e)
+                ok.append((sp, False, 0))
+        try:
+            if work and self._save_stream is None:
+                index = self._index(ids, None)
+                for layer, cache in enumerate(self.caches):
+                    self._copy_out(work, index, layer, cache, batch)
+            elif work:
+                stream = self._save_stream
+                compute = torch.cuda.current_stream(stream.device)
+                stream.wait_stream(compute)  # after the forward wrote the blocks
+                with torch.cuda.stream(stream):
+                    index = self._index(ids, stream)
+                    batch.keep.append(index)
+                    for layer, cache in enumerate(self.caches):
+                        self._copy_out(work, index, layer, cache, batch)
+                    batch.event = torch.cuda.Event()
+                    batch.event.record(stream)
+                compute.wait_event(batch.event)  # no later step overwrites a block before it is read
+        except RuntimeError as e:
+            self.fail.failed("store", e)
+            ok = [(sp, False, 0) for sp, _, _ in ok]
+            if self._save_stream is not None and batch.event is None:
+                batch.event = torch.cuda.Event()
+                batch.event.record(self._save_stream)
+        for sp, good, n in ok:
+            if good:
+                self.fail.ok("store")
+                self.stats["stored_chunks"] += n
+            else:
+                self.stats["store_failures"] += 1
+            batch.saves.append((sp, sp.to_chunk if good else -1))
+        self._in_flight.append(batch)
+
+    def _copy_out(self, work: list, index: torch.Tensor, layer: int, cache: torch.Tensor, batch: _InFlight) -> None:
+        k = self.blocks_per_chunk
+        for res, slot, lo in work:
             dst = res.view(slot)[:, layer]
+            block_ids = index[lo : lo + k]
             if dst.device == cache.device:
-                self.converter.gather(cache, ids, dst)
+                self.converter.gather(cache, block_ids, dst)
             else:  # a host pool for a GPU engine: gather on the GPU, then one copy
                 tmp = torch.empty(dst.shape, dtype=dst.dtype, device=cache.device)
-                self.converter.gather(cache, ids, tmp)
+                self.converter.gather(cache, block_ids, tmp)
                 dst.copy_(tmp)
+                batch.keep.append(tmp)
 
-    def finish_step(self) -> KvcachedWorkerMetadata | None:
-        plans, self._save_plans = self._save_plans, []
-        for sp in plans:
-            self._store(sp)
-        if self._stream is not None and self._layer_events:
-            self._stream.synchronize()  # the leases may be released once we report the loads done
-            self._layer_events.clear()
-        views, self._views = self._views, []
-        for v in views:
-            v.release()
-        loaded, self._loaded = self._loaded, set()
-        saved, self._saved = self._saved, {}
-        return KvcachedWorkerMetadata(loaded, saved) if loaded or saved else None
+    # -- reports ---------------------------------------------------------------------------
+
+    def _poll(self) -> None:
+        """Move every batch whose copies completed into the report (never waits)."""
+        still: list[_InFlight] = []
+        for batch in self._in_flight:
+            if not batch.done():
+                still.append(batch)
+                continue
+            for v in batch.views:
+                v.release(synced=True)  # its copies are done: no device synchronisation
+            r = self._report
+            for lp in batch.loads:
+                r.loaded[(lp.key, self.rank)] = r.loaded.get((lp.key, self.rank), 0) + 1
+                if lp.async_load:
+                    self._recving.add(lp.req_id)
+            for sp, upto in batch.saves:
+                r.saved.setdefault((sp.key, self.rank), []).append(upto)
+        self._in_flight = still
+
+    def take_report(self) -> KvcachedWorkerMetadata | None:
+        """What completed since the last report (the step's ``kv_connector_worker_meta``)."""
+        self._poll()
+        report, self._report = self._report, KvcachedWorkerMetadata()
+        return report if report else None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
 
     def close(self) -> None:
         self._save_plans = []
+        if self._in_flight and self._load_stream is not None:
+            for batch in self._in_flight:  # shutting down: the pool must not be unmapped under a copy
+                if batch.event is not None:
+                    batch.event.synchronize()
+        self._in_flight = []
         if self._client is not None:
             self._client.close()
             self._client = None
+
