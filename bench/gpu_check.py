@@ -27,10 +27,23 @@ and once more at the end (also on an exception or SIGTERM), with the daemon's lo
    NVMe reads are likely served from the page cache (the chunks were just written): this times
    the daemon's promotion path, not the disk. Each promoted prompt is checked bit-exactly.
 5. ``vllm_paged``: the vLLM connector's GPU data path without vLLM (its CUDA build does not fit
-   the device tool's 64 MiB carry): the leased chunks (CUDA pool) scattered into a paged cache
-   in each layout a GPU backend uses (``channel-split``: FlashAttention's token-major NHD and the
-   head-major order; kvcached_client/vllm/paged.py), and gathered back: bit-exact, and the
-   scatter's GPU time vs a plain device copy of the same bytes (CUDA events).
+   the device tool's 64 MiB carry; kvcached_client.vllm.plan falls back to stand-ins for vLLM's
+   base classes), checked against a paged cache built independently of the converters
+   (``expected_paged``: plain per-token assignment of K to channels [:D] and V to [D:], in each
+   layout a GPU backend uses: FlashAttention's token-major NHD and the head-major order). The
+   data is a prompt of its own whose K are all positive and V all negative, with magnitudes
+   drawn per element (``pattern_kv``), so a K/V swap, a transpose or any offset shows; put, then
+   leased from the CUDA pool. Per layout: (a) ``channel-split``'s scatter of the leased chunks
+   (kvcached_client/vllm/paged.py) is bit-identical to the expected cache, and gathering back
+   gives the chunks; (b) the worker side itself (``WorkerSide``, its side streams and events):
+   a synchronous load, with a kernel per layer on the current stream after
+   ``wait_for_layer`` that must see the layer loaded, reported loaded only once its copies are
+   done, the cache bit-exact; an asynchronous load, reported by ``get_finished``; a store of a
+   new prompt (``acquire_reserve``, the paged cache filled from an expected layout, a save
+   plan, reported, committed, read back bit-exact). Figures: the scatter's, the worker's load's
+   and its store's GPU time (CUDA events) vs a plain device copy of the same bytes, and how
+   often the worker's step calls synchronised the device (``torch.cuda.synchronize`` and the
+   stream and event waits, counted): it must be 0.
 6. ``killed_client``: a holder process (``nvme_read="promote"``) leases the prompt's pool chunks
    and is killed with SIGKILL; its leases must end with its session, and after evicting the
    unpinned chunks every pool byte must be free (``free_bytes == capacity_bytes``).
@@ -278,6 +291,547 @@ def time_copies(pairs: list, passes: int) -> float:
     return start.elapsed_time(end) / 1e3 / (passes * len(pairs))
 
 
+# -- vllm_paged: the connector's data path against an independently built paged layout --------
+#
+# Module-level so that tests/bench/test_gpu_check_paged.py runs the same code on the CPU (a host
+# pool, a CPU paged cache; the worker copies synchronously there), all of it but the CUDA
+# streams, events and timings.
+
+#: The physical orders of a channel-split cache: FlashAttention's NHD (token-major blocks,
+#: memory [blocks, block_size, heads, 2D]) and head-major blocks (memory [blocks, heads,
+#: block_size, 2D]); either is seen by the converter through the logical [B, H, N, 2D] view.
+ORDERS = ("BNHC", "BHNC")
+PAGED_BLOCK = 16  # vLLM's default GPU block size: a 128-token chunk spans 8 blocks
+REPORT_TIMEOUT = 10.0  # the worker reporting a plan whose copies are done (a CUDA event that fired)
+
+
+def pattern_kv(layers: int, heads: int, tokens: int, head_dim: int, dtype, *, seed: int, device="cpu"):
+    """[2, layers, heads, tokens, head_dim] K/V on which any misplaced element shows: K > 0 and
+    V < 0 everywhere (a K/V swap flips every sign), magnitudes ``(1 + m / 128) * 2**e`` with m in
+    0..127 and e in -8..7 drawn per element (2,048 values, each exact in bfloat16, float16 and
+    float32, none zero, no NaN): an element moved onto another place (a transpose, a token,
+    head, layer, block or channel offset) differs from what is there with probability
+    2047/2048, so over a block's thousands of elements every such error shows. The values are
+    built bit by bit as float32 (no arithmetic that could round), then cast exactly."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    shape = (2, layers, heads, tokens, head_dim)
+    m = torch.randint(0, 128, shape, generator=g, device=device, dtype=torch.int16).int()
+    e = torch.randint(-8, 8, shape, generator=g, device=device, dtype=torch.int16).int()
+    bits = ((e + 127) << 23) | (m << 16)  # float32: sign 0, biased exponent, 7 fraction bits
+    bits[1] |= torch.iinfo(torch.int32).min  # the sign bit: V negative
+    return bits.view(torch.float32).to(dtype)
+
+
+def physical_shape(order: str, layers: int, num_blocks: int, block: int, heads: int, head_dim: int) -> tuple:
+    """The memory shape of a paged cache of every layer, [layers, ...] (one layer: ``[l]``)."""
+    if order == "BNHC":
+        return (layers, num_blocks, block, heads, 2 * head_dim)
+    if order == "BHNC":
+        return (layers, num_blocks, heads, block, 2 * head_dim)
+    raise ValueError(f"unknown paged order {order!r}")
+
+
+def logical_view(phys_layer, order: str):
+    """One layer's physical cache seen as vLLM's logical [B, H, N, 2D] (what a converter gets)."""
+    return phys_layer.permute(0, 2, 1, 3) if order == "BNHC" else phys_layer
+
+
+def expected_paged(kv, block_ids, block: int, num_blocks: int, order: str):
+    """The physical paged cache, [layers, ...] as :func:`physical_shape`, that holds ``kv``
+    ([2, layers, heads, tokens, head_dim]: a prompt's K/V from its first token) in ``block_ids``
+    (block j of the prompt, tokens ``j * block`` onwards, in block ``block_ids[j]``) and zeros in
+    every other block, built by plain per-token assignment from what the layout means, not by a
+    converter: for token t of block j (prompt token ``j * block + t``), K in channels [:D] and
+    V in channels [D:] of that token's row, for every layer and head at once:
+
+    * BNHC (NHD): ``cache[layer, b, t, h, :D] = K[layer, h, token]``, ``cache[layer, b, t, h, D:] = V[...]``
+    * BHNC (HND): ``cache[layer, b, h, t, :D] = K[layer, h, token]``, ``cache[layer, b, h, t, D:] = V[...]``
+    """
+    import torch
+
+    _, layers, heads, tokens, d = kv.shape
+    block_ids = [int(b) for b in block_ids]
+    if len(set(block_ids)) != len(block_ids) or not all(0 <= b < num_blocks for b in block_ids):
+        raise ValueError(f"block ids must be distinct and in 0..{num_blocks - 1}")
+    if len(block_ids) * block > tokens:
+        raise ValueError(f"{len(block_ids)} blocks of {block} tokens, but kv holds {tokens} tokens")
+    phys = torch.zeros(physical_shape(order, layers, num_blocks, block, heads, d), dtype=kv.dtype, device=kv.device)
+    for j, b in enumerate(block_ids):
+        for t in range(block):
+            token = j * block + t
+            if order == "BNHC":
+                phys[:, b, t, :, :d] = kv[0, :, :, token]  # [layers, heads, D]
+                phys[:, b, t, :, d:] = kv[1, :, :, token]
+            else:
+                phys[:, b, :, t, :d] = kv[0, :, :, token]
+                phys[:, b, :, t, d:] = kv[1, :, :, token]
+    return phys
+
+
+def bits(t):
+    """The tensor's bytes as integers of its element size (a view): bit-exact comparisons, with
+    -0.0 != 0.0 and NaN == NaN of the same bits."""
+    import torch
+
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def same_bits(a, b) -> bool:
+    import torch
+
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(bits(a), bits(b)))
+
+
+def layout_mismatch(got, want, order: str) -> str | None:
+    """None if the physical caches ``got`` and ``want`` ([layers, ...]) are bit-identical, else
+    where and how they differ."""
+    import torch
+
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"shape {list(got.shape)} {got.dtype}, expected {list(want.shape)} {want.dtype}"
+    if torch.equal(bits(got), bits(want)):
+        return None
+    g, w = got.cpu(), want.cpu()
+    diff = bits(g) != bits(w)
+    i = int(diff.reshape(-1).to(torch.uint8).argmax())  # the first difference (nonzero() would list them all)
+    first: tuple[int, ...] = ()
+    for size in reversed(diff.shape):
+        first, i = (i % size, *first), i // size
+    names = ("layer", "block", "token", "head", "channel") if order == "BNHC" else \
+            ("layer", "block", "head", "token", "channel")
+    where = ", ".join(f"{k} {v}" for k, v in zip(names, first))
+    d = w.shape[-1] // 2
+    hint = ""
+    if torch.equal(bits(g), bits(torch.cat([w[..., d:], w[..., :d]], dim=-1))):
+        hint = " (K and V swapped)"
+    elif not bool(bits(g).any()):
+        hint = " (the cache was not written at all)"
+    return (f"{int(diff.sum())} of {diff.numel()} elements differ, first at {where}: "
+            f"{g[first].item()!r} instead of {w[first].item()!r}{hint}")
+
+
+def block_ids_for(n_blocks: int, num_blocks: int, seed: int) -> list[int]:
+    """``n_blocks`` distinct block ids out of ``num_blocks``, scattered as vLLM allocates them."""
+    import torch
+
+    return torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))[:n_blocks].tolist()
+
+
+def scatter_chunks(converter, views: list, chunks: list, ids_dev, per_chunk: int) -> None:
+    """Chunk i of a prompt into blocks ``ids[i * per_chunk : (i + 1) * per_chunk]``, every layer."""
+    for i, ch in enumerate(chunks):
+        bid = ids_dev[i * per_chunk : (i + 1) * per_chunk]
+        for layer, v in enumerate(views):
+            converter.scatter(v, bid, ch[:, layer])
+
+
+def gather_chunks(converter, views: list, like: list, ids_dev, per_chunk: int) -> list:
+    import torch
+
+    back = [torch.empty_like(ch) for ch in like]
+    for i, out in enumerate(back):
+        bid = ids_dev[i * per_chunk : (i + 1) * per_chunk]
+        for layer, v in enumerate(views):
+            converter.gather(v, bid, out[:, layer])
+    return back
+
+
+class Clock:
+    """GPU seconds between two CUDA events on the current stream (on a CUDA device), else wall
+    seconds. ``stop`` waits on the host for the end event: call it outside what is watched."""
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self.cuda = torch.device(device).type == "cuda"
+        if self.cuda:
+            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self._t = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start.record()
+        else:
+            self._t = time.perf_counter()
+
+    def stop(self) -> float:
+        if not self.cuda:
+            return time.perf_counter() - self._t
+        self._end.record()
+        self._end.synchronize()
+        return self._start.elapsed_time(self._end) / 1e3
+
+
+def d2d_seconds(nbytes: int, device, rounds: int) -> float:
+    """Median seconds of one plain ``copy_`` of ``nbytes`` between two tensors on ``device``."""
+    import torch
+
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    clock = Clock(device)
+
+    def once() -> float:
+        clock.start()
+        dst.copy_(src)
+        return clock.stop()
+
+    return median_time(once, rounds)
+
+
+class SyncWatch:
+    """Counts the device-, stream- and event-wide CUDA synchronisations (``torch.cuda.synchronize``,
+    ``torch.cuda.Stream.synchronize``, ``torch.cuda.Event.synchronize``, looked up at call time
+    by whatever calls them) made inside :meth:`call`, and on a CUDA device collects what torch's
+    sync debug mode flags there (host-blocking calls such as ``.item()``). Installed for a
+    ``with`` block; the patches are undone at its end."""
+
+    KINDS = ("torch.cuda.synchronize", "torch.cuda.Stream.synchronize", "torch.cuda.Event.synchronize")
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.counts = dict.fromkeys(self.KINDS, 0)
+        self.flagged: list[str] = []
+        self.calls = 0
+        self._active = False
+        self._saved: list = []
+
+    def __enter__(self) -> "SyncWatch":
+        import torch
+
+        targets = [(torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "synchronize")]
+        for (obj, attr), kind in zip(targets, self.KINDS):
+            orig = getattr(obj, attr)
+            self._saved.append((obj, attr, orig))
+            setattr(obj, attr, self._counting(kind, orig))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for obj, attr, orig in reversed(self._saved):
+            setattr(obj, attr, orig)
+        self._saved = []
+
+    def _counting(self, kind: str, orig: Callable) -> Callable:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self._active:
+                self.counts[kind] += 1
+            return orig(*args, **kwargs)
+
+        return counted
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def call(self, fn: Callable, *args: Any) -> Any:
+        import warnings
+
+        import torch
+
+        self.calls += 1
+        self._active = True
+        mode = None
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if self.cuda:
+                    mode = torch.cuda.get_sync_debug_mode()
+                    torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    return fn(*args)
+                finally:
+                    if mode is not None:
+                        torch.cuda.set_sync_debug_mode(mode)
+        finally:
+            self._active = False
+            name = getattr(fn, "__name__", repr(fn))
+            self.flagged += [f"{name}: {w.message}"[:300] for w in caught if "synchroniz" in str(w.message)]
+
+
+def put_pattern(c, layout, tokens: list[int], *, seed: int, device):
+    """Put a :func:`pattern_kv` prompt; returns its K/V (on ``device``)."""
+    from kvcached.kv import torch_dtype
+
+    kv = pattern_kv(layout.num_layers, layout.num_kv_heads, len(tokens), layout.head_dim, torch_dtype(layout.dtype),
+                    seed=seed, device=device)
+    stored = c.put(layout, tokens, kv).stored_chunks
+    check(stored == len(tokens) // layout.chunk_tokens,
+          f"the pattern prompt stored {stored} of {len(tokens) // layout.chunk_tokens} chunks")
+    return kv
+
+
+def converter_check(converter, chunks: list, kv, order: str, *, block: int, rounds: int, seed: int = 11,
+                    fig: dict | None = None) -> dict:
+    """Scatter a prompt's leased chunks with ``converter`` into a zeroed paged cache of ``order``
+    (every layer, twice the blocks the prompt needs, at scattered ids): the physical cache must
+    be bit-identical to :func:`expected_paged` of the K/V the chunks hold (``kv``), and
+    gathering the blocks back must give the chunks again. The scatter's time against a plain
+    copy of the same bytes. The figures go into ``fig`` (as they are found: a failed check
+    leaves those before it), which is returned."""
+    import torch
+
+    fig = {} if fig is None else fig
+    device = chunks[0].device
+    _, layers, heads, chunk_tokens, d = chunks[0].shape
+    per_chunk = chunk_tokens // block
+    n_blocks = len(chunks) * per_chunk
+    num_blocks = 2 * n_blocks
+    ids = block_ids_for(n_blocks, num_blocks, seed)
+    ids_dev = torch.tensor(ids, dtype=torch.long, device=device)
+    phys = torch.zeros(physical_shape(order, layers, num_blocks, block, heads, d), dtype=chunks[0].dtype, device=device)
+    views = [logical_view(phys[layer], order) for layer in range(layers)]
+    want = expected_paged(kv, ids, block, num_blocks, order)
+    scatter_chunks(converter, views, chunks, ids_dev, per_chunk)
+    wrong = layout_mismatch(phys, want, order)
+    clock = Clock(device)
+
+    def timed() -> float:
+        clock.start()
+        scatter_chunks(converter, views, chunks, ids_dev, per_chunk)
+        return clock.stop()
+
+    sc = median_time(timed, rounds)  # the same chunks again: the same bytes
+    back = gather_chunks(converter, views, chunks, ids_dev, per_chunk)
+    exact_back = all(same_bits(a, b) for a, b in zip(chunks, back))
+    nbytes = sum(ch.numel() * ch.element_size() for ch in chunks)
+    fig.update(matches_expected_layout=wrong is None, layout_error=wrong, bit_exact=exact_back, scatter_seconds=sc,
+               scatter_gbps=nbytes / sc / 1e9, bytes=nbytes, block_size=block, blocks=n_blocks)
+    check(wrong is None, f"{order}: the converter's scatter differs from the expected paged layout: {wrong}")
+    check(exact_back, f"{order}: chunks gathered back from the paged cache differ from the leased ones")
+    return fig
+
+
+def _wait_report(w, watch: SyncWatch, done: Callable, what: str, timeout: float) -> tuple:
+    """Poll the worker (``take_report`` and ``get_finished``, never blocking) until ``done(report,
+    finished)``; returns the merged report and the finished set."""
+    from kvcached_client.vllm.plan import KvcachedWorkerMetadata
+
+    report, finished = KvcachedWorkerMetadata(), set()
+    deadline = time.monotonic() + timeout
+    while True:
+        r = watch.call(w.take_report)
+        if r is not None:
+            report = report.aggregate(r)
+        finished |= watch.call(w.get_finished)
+        if done(report, finished):
+            return report, finished
+        if time.monotonic() > deadline:
+            raise StepFailed(f"timed out after {timeout:.0f} s waiting for the worker to report {what}; it reported "
+                             f"loaded={report.loaded}, saved={report.saved}, load_failed={report.load_failed}, "
+                             f"finished={finished}")
+        time.sleep(0.002)
+
+
+def worker_check(c, client_factory: Callable, layout, lease, kv, order: str, store_tokens: list[int], *,
+                 converter, block: int, rounds: int, watch: SyncWatch, store_seed: int, d2d: float,
+                 seed: int = 21, timeout: float = REPORT_TIMEOUT, fig: dict | None = None) -> dict:
+    """The connector's worker side (:class:`WorkerSide`, its real stream and event code on a CUDA
+    cache) on a paged cache of ``order``, checked against :func:`expected_paged`:
+
+    1. a synchronous load of the whole leased prompt (``kv``): ``begin_step``, ``start_load``,
+       then per layer ``wait_for_layer`` and a kernel on the current stream that reads the
+       layer's blocks (it must see them loaded: the layer's event orders it), ``finish_step``;
+       the plan is reported loaded once (only after its copies are done); the cache bit-exact;
+    2. the same load timed, ``rounds`` times (start and end events on the current stream: the
+       load stream waits for the first, the last layer's event precedes the second);
+    3. an asynchronous load into the zeroed cache: ``get_finished`` says the request is done
+       once the copies are, the cache bit-exact;
+    4. a store: the cache filled with an independently built prompt (``store_tokens``, not
+       cached), reserved with ``acquire_reserve``; a save plan; reported written; committed;
+       read back through a lease: the chunks are the K/V the cache was built from.
+
+    Every worker call is made through ``watch``, which counts device synchronisations. The
+    figures go into ``fig`` as they are found, which is returned."""
+    import torch
+
+    from kvcached.kv import torch_dtype
+    from kvcached_client.vllm.plan import KvcachedMetadata, LoadPlan, SavePlan
+    from kvcached_client.vllm.worker import WorkerSide
+
+    device = lease.chunk(0).device
+    lay, n_chunks = layout, len(lease)
+    per_chunk = lay.chunk_tokens // block
+    n_blocks = n_chunks * per_chunk
+    num_blocks = 2 * n_blocks
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(lay.num_layers)]
+    phys = torch.zeros(physical_shape(order, lay.num_layers, num_blocks, block, lay.num_kv_heads, lay.head_dim),
+                       dtype=torch_dtype(lay.dtype), device=device)
+    views = [logical_view(phys[layer], order) for layer in range(lay.num_layers)]
+    ids = block_ids_for(n_blocks, num_blocks, seed)
+    ids_dev = torch.tensor(ids, dtype=torch.long, device=device)
+    want = expected_paged(kv, ids, block, num_blocks, order)
+    nbytes = n_chunks * lay.chunk_bytes
+    fig = {} if fig is None else fig
+    fig.update(blocks=n_blocks, bytes=nbytes)
+    clock = Clock(device)
+
+    def load_plan(async_load: bool):
+        return KvcachedMetadata(loads=[LoadPlan(req_id="r", key=1, first_block=0, block_ids=tuple(ids),
+                                                tickets=(lease.ticket(),), loadable_blocks=(n_blocks,),
+                                                load_before=time.monotonic() + 60, async_load=async_load)])
+
+    def loaded(what: str) -> tuple:
+        report, finished = _wait_report(w, watch, lambda r, f: (1, 0) in r.loaded, what, timeout)
+        check(report.loaded == {(1, 0): 1} and not report.load_failed and not report.saved,
+              f"{order}: {what}: the worker reported loaded={report.loaded}, load_failed={report.load_failed}, "
+              f"saved={report.saved}; expected loaded={{(1, 0): 1}} only")
+        failed = watch.call(w.take_failed_blocks)
+        check(not failed, f"{order}: {what}: {len(failed)} blocks reported as failed loads")
+        return report, finished
+
+    w = WorkerSide(names, block, lay.chunk_tokens, tp_rank=0, converter=converter, client_factory=client_factory)
+    try:
+        w.register(dict(zip(names, views)))
+        fig["side_streams"] = w._load_stream is not None and w._save_stream is not None
+        check(fig["side_streams"] == (device.type == "cuda"),
+              f"{order}: the worker made side streams: {fig['side_streams']}, for a cache on {device}")
+
+        # 1. synchronous load, the forward reading each layer after its wait
+        def layer_sum(layer: int):  # a kernel reading the layer's loaded blocks (no host wait)
+            return views[layer].index_select(0, ids_dev).abs().float().sum()
+
+        sums = torch.zeros(lay.num_layers, dtype=torch.float32, device=device)
+        meta = load_plan(False)
+        watch.call(w.begin_step, meta)
+        watch.call(w.start_load, meta)
+        for layer, name in enumerate(names):
+            watch.call(w.wait_for_layer, name)
+            sums[layer] = layer_sum(layer)  # the "forward", on the current stream
+        watch.call(w.finish_step)
+        _, finished = loaded("a synchronous load")
+        check(finished == set(), f"{order}: a synchronous load was reported finished receiving: {finished}")
+        wrong = layout_mismatch(phys, want, order)
+        fig["sync_load_matches_expected_layout"] = wrong is None
+        check(wrong is None, f"{order}: after the worker's synchronous load the paged cache differs from the "
+                             f"expected layout: {wrong}")
+        ref = torch.stack([layer_sum(layer) for layer in range(lay.num_layers)])  # now that the copies are done
+        fig["layer_reads_after_wait"] = ok = bool(torch.allclose(sums, ref, rtol=1e-6, atol=0.0))
+        check(ok, f"{order}: a kernel on the current stream after wait_for_layer read other values than the loaded "
+                  f"blocks hold (per-layer sums {sums.tolist()[:4]}... vs {ref.tolist()[:4]}...): the layer's wait "
+                  "does not order the forward after its copies")
+
+        # 2. the same load, timed
+        times = []
+        for _ in range(max(1, rounds)):
+            meta = load_plan(False)
+            clock.start()
+            watch.call(w.begin_step, meta)
+            watch.call(w.start_load, meta)
+            for name in names:
+                watch.call(w.wait_for_layer, name)
+            times.append(clock.stop())
+            watch.call(w.finish_step)
+            loaded("a timed synchronous load")
+        load_s = statistics.median(times)
+        fig.update(load_seconds=load_s, load_gbps=nbytes / load_s / 1e9, load_ratio_vs_d2d=d2d / load_s,
+                   load_rounds=len(times))
+
+        # 3. asynchronous load into the zeroed cache
+        phys.zero_()
+        meta = load_plan(True)
+        watch.call(w.begin_step, meta)
+        watch.call(w.start_load, meta)
+        watch.call(w.finish_step)
+        report, finished = _wait_report(w, watch, lambda r, f: (1, 0) in r.loaded and "r" in f,
+                                        "an asynchronous load", timeout)  # no layer waits: nothing in the step reads it
+        check(report.loaded == {(1, 0): 1} and not report.load_failed and finished == {"r"},
+              f"{order}: an asynchronous load: the worker reported loaded={report.loaded}, "
+              f"load_failed={report.load_failed}, finished receiving {finished}; expected {{(1, 0): 1}} and {{'r'}}")
+        failed = watch.call(w.take_failed_blocks)
+        check(not failed, f"{order}: an asynchronous load: {len(failed)} blocks reported as failed loads")
+        wrong = layout_mismatch(phys, want, order)
+        fig["async_load_matches_expected_layout"] = wrong is None
+        check(wrong is None, f"{order}: after the worker's asynchronous load the paged cache differs from the "
+                             f"expected layout: {wrong}")
+
+        # 4. store: the cache holds a new prompt (as if the forward had computed it)
+        c.sync()  # the previous order's read-back lease is released on the daemon before this reserve
+        kv_s = pattern_kv(lay.num_layers, lay.num_kv_heads, len(store_tokens), lay.head_dim, torch_dtype(lay.dtype),
+                          seed=store_seed, device=device)
+        ids_s = block_ids_for(n_blocks, num_blocks, seed + 1)
+        phys.copy_(expected_paged(kv_s, ids_s, block, num_blocks, order))
+        req = c.acquire_reserve(lay, store_tokens, reservation_ttl=600)
+        try:
+            slots = [s.position for s in req.reservation.slots]
+            check(req.matched_tokens == 0 and slots == list(range(n_chunks)),
+                  f"{order}: the store prompt's reservation: {req.matched_tokens} tokens cached, slots {slots}; "
+                  f"expected none cached and slots 0..{n_chunks - 1}")
+            meta = KvcachedMetadata(saves=[SavePlan(req_id="s", key=2, tickets=(req.reservation.ticket(),),
+                                                    from_chunk=0, to_chunk=n_chunks, block_ids=tuple(ids_s))])
+            clock.start()
+            watch.call(w.begin_step, meta)
+            watch.call(w.start_load, meta)
+            watch.call(w.finish_step)  # the compute stream waits for the store's copies
+            store_s = clock.stop()
+            report, _ = _wait_report(w, watch, lambda r, f: (2, 0) in r.saved, "a store", timeout)
+            check(report.saved == {(2, 0): [n_chunks]} and not report.loaded and not report.load_failed,
+                  f"{order}: the worker reported saved={report.saved}, loaded={report.loaded}, "
+                  f"load_failed={report.load_failed}; expected saved={{(2, 0): [{n_chunks}]}} only")
+            stored = req.finish().stored_chunks
+        except BaseException:
+            if not req.reservation.done:
+                req.finish(commit=False)
+            raise
+        check(stored == n_chunks, f"{order}: the commit stored {stored} of {n_chunks} chunks")
+        fig.update(store_seconds=store_s, store_gbps=nbytes / store_s / 1e9, store_ratio_vs_d2d=d2d / store_s,
+                   stored_chunks=stored)
+        with c.acquire(lay, store_tokens) as back:
+            check(back.matched_tokens == len(store_tokens),
+                  f"{order}: the stored prompt matched {back.matched_tokens} of {len(store_tokens)} tokens")
+            ct = lay.chunk_tokens
+            bad = [i for i in range(len(back)) if not same_bits(back.chunk(i), kv_s[:, :, :, i * ct : (i + 1) * ct])]
+        fig["store_bit_exact"] = not bad
+        check(not bad, f"{order}: stored chunks {bad} differ from the K/V the paged cache was built from")
+    finally:
+        w.close()
+    return fig
+
+
+def paged_check(c, client_factory: Callable, layout, n_chunks: int, fig: dict, *, device, rounds: int,
+                block: int = PAGED_BLOCK, converter=None, token_base: int = 1_000_000_000) -> None:
+    """The ``vllm_paged`` step on the daemon ``c`` talks to (its pool on ``device``): a
+    :func:`pattern_kv` prompt put and leased; per order, :func:`converter_check` on the leased
+    chunks, then :func:`worker_check`; the worker's step calls must not synchronise the device."""
+    import torch
+
+    from kvcached_client.vllm.paged import CHANNEL_SPLIT
+
+    converter = converter or CHANNEL_SPLIT
+    n = n_chunks * layout.chunk_tokens
+    tokens = [token_base + i for i in range(n)]
+    kv = put_pattern(c, layout, tokens, seed=5, device=device)
+    nbytes = n_chunks * layout.chunk_bytes
+    fig["d2d_seconds"] = d2d = d2d_seconds(nbytes, device, rounds)
+    fig["d2d_gbps"] = nbytes / d2d / 1e9
+    fig["converter"] = converter.name
+    watch = SyncWatch(torch.device(device).type == "cuda")
+    try:
+        with watch, c.acquire(layout, tokens, ttl=600) as lease:
+            check(lease.matched_tokens == n and len(lease) == n_chunks,
+                  f"the pattern prompt's lease matched {lease.matched_tokens} of {n} tokens in {len(lease)} chunks")
+            check(not any(loc.nvme_key for loc in lease.locations), "the pattern prompt's lease has chunks on NVMe")
+            chunks = [lease.chunk(i) for i in range(n_chunks)]
+            ct = layout.chunk_tokens
+            check(all(ch.device == torch.device(device) for ch in chunks), f"leased chunks are not on {device}")
+            bad = [i for i, ch in enumerate(chunks) if not same_bits(ch, kv[:, :, :, i * ct : (i + 1) * ct])]
+            check(not bad, f"leased chunks {bad} differ from the pattern prompt that was put")
+            for k, order in enumerate(ORDERS):
+                fig[order] = f = {}
+                converter_check(converter, chunks, kv, order, block=block, rounds=rounds, fig=f)
+                f["ratio_vs_d2d"] = d2d / f["scatter_seconds"]
+                store = [token_base + (k + 1) * 1_000_000 + i for i in range(n)]
+                f["worker"] = {}
+                worker_check(c, client_factory, layout, lease, kv, order, store, converter=converter, block=block,
+                             rounds=rounds, watch=watch, store_seed=6 + k, d2d=d2d, fig=f["worker"])
+    finally:
+        fig["worker_calls_watched"] = watch.calls
+        fig["worker_synchronize_calls"] = dict(watch.counts)
+        fig["worker_host_syncs_flagged"] = watch.flagged[:20]
+    check(watch.total == 0, f"the worker synchronised the device {watch.total} times in its step calls "
+                            f"({watch.counts}): it must wait on events, never on the whole device")
+
+
 class GpuCheck:
     def __init__(self, args: argparse.Namespace, report: Report, tmp: str) -> None:
         from kvcached_client import KVLayout
@@ -436,65 +990,15 @@ class GpuCheck:
         return median_time(once, 5)
 
     def vllm_paged(self, entry: dict) -> None:
+        from kvcached_client import Client
+
+        def worker_client() -> Client:  # the worker side's own client, as a vLLM worker process has
+            return Client(self.daemon.socket, timeout=RPC_TIMEOUT, nvme_read="promote")
+
         with self.client() as c:
-            self._vllm_paged(c, entry["figures"])
+            paged_check(c, worker_client, self.layout, self.chunks, entry["figures"], device="cuda",
+                        rounds=self.args.rounds)
             c.sync()  # the release is asynchronous: done before the next step counts leases
-
-    def _vllm_paged(self, c, fig: dict) -> None:
-        import torch
-
-        from kvcached_client.vllm.paged import CHANNEL_SPLIT
-
-        lay = self.layout
-        block = 16  # vLLM's default GPU block size; one chunk spans chunk_tokens / 16 blocks
-        per_chunk = lay.chunk_tokens // block
-        with c.acquire(lay, self.tokens) as lease:
-            chunks = [lease.chunk(i) for i in range(len(lease))]
-            n_blocks = len(chunks) * per_chunk
-            for order in ("BNHC", "BHNC"):  # FlashAttention's NHD (token-major), and head-major
-                shape = ((n_blocks * 2, block, lay.num_kv_heads, 2 * lay.head_dim) if order == "BNHC"
-                         else (n_blocks * 2, lay.num_kv_heads, block, 2 * lay.head_dim))
-                caches = [torch.zeros(shape, dtype=chunks[0].dtype, device="cuda") for _ in range(lay.num_layers)]
-                views = [t.permute(0, 2, 1, 3) if order == "BNHC" else t for t in caches]
-                perm = torch.randperm(n_blocks * 2, device="cuda")[:n_blocks]  # scattered, as vLLM allocates
-                ids = [perm[i * per_chunk : (i + 1) * per_chunk] for i in range(len(chunks))]
-
-                def scatter() -> None:
-                    for ch, bid in zip(chunks, ids):
-                        for layer, v in enumerate(views):
-                            CHANNEL_SPLIT.scatter(v, bid, ch[:, layer])
-
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                scatter()  # warm-up
-                times = []
-                for _ in range(self.args.rounds):
-                    start.record()
-                    scatter()
-                    end.record()
-                    end.synchronize()
-                    times.append(start.elapsed_time(end) / 1e3)
-                back = [torch.empty_like(ch) for ch in chunks]
-                for ch, bid, out in zip(chunks, ids, back):
-                    for layer, v in enumerate(views):
-                        CHANNEL_SPLIT.gather(v, bid, out[:, layer])
-                exact = all(torch.equal(a, b) for a, b in zip(chunks, back))
-                nbytes = len(chunks) * lay.chunk_bytes
-                src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-                dst = torch.empty_like(src)
-
-                def plain() -> float:
-                    start.record()
-                    dst.copy_(src)
-                    end.record()
-                    end.synchronize()
-                    return start.elapsed_time(end) / 1e3
-
-                d2d = median_time(plain, self.args.rounds)
-                sc = statistics.median(times)
-                fig[order] = {"bit_exact": exact, "scatter_seconds": sc, "d2d_seconds": d2d,
-                              "scatter_gbps": nbytes / sc / 1e9, "ratio_vs_d2d": d2d / sc, "bytes": nbytes,
-                              "block_size": block, "blocks": n_blocks}
-                check(exact, f"{order}: chunks gathered back from the paged cache differ from the leased ones")
 
     def killed_client(self, entry: dict) -> None:
         fig = entry["figures"]
