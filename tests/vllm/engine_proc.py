@@ -88,13 +88,16 @@ def main() -> None:
             out = {"added": cmd["id"]}
         elif op in ("step", "drain"):
             steps = 0
-            while engine.has_unfinished_requests() and (op == "drain" or steps < cmd.get("n", 1)):
+            # The engine core's view, as `vllm serve`'s busy loop has it: it also steps while the
+            # connector waits for the workers' reports (offline LLM.generate stops with its requests).
+            core = engine.engine_core.engine_core.scheduler
+            while (engine.has_unfinished_requests() or core.has_requests()) and (op == "drain" or steps < cmd.get("n", 1)):
                 for r in engine.step():
                     if r.finished:
                         finished[r.request_id] = {"tokens": list(r.outputs[0].token_ids),
                                                   "num_cached": r.num_cached_tokens}
                 steps += 1
-            out = {"steps": steps, "finished": finished, "unfinished": engine.has_unfinished_requests()}
+            out = {"steps": steps, "finished": finished, "unfinished": engine.has_unfinished_requests() or core.has_requests()}
             if op == "drain":
                 finished = {}
         elif op == "abort":

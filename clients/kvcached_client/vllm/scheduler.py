@@ -53,10 +53,9 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from kvcached.keys import KVLayout
-from kvcached_client import _core
 from kvcached_client.client import CacheRequest, Client, Reservation
 from kvcached_client.errors import DeadlineExceededError, KvcachedError, UnavailableError
 from kvcached_client.failopen import FailOpen
@@ -114,10 +113,10 @@ class _Attempt:
         return any(self.loads_out) or any(self.saves_out)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Req:
     req_id: str
-    tokens: bytes  # the prompt, packed
+    tokens: Sequence[int]  # the prompt's token ids (vLLM's; never changed)
     n_prompt: int
     policy: CachePolicy
     layouts: tuple[KVLayout, ...]  # per tensor-parallel rank, with the request's LoRA and salt
@@ -175,6 +174,7 @@ class SchedulerSide:
         self._attempts: dict[int, _Attempt] = {}  # live attempts, by key (the retired included)
         self._keys = itertools.count(1)
         self._pending: list[_Req] = []  # requests with a planned load not handed out yet
+        self._looking: set[_Req] = set()  # requests whose lookup is in flight
         self._retry_at = 0.0
         self.fail = FailOpen("vllm")
         #: connector time on the scheduler thread per finished request (seconds), newest last
@@ -208,10 +208,11 @@ class SchedulerSide:
         st = self._reqs.get(request.request_id)
         if st is None:
             skip = request_cacheable(request)
-            tokens = b"" if skip else _core.pack_tokens(request.prompt_token_ids)
+            # Packed for the wire on the connector's threads, not here (10 us per 600 tokens).
+            tokens = () if skip else request.prompt_token_ids
             lora = getattr(request, "lora_request", None)
             salt = getattr(request, "cache_salt", None)
-            st = _Req(request.request_id, tokens, len(tokens) // 4, policy_of(request),
+            st = _Req(request.request_id, tokens, len(tokens), policy_of(request),
                       tuple(with_salt(with_lora(lay, lora), salt) for lay in self.layouts), skip)
             self._reqs[request.request_id] = st
         return st
@@ -251,12 +252,13 @@ class SchedulerSide:
         if st.skip or not (st.policy.read or store) or self._daemon_down():
             return False
         self.stats["lookups"] += 1
+        st.lookup_started = self._clock()
         st.lookup = [self._bg.submit(self._acquire_reserve, lay, st.tokens, not st.policy.read, not store)
                      for lay in st.layouts]
-        st.lookup_started = self._clock()
+        self._looking.add(st)
         return True
 
-    def _acquire_reserve(self, layout: KVLayout, tokens: bytes, no_cache: bool, no_store: bool) -> CacheRequest:
+    def _acquire_reserve(self, layout: KVLayout, tokens: Sequence[int], no_cache: bool, no_store: bool) -> CacheRequest:
         """On a connector thread: one rank's lease and reservation. The scheduler never maps the
         pool (the workers read and write it through tickets)."""
         return self.client.acquire_reserve(layout, tokens, no_cache=no_cache, no_store=no_store,
@@ -373,18 +375,20 @@ class SchedulerSide:
 
     def build_connector_meta(self, so: Any) -> KvcachedMetadata:
         meta = KvcachedMetadata()
+        # Every planned load goes out in the step that planned it, scheduled or not (an
+        # asynchronous one is not: its request waits for it), and even if its request has
+        # ended since (vLLM holds the blocks until the load is reported). Before the preemptions: vLLM
+        # may preempt a request and resume it in one schedule() (a prefix-cache reset), and the
+        # load it planned for the resumed request's new blocks must not be dropped with the old.
+        for st in self._pending:
+            self._hand_out_load(meta, st)
+        self._pending.clear()
         for rid in so.preempted_req_ids or ():
             st = self._reqs.get(rid)
             if st is not None:  # its blocks are gone; it starts over (and may load again) when resumed
                 self.stats["preemptions"] += 1
                 self._retire(st)
                 st.block_ids, st.saved_chunks, st.matched, st.lookup = [], 0, None, None
-        # Every planned load goes out in the step that planned it, scheduled or not (an
-        # asynchronous one is not: its request waits for it), and even if its request has
-        # ended since (vLLM holds the blocks until the load is reported).
-        for st in self._pending:
-            self._hand_out_load(meta, st)
-        self._pending.clear()
         for nr in so.scheduled_new_reqs:
             st = self._reqs.get(nr.req_id)
             if st is not None:
@@ -405,6 +409,11 @@ class SchedulerSide:
                 st.block_ids.extend(new_ids[0])
             self._plan_save(meta, st, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0))
             st.sched_s += time.perf_counter() - t0
+        # Take the lookups that have landed for requests vLLM has not asked about yet (they wait
+        # in its queue): their leases run from now, and only a taken lease is renewed.
+        for st in list(self._looking):
+            if st.lookup is None or self._landed(st):
+                self._looking.discard(st)
         self._renew_leases()
         return meta
 
@@ -565,6 +574,7 @@ class SchedulerSide:
             for f in st.lookup:
                 f.add_done_callback(self._drop_late)
             st.lookup = None
+        self._looking.discard(st)
         if st.pending is not None and not st.pending.async_load:  # nobody needs it any more
             st.pending = None
             self._pending.remove(st)
