@@ -1,0 +1,223 @@
+"""Question: what does the kvcached connector cost a vLLM engine that gets no hit, and how much of
+vLLM's scheduler thread does it take per request?
+
+Two vLLM CPU engines alive side by side, each in its own process (JSON over stdin/stdout): ``plain``
+(no connector) and ``kvc`` (``KvcachedConnector`` on a real daemon). A random-weight Llama (4
+layers, hidden 512, 8 heads, 2 KV heads, float32; ``kvcached_client.vllm.random_model``), vLLM
+0.32 CPU, eager, block size 128.
+
+* **Throughput, all misses**: each round sends 64 new prompts at once (``LLM.generate`` of 64
+  requests, random token ids never seen before, 512 tokens each, 32 output tokens, greedy,
+  ignore_eos), first to one engine then the other (the order alternates per round), and times the
+  batch. The ``kvc`` engine looks every prompt up, misses, and stores its 4 chunks (the copies
+  into the pool and the commits are inside the timed run). Reported: requests/s per engine,
+  median over rounds, and kvc/plain (target >= 0.97).
+* **The scheduler thread**: in ``kvc`` every connector hook that runs on vLLM's scheduler thread
+  is timed (``on_new_request``, ``get_num_new_matched_tokens``, ``update_state_after_alloc``,
+  ``build_connector_meta``, ``update_connector_output``, ``request_finished``); per request, the
+  connector's own account (``SchedulerSide.request_seconds``: the time spent for that request)
+  p50/p99 for the misses above and for hits (the same prompts again after
+  ``reset_prefix_cache``: every whole chunk loaded from kvcached), and the total hook time divided
+  by the requests (which also counts the per-step work no request owns). Targets: <= 0.1 ms p50,
+  <= 0.5 ms p99.
+
+Run:   .venv/bin/python bench/vllm_overhead.py            (~6 min on a 2-core box)
+       .venv/bin/python bench/vllm_overhead.py --quick    (2 layers, 16 prompts, 2 rounds)
+Output: bench/results/vllm_overhead.json (``vllm_overhead.quick.json`` for --quick)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from _common import Daemon, percentile, write_json  # noqa: E402
+from vllm_ttft import SCHEDULER_HOOKS, Engine, _HookTimer  # noqa: E402
+
+BLOCK = 128
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def send(obj: dict) -> None:
+        proto.write(json.dumps(obj) + "\n")
+        proto.flush()
+
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        kw = {}
+        if args.socket:
+            from vllm.config import KVTransferConfig
+
+            kw["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="KvcachedConnector", kv_connector_module_path="kvcached_client.vllm", kv_role="kv_both",
+                kv_connector_extra_config={"socket": args.socket})
+        llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=args.max_model_len,
+                  kv_cache_memory_bytes=args.kv_cache_bytes, enable_prefix_caching=True,
+                  max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=64, seed=0, **kw)
+        sched = timer = None
+        if args.socket:
+            sched = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+            timer = _HookTimer(sched, SCHEDULER_HOOKS)
+    except BaseException:  # noqa: BLE001
+        send({"error": traceback.format_exc()})
+        return 1
+    send({"ready": True, "pid": os.getpid()})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        try:
+            if cmd.get("reset"):
+                assert llm.reset_prefix_cache()
+            sp = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True)
+            done0 = len(sched.request_seconds) if sched else 0
+            stats0 = dict(sched.stats) if sched else {}
+            if timer:
+                timer.clear()
+            t0 = time.perf_counter()
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in cmd["prompts"]], sp, use_tqdm=False)
+            wall = time.perf_counter() - t0
+            reply = {"wall_s": wall, "num_cached": [o.num_cached_tokens for o in outs]}
+            if sched:
+                reply["request_s"] = list(sched.request_seconds)[done0:]
+                reply["hooks_s"] = dict(timer.by_hook)
+                reply["stats"] = {k: v - stats0.get(k, 0) for k, v in sched.stats.items() if v != stats0.get(k, 0)}
+            send(reply)
+        except Exception:  # noqa: BLE001
+            send({"error": traceback.format_exc()})
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rounds", type=int, default=0)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--socket", help=argparse.SUPPRESS)
+    ap.add_argument("--max-model-len", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--kv-cache-bytes", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--max-batched-tokens", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker_main(args)
+
+    from _common import install_sigterm_exit
+
+    install_sigterm_exit()
+    quick = args.quick
+    n_req, prompt_len, out_tokens = (16, 512, 16) if quick else (64, 512, 32)
+    rounds = args.rounds or (2 if quick else 5)
+    shape = dict(layers=2, hidden=256, heads=8, kv_heads=2) if quick else dict(layers=4, hidden=512, heads=8, kv_heads=2)
+    head_dim = shape["hidden"] // shape["heads"]
+    token_bytes = 2 * shape["layers"] * shape["kv_heads"] * head_dim * 4
+    chunks = n_req * (prompt_len // BLOCK) * (rounds + 1) + 64
+    tmp = tempfile.mkdtemp(prefix="kvc-vllm-overhead-")
+    from kvcached_client.vllm.random_model import build
+
+    model = build(os.path.join(tmp, "model"), layers=shape["layers"], hidden=shape["hidden"], heads=shape["heads"],
+                  kv_heads=shape["kv_heads"], vocab=8192, intermediate=4 * shape["hidden"], max_positions=4096)
+    cfg = {"max_model_len": prompt_len + out_tokens + BLOCK, "max_batched_tokens": 8192,
+           "kv_cache_bytes": 2 * n_req * (prompt_len + out_tokens + BLOCK) * token_bytes + (64 << 20)}
+    settings = {"pool_bytes": chunks * BLOCK * token_bytes, "nvme_bytes": chunks * BLOCK * token_bytes + (1 << 30),
+                "log_level": "warning"}
+    with Daemon(settings, prefix="kvc-bench-vllm-overhead-") as daemon:
+        engines = {"plain": Engine("plain", model, None, cfg, tmp, script=os.path.abspath(__file__)),
+                   "kvc": Engine("kvc", model, daemon.socket, cfg, tmp, script=os.path.abspath(__file__))}
+        try:
+            rows, miss_s, hit_s, hooks_miss, hooks_hit, hit_cached = _measure(engines, n_req, prompt_len, out_tokens,
+                                                                              rounds)
+        finally:
+            for e in engines.values():
+                e.close()
+    return _report(args, quick, n_req, prompt_len, out_tokens, rounds, shape, rows, miss_s, hit_s, hooks_miss,
+                   hooks_hit, hit_cached)
+
+
+def _measure(engines: dict, n_req: int, prompt_len: int, out_tokens: int, rounds: int) -> tuple:
+    for e in engines.values():
+        e.wait_ready()
+    rng = random.Random(7)
+
+    def batch() -> list[list[int]]:
+        return [[rng.randrange(3, 8192) for _ in range(prompt_len)] for _ in range(n_req)]
+
+    for e in engines.values():  # warm-up: kernels, allocator, the connector's session and pool mapping
+        e.call(op="gen", prompts=batch()[:4], max_tokens=4)
+    rows: dict[str, list[float]] = {"plain": [], "kvc": []}
+    miss_s: list[float] = []
+    hit_s: list[float] = []
+    hooks_miss: list[float] = []
+    hooks_hit: list[float] = []
+    hit_cached: list[int] = []
+    for r in range(rounds):
+        prompts = batch()
+        order = ("plain", "kvc") if r % 2 == 0 else ("kvc", "plain")
+        for name in order:
+            rep = engines[name].call(op="gen", prompts=prompts, max_tokens=out_tokens)
+            rows[name].append(n_req / rep["wall_s"])
+            if name == "kvc":
+                assert sum(rep["num_cached"]) == 0, rep["num_cached"]  # all misses
+                miss_s += rep["request_s"]
+                hooks_miss.append(sum(rep["hooks_s"].values()) / n_req)
+        rep = engines["kvc"].call(op="gen", prompts=prompts, max_tokens=1, reset=True)  # all hits
+        hit_s += rep["request_s"]
+        hooks_hit.append(sum(rep["hooks_s"].values()) / n_req)
+        hit_cached += rep["num_cached"]
+        print(f"round {r + 1}/{rounds}: plain {rows['plain'][-1]:.2f} req/s, kvc {rows['kvc'][-1]:.2f} req/s",
+              flush=True)
+    return rows, miss_s, hit_s, hooks_miss, hooks_hit, hit_cached
+
+
+def _report(args, quick, n_req, prompt_len, out_tokens, rounds, shape, rows, miss_s, hit_s, hooks_miss, hooks_hit,
+            hit_cached) -> int:  # noqa: ANN001
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    miss_s, hit_s = sorted(miss_s), sorted(hit_s)
+    ms = lambda xs, q: percentile(xs, q) * 1e3  # noqa: E731
+    result = {
+        "config": {"requests": n_req, "prompt_tokens": prompt_len, "output_tokens": out_tokens, "rounds": rounds,
+                   "model": shape, "load_mode": "auto (sync on CPU)"},
+        "throughput_req_s": {"plain": rows["plain"], "kvc": rows["kvc"], "median": med,
+                             "ratio_kvc_over_plain": med["kvc"] / med["plain"]},
+        "scheduler_thread_ms": {
+            "miss_p50": ms(miss_s, 50), "miss_p99": ms(miss_s, 99), "hit_p50": ms(hit_s, 50), "hit_p99": ms(hit_s, 99),
+            "all_hooks_per_request_miss_median": statistics.median(hooks_miss) * 1e3,
+            "all_hooks_per_request_hit_median": statistics.median(hooks_hit) * 1e3,
+            "requests": {"miss": len(miss_s), "hit": len(hit_s)}},
+        "hit_tokens_per_request_median": statistics.median(hit_cached),
+        "targets": {"throughput_ratio_ge_0.97": med["kvc"] / med["plain"] >= 0.97,
+                    "scheduler_p50_le_0.1ms": max(ms(miss_s, 50), ms(hit_s, 50)) <= 0.1,
+                    "scheduler_p99_le_0.5ms": max(ms(miss_s, 99), ms(hit_s, 99)) <= 0.5},
+    }
+    name = "vllm_overhead.quick.json" if quick else "vllm_overhead.json"
+    path = write_json(name.removesuffix(".json"), result, args.out)
+    st = result["scheduler_thread_ms"]
+    print(f"throughput, {n_req} concurrent all-miss requests: kvc/plain {result['throughput_req_s']['ratio_kvc_over_plain']:.3f} "
+          f"({med['kvc']:.2f} vs {med['plain']:.2f} req/s, medians of {rounds})")
+    print(f"scheduler thread per request: miss p50 {st['miss_p50']:.3f} ms p99 {st['miss_p99']:.3f} ms; "
+          f"hit p50 {st['hit_p50']:.3f} ms p99 {st['hit_p99']:.3f} ms; all hooks / request: miss "
+          f"{st['all_hooks_per_request_miss_median']:.3f} ms, hit {st['all_hooks_per_request_hit_median']:.3f} ms")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
