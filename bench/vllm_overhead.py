@@ -23,6 +23,9 @@ layers, hidden 512, 8 heads, 2 KV heads, float32; ``kvcached_client.vllm.random_
 
 Run:   .venv/bin/python bench/vllm_overhead.py            (~6 min on a 2-core box)
        .venv/bin/python bench/vllm_overhead.py --quick    (2 layers, 16 prompts, 2 rounds)
+The CPU seconds of each engine process and of the daemon per round are recorded too: on a 2-core
+box whatever the daemon and the connector's threads use is taken from vLLM's own threads.
+
 Output: bench/results/vllm_overhead.json (``vllm_overhead.quick.json`` for --quick)
 """
 
@@ -105,6 +108,13 @@ def worker_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its threads so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -143,16 +153,16 @@ def main() -> int:
         engines = {"plain": Engine("plain", model, None, cfg, tmp, script=os.path.abspath(__file__)),
                    "kvc": Engine("kvc", model, daemon.socket, cfg, tmp, script=os.path.abspath(__file__))}
         try:
-            rows, miss_s, hit_s, hooks_miss, hooks_hit, hit_cached = _measure(engines, n_req, prompt_len, out_tokens,
-                                                                              rounds)
+            rows, miss_s, hit_s, hooks_miss, hooks_hit, hit_cached, cpu = _measure(
+                engines, n_req, prompt_len, out_tokens, rounds, daemon.proc.pid)
         finally:
             for e in engines.values():
                 e.close()
     return _report(args, quick, n_req, prompt_len, out_tokens, rounds, shape, rows, miss_s, hit_s, hooks_miss,
-                   hooks_hit, hit_cached)
+                   hooks_hit, hit_cached, cpu)
 
 
-def _measure(engines: dict, n_req: int, prompt_len: int, out_tokens: int, rounds: int) -> tuple:
+def _measure(engines: dict, n_req: int, prompt_len: int, out_tokens: int, rounds: int, daemon_pid: int) -> tuple:
     for e in engines.values():
         e.wait_ready()
     rng = random.Random(7)
@@ -168,11 +178,18 @@ def _measure(engines: dict, n_req: int, prompt_len: int, out_tokens: int, rounds
     hooks_miss: list[float] = []
     hooks_hit: list[float] = []
     hit_cached: list[int] = []
+    # CPU seconds per all-miss round: each engine process, and the daemon during kvc's rounds (on
+    # this 2-core box whatever the daemon and the connector's threads use is taken from vLLM).
+    cpu: dict[str, list[float]] = {"plain": [], "kvc": [], "daemon": []}
     for r in range(rounds):
         prompts = batch()
         order = ("plain", "kvc") if r % 2 == 0 else ("kvc", "plain")
         for name in order:
+            c0, d0 = cpu_seconds(engines[name].info["pid"]), cpu_seconds(daemon_pid)
             rep = engines[name].call(op="gen", prompts=prompts, max_tokens=out_tokens)
+            cpu[name].append(cpu_seconds(engines[name].info["pid"]) - c0)
+            if name == "kvc":
+                cpu["daemon"].append(cpu_seconds(daemon_pid) - d0)
             rows[name].append(n_req / rep["wall_s"])
             if name == "kvc":
                 assert sum(rep["num_cached"]) == 0, rep["num_cached"]  # all misses
@@ -184,11 +201,11 @@ def _measure(engines: dict, n_req: int, prompt_len: int, out_tokens: int, rounds
         hit_cached += rep["num_cached"]
         print(f"round {r + 1}/{rounds}: plain {rows['plain'][-1]:.2f} req/s, kvc {rows['kvc'][-1]:.2f} req/s",
               flush=True)
-    return rows, miss_s, hit_s, hooks_miss, hooks_hit, hit_cached
+    return rows, miss_s, hit_s, hooks_miss, hooks_hit, hit_cached, cpu
 
 
 def _report(args, quick, n_req, prompt_len, out_tokens, rounds, shape, rows, miss_s, hit_s, hooks_miss, hooks_hit,
-            hit_cached) -> int:  # noqa: ANN001
+            hit_cached, cpu) -> int:  # noqa: ANN001
     med = {k: statistics.median(v) for k, v in rows.items()}
     miss_s, hit_s = sorted(miss_s), sorted(hit_s)
     ms = lambda xs, q: percentile(xs, q) * 1e3  # noqa: E731
@@ -203,6 +220,7 @@ def _report(args, quick, n_req, prompt_len, out_tokens, rounds, shape, rows, mis
             "all_hooks_per_request_hit_median": statistics.median(hooks_hit) * 1e3,
             "requests": {"miss": len(miss_s), "hit": len(hit_s)}},
         "hit_tokens_per_request_median": statistics.median(hit_cached),
+        "cpu_seconds_per_round": {"samples": cpu, "median": {k: statistics.median(v) for k, v in cpu.items()}},
         "targets": {"throughput_ratio_ge_0.97": med["kvc"] / med["plain"] >= 0.97,
                     "scheduler_p50_le_0.1ms": max(ms(miss_s, 50), ms(hit_s, 50)) <= 0.1,
                     "scheduler_p99_le_0.5ms": max(ms(miss_s, 99), ms(hit_s, 99)) <= 0.5},
@@ -215,6 +233,9 @@ def _report(args, quick, n_req, prompt_len, out_tokens, rounds, shape, rows, mis
     print(f"scheduler thread per request: miss p50 {st['miss_p50']:.3f} ms p99 {st['miss_p99']:.3f} ms; "
           f"hit p50 {st['hit_p50']:.3f} ms p99 {st['hit_p99']:.3f} ms; all hooks / request: miss "
           f"{st['all_hooks_per_request_miss_median']:.3f} ms, hit {st['all_hooks_per_request_hit_median']:.3f} ms")
+    c = result["cpu_seconds_per_round"]["median"]
+    print(f"CPU seconds per all-miss round (medians): plain engine {c['plain']:.1f}, kvc engine {c['kvc']:.1f}, "
+          f"daemon during kvc's round {c['daemon']:.1f}")
     print(f"wrote {path}")
     return 0
 
