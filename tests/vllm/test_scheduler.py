@@ -186,6 +186,9 @@ def test_a_miss_is_stored_with_one_more_call(side, vdaemon):
 
 
 def test_preemption_releases_the_lease_and_plans_nothing_stale(side, vdaemon):
+    """A load planned in a step that also reports the request preempted is for blocks vLLM
+    allocated in that very step (a request preempted and resumed in one schedule(), as a
+    prefix-cache reset does): it goes out, and the lease goes once the worker reports it."""
     s = side()
     p = prompt(600, 5)
     store(vdaemon, p)
@@ -193,8 +196,11 @@ def test_preemption_releases_the_lease_and_plans_nothing_stale(side, vdaemon):
     n, _ = ask(s, r)
     s.update_state_after_alloc(r, Blocks([1, 2, 3, 4, 5]), n)
     meta = s.build_connector_meta(empty_step(preempted_req_ids={"a"}))
-    assert meta.loads == [] and meta.saves == []
+    (load,) = meta.loads
+    assert meta.saves == [] and leases(vdaemon) == 1
+    s.update_connector_output(report(loaded={(load.key, 0): 1}))
     assert leases_after_release(vdaemon) == 0
+    assert s.build_connector_meta(empty_step()).loads == []  # nothing stale later
 
 
 def test_plan_loads_then_saves_only_new_chunks(side, vdaemon):
