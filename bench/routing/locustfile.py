@@ -83,6 +83,6 @@ class TraceUser(HttpUser):
         ttft_ms = ((first or time.perf_counter()) - t0) * 1e3
         events.request.fire(request_type="TTFT", name="chat", response_time=ttft_ms, response_length=0,
                             exception=None if ok else RuntimeError(f"HTTP {r.status_code}"), context={})
-        _record(t=started, ttft_ms=ttft_ms, ok=ok, status=r.status_code, host=r.headers.get("X-Simhost"),
+        _record(t=started, ttft_ms=ttft_ms, ok=ok, status=r.status_code, host=r.headers.get("X-Simhost"), route=r.headers.get("X-Kvcached-Route"),
                 prompt_tokens=int(r.headers.get("X-Prompt-Tokens", 0) or 0),
                 cached_tokens=int(r.headers.get("X-Cached-Tokens", 0) or 0), trace_index=req.index)

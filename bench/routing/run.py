@@ -41,6 +41,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from typing import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCH = os.path.dirname(HERE)
@@ -160,6 +161,8 @@ def run_policy(policy: str, args: argparse.Namespace, work: str) -> dict:
         if prompt_total else None,
         "ideal": ideal, "ideal_hit_rate_fluctuation": ideal["ideal_hit_rate_fluctuation"],
         "hit_over_ideal_fluctuation": ideal["hit_over_ideal_fluctuation"], "hit_over_ideal_mean": ideal["hit_over_ideal_mean"],
+        "hit_over_ideal_not_load_moved_fluctuation": ideal["hit_over_ideal_not_load_moved_fluctuation"],
+        "load_moved_ideal_share": ideal["load_moved_ideal_share"],
         "requests": len(rows), "failed_requests": sum(1 for r in rows if not r["ok"]),
         "requests_per_s": len(steady_rows) / max(args.seconds - args.warmup, 1),
         "ttft_ms": {"p50": percentile(ttft, 0.5), "p90": percentile(ttft, 0.9), "p99": percentile(ttft, 0.99)},
@@ -170,24 +173,18 @@ def run_policy(policy: str, args: argparse.Namespace, work: str) -> dict:
         "routes_by_reason": _by_reason(m),
         "wrong_route_samples": wrong_samples,
         "daemon_errors": sum(s.get("daemon_errors", 0) for s in final),
+        # what a realised/ideal dip comes from when it is not the routing: chunks a full pool
+        # did not take, requests served without the cache, time spent queued for a prefill
+        "hosts": {key: sum(s.get(key, 0) for s in final) for key in (
+            "stored_chunks", "not_stored_tokens", "failed_open_requests", "verify_mismatches", "queue_wait_s")},
         "cpu_busy_fraction": (busy1 - busy0) / max(total1 - total0, 1),
     }
 
 
-def ideal_windows(rows: list[dict], prewarm: int, t_start: float, window: float, warmup: float,
-                  chunk_tokens: int = 16) -> dict:
-    """Per ``window``, the realised and the ideal hit rate of the requests the users sent.
-
-    The ideal of a request: its leading full chunks that an earlier request of the replay (the
-    prewarm's first, then the users' in the order they were sent) also held in full, on one host
-    with an unbounded cache: the most any routing could serve. ``rows`` are the locustfile's log
-    lines (``t``, ``ok``, ``prompt_tokens``, ``cached_tokens``, ``trace_index``); the last
-    window (cut short by the run's end) is left out, as are the windows before ``warmup``.
-    """
+def _trace_chunks(limit: int, chunk_tokens: int) -> Callable[[int], list[int]]:
     from workload import Workload, trace_path
 
-    wl = Workload(trace_path(), skip=0, limit=prewarm + max((r["trace_index"] for r in rows), default=0) + 1)
-    seen: set[int] = set()
+    wl = Workload(trace_path(), skip=0, limit=limit)
 
     def chunks(idx: int) -> list[int]:
         toks = wl.token_ids(wl.requests[idx], chat=True)
@@ -196,35 +193,72 @@ def ideal_windows(rows: list[dict], prewarm: int, t_start: float, window: float,
             h = hash((h, tuple(toks[k * chunk_tokens:(k + 1) * chunk_tokens])))
             out.append(h)
         return out
+    return chunks
+
+
+def ideal_windows(rows: list[dict], prewarm: int, t_start: float, window: float, warmup: float,
+                  chunk_tokens: int = 16, chunks_of: Callable[[int], list[int]] | None = None) -> dict:
+    """Per ``window``, the realised and the ideal hit rate of the requests the users sent.
+
+    The ideal of a request: its leading full chunks that the prewarm, or a user's request whose
+    prefill was done before this request's was, also held in full, on one host with an unbounded
+    cache: the most any routing could serve. "Done before" is what a cache can serve at all: a
+    chunk exists once the request computing it has prefilled (the first token marks that; the
+    host stores right after its prefill), so a request sent earlier but still queued or
+    prefilling when this one is served helps no cache. Ordering by send time instead would
+    count those chunks too, and then the realised/ideal ratio would move with how loaded the
+    box is (more requests overlap when prefills queue), not with the routing. ``rows`` are the
+    locustfile's log lines (``t``, ``ttft_ms``, ``ok``, ``prompt_tokens``, ``cached_tokens``,
+    ``trace_index``); the last window (cut short by the run's end) is left out, as are the
+    windows before ``warmup``. Windows are by send time. ``chunks_of(i)``: the chained chunk
+    hashes of trace request ``i`` (default: the trace's, rendered as the users send them).
+    """
+    seen: set[int] = set()
+    chunks = chunks_of or _trace_chunks(prewarm + max((r["trace_index"] for r in rows), default=0) + 1, chunk_tokens)
 
     for i in range(prewarm):
         seen.update(chunks(i))
     per: dict[int, list[int]] = {}
     uncached: list[int] = []  # per request: realised prompt tokens not from the cache
     ideal_uncached: list[int] = []  # and the ideal's
-    for r in sorted(rows, key=lambda r: r["t"]):
-        hs = chunks(prewarm + r["trace_index"])  # the users' trace indices start after the prewarm's
+    ideal_chunks: dict[int, int] = {}  # row position -> the ideal's leading chunks
+    done = sorted(range(len(rows)), key=lambda i: rows[i]["t"] + rows[i]["ttft_ms"] / 1e3)
+    for i in done:
+        hs = chunks(prewarm + rows[i]["trace_index"])  # the users' trace indices start after the prewarm's
         n = 0
         while n < len(hs) and hs[n] in seen:
             n += 1
-        seen.update(hs)
+        ideal_chunks[i] = n
+        if rows[i]["ok"]:  # a failed request stored nothing
+            seen.update(hs)
+    for i in sorted(range(len(rows)), key=lambda i: rows[i]["t"]):
+        r, n = rows[i], ideal_chunks[i]
         if not r["ok"]:
             continue
         if r["t"] - t_start > warmup:
             uncached.append(r["prompt_tokens"] - r["cached_tokens"])
             ideal_uncached.append(r["prompt_tokens"] - min(n * chunk_tokens, r["prompt_tokens"]))
-        w = per.setdefault(int((r["t"] - t_start) // window), [0, 0, 0])
+        w = per.setdefault(int((r["t"] - t_start) // window), [0, 0, 0, 0, 0])
         w[0] += r["prompt_tokens"]
         w[1] += r["cached_tokens"]
         w[2] += n * chunk_tokens
+        if r.get("route") != "load":  # the router's reason (X-Kvcached-Route); absent in older logs
+            w[3] += r["cached_tokens"]
+            w[4] += n * chunk_tokens
     keys = sorted(per)[:-1]
     out = [{"t": (k + 1) * window, "prompt_tokens": per[k][0], "hit_rate": per[k][1] / per[k][0] if per[k][0] else None,
             "ideal_hit_rate": per[k][2] / per[k][0] if per[k][0] else None,
-            "hit_over_ideal": per[k][1] / per[k][2] if per[k][2] else None} for k in keys]
+            "hit_over_ideal": per[k][1] / per[k][2] if per[k][2] else None,
+            # the same, leaving out the requests the load bound sent away from the host holding
+            # their prefix (reason "load"): what the routing gives up for balance, it gives up
+            # on purpose, and how much of it there is depends on how loaded the hosts run
+            "hit_over_ideal_not_load_moved": per[k][3] / per[k][4] if per[k][4] else None,
+            "load_moved_ideal_share": 1 - per[k][4] / per[k][2] if per[k][2] else None} for k in keys]
     steady = [w for w in out if w["t"] > warmup and w["hit_over_ideal"] is not None]
+    steady_keys = [k for k in keys if (k + 1) * window > warmup]
 
     def fluct(key: str) -> float:
-        xs = [w[key] for w in steady]
+        xs = [w[key] for w in steady if w[key] is not None]
         m = statistics.fmean(xs) if xs else float("nan")
         return max(abs(x - m) / m for x in xs) if xs and m else float("nan")
 
@@ -236,6 +270,8 @@ def ideal_windows(rows: list[dict], prewarm: int, t_start: float, window: float,
             "uncached_tokens_mean": statistics.fmean(uncached) if uncached else float("nan"),
             "ideal_uncached_tokens_mean": statistics.fmean(ideal_uncached) if ideal_uncached else float("nan"), "ideal_hit_rate_fluctuation": fluct("ideal_hit_rate"),
             "hit_over_ideal_fluctuation": fluct("hit_over_ideal"),
+            "hit_over_ideal_not_load_moved_fluctuation": fluct("hit_over_ideal_not_load_moved"),
+            "load_moved_ideal_share": 1 - sum(per[k][4] for k in steady_keys) / max(sum(per[k][2] for k in steady_keys), 1),
             "hit_over_ideal_mean": statistics.fmean([w["hit_over_ideal"] for w in steady]) if steady else float("nan")}
 
 
@@ -293,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-tps", type=float, default=200.0)
     ap.add_argument("--load-factor", type=float, default=1.25)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--work", default=None,
+                    help="keep each policy's logs (requests.jsonl, router.log, locust.log) under this folder")
     args = ap.parse_args(argv)
     q = args.quick
     args.users = args.users or (100 if q else 1000)
@@ -303,14 +341,17 @@ def main(argv: list[str] | None = None) -> int:
     args.prewarm = args.prewarm if args.prewarm is not None else (400 if q else 1000)
     policies = (args.policies or ("kvcached" if q else ",".join(ALL_POLICIES))).split(",")
     results = {}
-    with tempfile.TemporaryDirectory(prefix="kvc-routing-") as work:
+    with tempfile.TemporaryDirectory(prefix="kvc-routing-") as tmp:
+        work = args.work or tmp
+        os.makedirs(work, exist_ok=True)
         for p in policies:
             print(f"policy {p}: {args.users} users, {args.seconds} s ...", flush=True)
             results[p] = run_policy(p, args, work)
             r = results[p]
             print(f"  hit rate {r['hit_rate_steady_mean']:.3f} (fluctuation {r['hit_rate_fluctuation']:.3f}; the ideal's "
                   f"{r['ideal_hit_rate_fluctuation']:.3f}; realised/ideal {r['hit_over_ideal_mean']:.3f}, fluctuation "
-                  f"{r['hit_over_ideal_fluctuation']:.3f}), uncached tokens p90 {r['ideal']['uncached_tokens_p90']:.0f} "
+                  f"{r['hit_over_ideal_fluctuation']:.3f}, {r['hit_over_ideal_not_load_moved_fluctuation']:.3f} without the "
+                  f"{r['load_moved_ideal_share']:.1%} of the ideal the load bound moved), uncached tokens p90 {r['ideal']['uncached_tokens_p90']:.0f} "
                   f"(the ideal's {r['ideal']['ideal_uncached_tokens_p90']:.0f}), "
                   f"wrong routes {r['wrong_routes']:.0f}/{r['audited_routes']:.0f}, TTFT p50/p90/p99 "
                   f"{r['ttft_ms']['p50']:.0f}/{r['ttft_ms']['p90']:.0f}/{r['ttft_ms']['p99']:.0f} ms, "

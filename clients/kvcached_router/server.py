@@ -256,7 +256,7 @@ class RouterService:
             host.in_flight += 1
             host.index.expect(hashes[decision.cached_chunks:])
             try:
-                return await self._forward(request, raw, host, queued, capture)
+                return await self._forward(request, raw, host, queued, capture, reason=decision.reason)
             except _Unreachable as e:
                 tried.add(host.name)
                 host.healthy = False
@@ -268,7 +268,7 @@ class RouterService:
                 queued.started()
 
     async def _forward(self, request: web.Request, raw: bytes, host: HostState, queued: "_Queued",
-                       capture: Any = None) -> web.StreamResponse:
+                       capture: Any = None, *, reason: str = "") -> web.StreamResponse:
         """Send the request to ``host`` and stream its answer back; ``capture`` (the semantic
         cache's) sees the answer's bytes, and its status once the answer is complete."""
         assert self._session is not None
@@ -283,6 +283,8 @@ class RouterService:
             out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP
                            and k.lower() != "content-encoding"}
             out_headers["X-Kvcached-Host"] = host.name  # which host served it (logs, benches)
+            if reason:  # and why: cache / load / balance / ... (the routes_total metric's reasons)
+                out_headers["X-Kvcached-Route"] = reason
             ctype = upstream.headers.get("content-type", "")
             if ctype.startswith("text/event-stream"):
                 resp = web.StreamResponse(status=upstream.status, headers=out_headers)

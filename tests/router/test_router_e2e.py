@@ -100,6 +100,7 @@ def test_a_prompt_goes_where_its_prefix_is_cached(router):
     for k in range(3, 6):  # follow-ups sharing the system prompt: the same host, found cached
         code, h, r = post(router + "/v1/chat/completions", chat(system, words(k, 40)))
         assert code == 200 and h["X-Simhost"] == first
+        assert h["X-Kvcached-Route"] == "cache"  # and the answer says why it went there
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= 192  # the system prompt's full chunks
     code, h, r = post(router + "/v1/chat/completions", chat(system, words(5, 40), stream=True))
     assert code == 200 and h["X-Simhost"] == first and r["raw"].rstrip().endswith("data: [DONE]")
