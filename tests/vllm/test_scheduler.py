@@ -135,6 +135,37 @@ def test_not_yet_then_the_answer(side, vdaemon):
     assert s.stats["lookups"] == 1 and s.stats["lookup_not_yet"] >= 2  # asked again, looked up once
 
 
+def test_an_empty_step_waits_for_the_lookups_in_flight_and_a_busy_one_never(side, vdaemon):
+    """A step vLLM scheduled nothing for, while lookups are in flight, waits for them (bounded
+    by ``idle_wait_s``), instead of letting the engine spin empty steps; a step with work never
+    waits. Control: with ``idle_wait_s = 0`` the empty step returns at once."""
+    import threading
+
+    for wait_s, expect_wait in ((0.3, True), (0.0, False)):
+        s = side(idle_wait_s=wait_s)
+        p = prompt(300, 4)
+        r = Req(f"a{wait_s}", p)
+        gate = threading.Event()
+        for _ in range(s._bg._max_workers):  # the connector's threads are busy: the answer is late
+            s._bg.submit(gate.wait, 10)
+        s.on_new_request(r)
+        t0 = time.perf_counter()
+        s.build_connector_meta(empty_step(total_num_scheduled_tokens=64))  # a step with work: no wait
+        assert time.perf_counter() - t0 < 0.05
+        threading.Timer(0.1, gate.set).start()  # the lookup lands 0.1 s from now
+        t0 = time.perf_counter()
+        s.build_connector_meta(empty_step(total_num_scheduled_tokens=0))
+        waited = time.perf_counter() - t0
+        if expect_wait:  # returned once the lookup landed, not at the bound
+            assert 0.09 < waited < 0.28, waited
+            assert s.stats["idle_waits"] == 1 and s.idle_wait_seconds == pytest.approx(waited, abs=0.01)
+            assert s.get_num_new_matched_tokens(r, 0) == (0, False)  # landed: the next step schedules it
+        else:
+            assert waited < 0.05 and s.stats["idle_waits"] == 0
+        gate.set()
+        s.request_finished(r)
+
+
 def rpcs(c: Client) -> list[str]:
     """The unary RPCs ``c`` makes from now on, by request type."""
     calls: list[str] = []

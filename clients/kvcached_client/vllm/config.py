@@ -32,6 +32,10 @@ class ConnectorConfig:
     #: a lookup still unanswered after this long counts as a failure (the request runs without the cache);
     #: until then the scheduler answers "not yet" and vLLM asks again on its next step (it never waits)
     lookup_timeout_s: float = 1.0
+    #: a step vLLM scheduled nothing for, while lookups are in flight: wait (without the GIL) up to this
+    #: long for them to land, instead of letting the engine spin empty steps that starve the connector's
+    #: threads of the GIL (README "Use with vLLM"); 0 turns it off
+    idle_wait_s: float = 0.02
     #: after the daemon fails (absent, restarting), requests skip the cache for this long before trying again
     retry_s: float = 1.0
     #: deadline of each call to the daemon
@@ -71,8 +75,8 @@ class ConnectorConfig:
         if cfg.load_mode not in LOAD_MODES:
             raise ValueError(f"kvcached connector: load_mode must be one of {LOAD_MODES}, not {cfg.load_mode!r}")
         if (cfg.lookup_timeout_s <= 0 or cfg.retry_s < 0 or cfg.rpc_timeout_s <= 0 or cfg.lease_ttl_s < 0
-                or cfg.load_margin_s < 0 or cfg.reservation_ttl_s <= 0):
-            raise ValueError("kvcached connector: retry_s, lease_ttl_s and load_margin_s must be >= 0, "
+                or cfg.load_margin_s < 0 or cfg.reservation_ttl_s <= 0 or cfg.idle_wait_s < 0):
+            raise ValueError("kvcached connector: retry_s, lease_ttl_s, load_margin_s and idle_wait_s must be >= 0, "
                              "lookup_timeout_s, rpc_timeout_s and reservation_ttl_s > 0")
         return cfg
 

@@ -1,8 +1,9 @@
 """The connector's scheduler side: how much of each prompt kvcached has, leases, the plan.
 
 Runs on vLLM's scheduler thread, the thread that schedules every request of the engine, so no
-hook here ever waits for the daemon: every call to it runs on the connector's own threads, and
-a hook only looks at answers that have already landed.
+hook here waits for the daemon while the engine has work: every call to it runs on the
+connector's own threads, and a hook only looks at answers that have already landed. The one wait
+is on a step vLLM scheduled nothing for while lookups are in flight (:meth:`_wait_idle`).
 
 Two round trips per request:
 
@@ -134,7 +135,20 @@ class _Req:
     hit_tokens: int = 0  # tokens loaded from kvcached (for the counters)
     store: "_Attempt | None" = None  # a later reservation for its chunks (see _reserve_again), else attempt's
     rereserve: "list[concurrent.futures.Future[Reservation]] | None" = None  # per rank, in flight
+    n_whole_chunks: int = 0  # whole chunks in the prompt (what a store can write at most)
     rereserves: int = 0
+
+    @property
+    def saves_over(self) -> bool:
+        """Nothing more of this prompt will be stored until vLLM resumes it after a preemption
+        (which starts its saves over): every whole chunk handed out, or nothing to store with. Its
+        decode steps then cost the scheduler side one dict lookup."""
+        if self.rereserve is not None:
+            return False
+        if self.skip or self.saved_chunks >= self.n_whole_chunks:
+            return True
+        att = self.store or self.attempt
+        return self.matched is not None and (att is None or att.retired or not att.save_tickets)
 
 
 class _NoLease:
@@ -182,6 +196,8 @@ class SchedulerSide:
         #: the same, not yet handed to vLLM's connector stats (drained by :mod:`~kvcached_client.vllm.stats`)
         self.unreported_seconds: collections.deque[float] = collections.deque(maxlen=10_000)
         self.stats: collections.Counter[str] = collections.Counter()
+        #: time the scheduler thread waited for lookups on steps vLLM scheduled nothing for (:meth:`_wait_idle`)
+        self.idle_wait_seconds = 0.0
         # Calls to the daemon run here, off the scheduler thread: a blocking gRPC call releases
         # the GIL while it waits (grpc's own futures cost more to issue, ~1 ms, than a whole
         # call). One thread per rank, so a TP engine's per-rank AcquireReserves run side by side.
@@ -212,8 +228,10 @@ class SchedulerSide:
             tokens = () if skip else request.prompt_token_ids
             lora = getattr(request, "lora_request", None)
             salt = getattr(request, "cache_salt", None)
-            st = _Req(request.request_id, tokens, len(tokens), policy_of(request),
+            policy = policy_of(request)
+            st = _Req(request.request_id, tokens, len(tokens), policy,
                       tuple(with_salt(with_lora(lay, lora), salt) for lay in self.layouts), skip)
+            st.n_whole_chunks = len(tokens) // self.chunk_tokens if policy.should_store(len(tokens)) else 0
             self._reqs[request.request_id] = st
         return st
 
@@ -397,13 +415,14 @@ class SchedulerSide:
                 self._plan_save(meta, st, nr.num_computed_tokens + so.num_scheduled_tokens.get(nr.req_id, 0))
                 st.sched_s += time.perf_counter() - t0
         cached = so.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
         for i, rid in enumerate(cached.req_ids):
             st = self._reqs.get(rid)
-            if st is None:
-                continue
+            if st is None or (st.saves_over and rid not in resumed):
+                continue  # a decode step of a request with nothing more to store: the common case
             t0 = time.perf_counter()
             new_ids = cached.new_block_ids[i]
-            if rid in cached.resumed_req_ids:
+            if rid in resumed:
                 st.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
                 st.block_ids.extend(new_ids[0])
@@ -415,7 +434,29 @@ class SchedulerSide:
             if st.lookup is None or self._landed(st):
                 self._looking.discard(st)
         self._renew_leases()
+        if not getattr(so, "total_num_scheduled_tokens", 1) and self._looking:
+            self._wait_idle()
         return meta
+
+    def _wait_idle(self) -> None:
+        """vLLM scheduled nothing this step and lookups are in flight: the step would be empty, and
+        the next one too, for as long as the answers take. An engine that spins empty steps holds
+        the GIL in pure Python, so the connector's threads, which need it to send and read each
+        call, get it once per switch interval (5 ms) and the answers take far longer (measured: a
+        burst of 64 new requests on an idle engine ran 37-49 empty steps before its first
+        prefill). So here, and only here, the scheduler thread waits, GIL released, until the
+        lookups in flight have landed or ``idle_wait_s`` has passed. Nothing else is waiting for
+        it: the step has no work. The time is counted apart (``idle_wait_s``), not as a request's
+        time on the scheduler thread."""
+        if self.cfg.idle_wait_s <= 0:
+            return
+        futs = [f for st in self._looking if st.lookup is not None for f in st.lookup if not f.done()]
+        if not futs:
+            return
+        t0 = time.perf_counter()
+        concurrent.futures.wait(futs, timeout=self.cfg.idle_wait_s)
+        self.stats["idle_waits"] += 1
+        self.idle_wait_seconds += time.perf_counter() - t0
 
     def _hand_out_load(self, meta: KvcachedMetadata, st: _Req) -> None:
         lp, st.pending = st.pending, None
