@@ -109,19 +109,19 @@ def test_async_load_and_abort_while_the_copy_is_in_flight(vdaemon, engines, refe
 
 def test_a_request_queued_past_the_lease_ttl_keeps_its_hit(vdaemon, engines, reference):
     """One request at a time (``--max-num-seqs 1``): the second waits behind a long generation,
-    longer than its lease's TTL (1 s here), while another client fills the pool with other
+    longer than its lease's TTL (0.5 s here), while another client fills the pool with other
     chunks. Its lease is renewed while it waits, so its chunks stay pinned and it loads all of
     them, exactly. (Unrenewed, the flood evicts them and their pool blocks hold other chunks.)"""
     p, long_ = prompt(600, 25), prompt(200, 26)
     want = reference([p])
-    e = engines(vdaemon.socket, extra={"lease_ttl_s": 1.0, **ASYNC}, args=["--max-num-seqs", "1"])
+    e = engines(vdaemon.socket, extra={"lease_ttl_s": 0.5, **ASYNC}, args=["--max-num-seqs", "1"])
     assert e.generate([p])["num_cached"] == [0]
     e.call(op="reset")
     lay = KVLayout(model="flood@test", num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32", chunk_tokens=CHUNK)
     stop = threading.Event()
 
     def flood() -> None:  # after the TTL: 2.5x the pool (16 MiB of 128 KiB chunks) of other chunks
-        time.sleep(1.5)
+        time.sleep(0.75)
         with Client(vdaemon.socket) as c:
             for i in range(320):
                 if stop.is_set():
@@ -139,7 +139,7 @@ def test_a_request_queued_past_the_lease_ttl_keeps_its_hit(vdaemon, engines, ref
         stop.set()
         t.join()
     waited = time.monotonic() - t0
-    assert waited > 2.5, f"the long request took {waited:.1f} s: too short to outlive the lease"
+    assert waited > 1.25, f"the long request took {waited:.1f} s: too short to outlive the lease"
     assert st["finished"]["hit"]["num_cached"] == 4 * CHUNK and st["finished"]["hit"]["tokens"] == want[0], st
     assert st["scheduler"].get("lease_renewals", 0) >= 1 and st["worker"]["expired_leases"] == 0, st["scheduler"]
     assert_nothing_pinned(vdaemon)
