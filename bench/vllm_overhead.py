@@ -19,9 +19,12 @@ layers, hidden 512, 8 heads, 2 KV heads, float32; ``kvcached_client.vllm.random_
   p50/p99 for the misses above and for hits (the same prompts again after
   ``reset_prefix_cache``: every whole chunk loaded from kvcached), and the total hook time divided
   by the requests (which also counts the per-step work no request owns). Targets: <= 0.1 ms p50,
-  <= 0.5 ms p99.
+  <= 0.5 ms p99. Per hook, every call's wall time beside the scheduler thread's own CPU time in
+  it (a wall far above the CPU is a wait: for the GIL, or for a core). The connector's one wait,
+  on a step vLLM scheduled nothing for while lookups were in flight (``_wait_idle``, inside
+  ``build_connector_meta``), is reported apart and not counted as a request's time.
 
-Run:   .venv/bin/python bench/vllm_overhead.py            (~6 min on a 2-core box)
+Run:   .venv/bin/python bench/vllm_overhead.py            (~3 min on an idle 2-core box)
        .venv/bin/python bench/vllm_overhead.py --quick    (2 layers, 16 prompts, 2 rounds)
 The CPU seconds of each engine process and of the daemon per round are recorded too: on a 2-core
 box whatever the daemon and the connector's threads use is taken from vLLM's own threads.
@@ -77,7 +80,9 @@ def worker_main(args: argparse.Namespace) -> int:
         sched = timer = None
         if args.socket:
             sched = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
-            timer = _HookTimer(sched, SCHEDULER_HOOKS)
+            # the idle wait (inside build_connector_meta) is timed on its own as well, to be told apart
+            timer = _HookTimer(sched, tuple(h for h in (*SCHEDULER_HOOKS, "_wait_idle") if hasattr(sched, h)),
+                               per_call=True)
     except BaseException:  # noqa: BLE001
         send({"error": traceback.format_exc()})
         return 1
@@ -92,6 +97,7 @@ def worker_main(args: argparse.Namespace) -> int:
             sp = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True)
             done0 = len(sched.request_seconds) if sched else 0
             stats0 = dict(sched.stats) if sched else {}
+            idle0 = getattr(sched, "idle_wait_seconds", 0.0) if sched else 0.0
             if timer:
                 timer.clear()
             t0 = time.perf_counter()
@@ -100,7 +106,12 @@ def worker_main(args: argparse.Namespace) -> int:
             reply = {"wall_s": wall, "num_cached": [o.num_cached_tokens for o in outs]}
             if sched:
                 reply["request_s"] = list(sched.request_seconds)[done0:]
-                reply["hooks_s"] = dict(timer.by_hook)
+                reply["hooks_s"] = {k: v for k, v in timer.by_hook.items() if k != "_wait_idle"}
+                # build_connector_meta's wait on steps vLLM scheduled nothing for (the engine had no
+                # work: lookups in flight), counted apart from the hooks' own time
+                reply["idle_wait_s"] = getattr(sched, "idle_wait_seconds", 0.0) - idle0
+                reply["hooks_s"]["build_connector_meta"] -= reply["idle_wait_s"]
+                reply["hook_calls"] = timer.calls
                 reply["stats"] = {k: v - stats0.get(k, 0) for k, v in sched.stats.items() if v != stats0.get(k, 0)}
             send(reply)
         except Exception:  # noqa: BLE001
@@ -135,7 +146,7 @@ def main() -> int:
     install_sigterm_exit()
     quick = args.quick
     n_req, prompt_len, out_tokens = (16, 512, 16) if quick else (64, 512, 32)
-    rounds = args.rounds or (2 if quick else 5)
+    rounds = args.rounds or (2 if quick else 9)
     shape = dict(layers=2, hidden=256, heads=8, kv_heads=2) if quick else dict(layers=4, hidden=512, heads=8, kv_heads=2)
     head_dim = shape["hidden"] // shape["heads"]
     token_bytes = 2 * shape["layers"] * shape["kv_heads"] * head_dim * 4
@@ -153,13 +164,13 @@ def main() -> int:
         engines = {"plain": Engine("plain", model, None, cfg, tmp, script=os.path.abspath(__file__)),
                    "kvc": Engine("kvc", model, daemon.socket, cfg, tmp, script=os.path.abspath(__file__))}
         try:
-            rows, miss_s, hit_s, hooks_miss, hooks_hit, hit_cached, cpu = _measure(
+            rows, miss_s, hit_s, hooks_miss, hooks_hit, hit_cached, cpu, calls, idle = _measure(
                 engines, n_req, prompt_len, out_tokens, rounds, daemon.proc.pid)
         finally:
             for e in engines.values():
                 e.close()
     return _report(args, quick, n_req, prompt_len, out_tokens, rounds, shape, rows, miss_s, hit_s, hooks_miss,
-                   hooks_hit, hit_cached, cpu)
+                   hooks_hit, hit_cached, cpu, calls, idle)
 
 
 def _measure(engines: dict, n_req: int, prompt_len: int, out_tokens: int, rounds: int, daemon_pid: int) -> tuple:
@@ -178,6 +189,10 @@ def _measure(engines: dict, n_req: int, prompt_len: int, out_tokens: int, rounds
     hooks_miss: list[float] = []
     hooks_hit: list[float] = []
     hit_cached: list[int] = []
+    # every hook call's (wall, thread CPU) seconds, all-miss and all-hit rounds apart; and the
+    # scheduler thread's idle waits (steps with nothing scheduled while lookups were in flight)
+    calls: dict[str, dict[str, list]] = {"miss": {}, "hit": {}}
+    idle: dict[str, list[float]] = {"miss": [], "hit": []}
     # CPU seconds per all-miss round: each engine process, and the daemon during kvc's rounds (on
     # this 2-core box whatever the daemon and the connector's threads use is taken from vLLM).
     cpu: dict[str, list[float]] = {"plain": [], "kvc": [], "daemon": []}
@@ -195,17 +210,35 @@ def _measure(engines: dict, n_req: int, prompt_len: int, out_tokens: int, rounds
                 assert sum(rep["num_cached"]) == 0, rep["num_cached"]  # all misses
                 miss_s += rep["request_s"]
                 hooks_miss.append(sum(rep["hooks_s"].values()) / n_req)
+                idle["miss"].append(rep["idle_wait_s"])
+                for k, v in rep["hook_calls"].items():
+                    calls["miss"].setdefault(k, []).extend(v)
         rep = engines["kvc"].call(op="gen", prompts=prompts, max_tokens=1, reset=True)  # all hits
         hit_s += rep["request_s"]
         hooks_hit.append(sum(rep["hooks_s"].values()) / n_req)
+        idle["hit"].append(rep["idle_wait_s"])
+        for k, v in rep["hook_calls"].items():
+            calls["hit"].setdefault(k, []).extend(v)
         hit_cached += rep["num_cached"]
         print(f"round {r + 1}/{rounds}: plain {rows['plain'][-1]:.2f} req/s, kvc {rows['kvc'][-1]:.2f} req/s",
               flush=True)
-    return rows, miss_s, hit_s, hooks_miss, hooks_hit, hit_cached, cpu
+    return rows, miss_s, hit_s, hooks_miss, hooks_hit, hit_cached, cpu, calls, idle
+
+
+def _hook_table(calls: dict[str, list]) -> dict[str, dict[str, float]]:
+    """Per hook: calls, wall and thread-CPU p50/p99/max in ms."""
+    out = {}
+    for name, pairs in sorted(calls.items()):
+        wall = sorted(w for w, _ in pairs)
+        cpu = sorted(c for _, c in pairs)
+        out[name] = {"calls": len(pairs), "wall_p50": percentile(wall, 50) * 1e3, "wall_p99": percentile(wall, 99) * 1e3,
+                     "wall_max": wall[-1] * 1e3, "cpu_p50": percentile(cpu, 50) * 1e3,
+                     "cpu_p99": percentile(cpu, 99) * 1e3, "cpu_max": cpu[-1] * 1e3}
+    return out
 
 
 def _report(args, quick, n_req, prompt_len, out_tokens, rounds, shape, rows, miss_s, hit_s, hooks_miss, hooks_hit,
-            hit_cached, cpu) -> int:  # noqa: ANN001
+            hit_cached, cpu, calls, idle) -> int:  # noqa: ANN001
     med = {k: statistics.median(v) for k, v in rows.items()}
     miss_s, hit_s = sorted(miss_s), sorted(hit_s)
     ms = lambda xs, q: percentile(xs, q) * 1e3  # noqa: E731
@@ -219,6 +252,8 @@ def _report(args, quick, n_req, prompt_len, out_tokens, rounds, shape, rows, mis
             "all_hooks_per_request_miss_median": statistics.median(hooks_miss) * 1e3,
             "all_hooks_per_request_hit_median": statistics.median(hooks_hit) * 1e3,
             "requests": {"miss": len(miss_s), "hit": len(hit_s)}},
+        "hooks_ms": {"miss": _hook_table(calls["miss"]), "hit": _hook_table(calls["hit"])},
+        "idle_wait_ms_per_round": {k: [x * 1e3 for x in v] for k, v in idle.items()},
         "hit_tokens_per_request_median": statistics.median(hit_cached),
         "cpu_seconds_per_round": {"samples": cpu, "median": {k: statistics.median(v) for k, v in cpu.items()}},
         "targets": {"throughput_ratio_ge_0.97": med["kvc"] / med["plain"] >= 0.97,
@@ -233,6 +268,13 @@ def _report(args, quick, n_req, prompt_len, out_tokens, rounds, shape, rows, mis
     print(f"scheduler thread per request: miss p50 {st['miss_p50']:.3f} ms p99 {st['miss_p99']:.3f} ms; "
           f"hit p50 {st['hit_p50']:.3f} ms p99 {st['hit_p99']:.3f} ms; all hooks / request: miss "
           f"{st['all_hooks_per_request_miss_median']:.3f} ms, hit {st['all_hooks_per_request_hit_median']:.3f} ms")
+    for kind in ("miss", "hit"):
+        for name, h in result["hooks_ms"][kind].items():  # build_connector_meta's figures include _wait_idle's
+            print(f"  {kind:4s} {name:28s} {h['calls']:6d} calls  wall p50 {h['wall_p50']:.3f} p99 {h['wall_p99']:.3f} "
+                  f"max {h['wall_max']:.2f} ms   thread CPU p50 {h['cpu_p50']:.3f} p99 {h['cpu_p99']:.3f} ms")
+    print(f"idle waits (steps with nothing scheduled, lookups in flight), ms per round: miss "
+          f"{[round(x, 1) for x in result['idle_wait_ms_per_round']['miss']]}, hit "
+          f"{[round(x, 1) for x in result['idle_wait_ms_per_round']['hit']]}")
     c = result["cpu_seconds_per_round"]["median"]
     print(f"CPU seconds per all-miss round (medians): plain engine {c['plain']:.1f}, kvc engine {c['kvc']:.1f}, "
           f"daemon during kvc's round {c['daemon']:.1f}")

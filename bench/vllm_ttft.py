@@ -155,9 +155,13 @@ class _HookTimer:
     """Wraps one side's hooks (instance attributes; the connector itself is not changed) and
     adds up the time spent in each, since the last ``clear()``."""
 
-    def __init__(self, side, hooks: tuple[str, ...]) -> None:
+    def __init__(self, side, hooks: tuple[str, ...], *, per_call: bool = False) -> None:
         self.side = side
         self.by_hook: dict[str, float] = {}
+        #: with ``per_call``: each call's (wall, this thread's CPU) seconds per hook. A call whose wall
+        #: time is far above its CPU time waited: for the GIL, or for a core (2-core box).
+        self.calls: dict[str, list[tuple[float, float]]] = {}
+        self.per_call = per_call
         for name in hooks:
             setattr(side, name, self._wrap(name, getattr(side, name)))
 
@@ -167,16 +171,21 @@ class _HookTimer:
 
     def clear(self) -> None:
         self.by_hook = {}
+        self.calls = {}
 
     def _wrap(self, name: str, fn):
-        pc = time.perf_counter
+        pc, tt = time.perf_counter, time.thread_time
 
         def timed(*a, **k):
             t0 = pc()
+            c0 = tt() if self.per_call else 0.0
             try:
                 return fn(*a, **k)
             finally:
-                self.by_hook[name] = self.by_hook.get(name, 0.0) + pc() - t0
+                wall = pc() - t0
+                self.by_hook[name] = self.by_hook.get(name, 0.0) + wall
+                if self.per_call:
+                    self.calls.setdefault(name, []).append((wall, tt() - c0))
 
         return timed
 
