@@ -19,6 +19,10 @@ from kvcached import __version__
 from kvcached.settings import SettingsError, default_socket, load_settings, parse_size
 
 
+#: sysexits.h's EX_CONFIG: the exit code of a daemon refused by its configuration (systemd shows it)
+EX_CONFIG = 78
+
+
 def _size(text: str) -> int:
     try:
         return parse_size(text)
@@ -42,6 +46,8 @@ def kvcached_main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--pool-bytes", type=_size, help="device pool size, e.g. 2G")
         p.add_argument("--nvme-bytes", type=_size, help="NVMe tier size, e.g. 64G; 0 disables it")
         p.add_argument("--metrics-addr", help="HOST:PORT for Prometheus metrics")
+        p.add_argument("--check-config", action="store_true",
+                       help="validate the configuration (file and flags) and exit: 0 if good, 78 if not")
     args = ap.parse_args(argv)
     overrides = {
         "socket": args.socket, "state_dir": args.state_dir, "device": args.device, "pool_bytes": args.pool_bytes,
@@ -51,7 +57,11 @@ def kvcached_main(argv: Sequence[str] | None = None) -> int:
         settings = load_settings(args.config, overrides)
     except SettingsError as e:
         print(f"kvcached: {e}", file=sys.stderr)
-        return 2
+        return EX_CONFIG
+    if args.check_config:
+        domains = ", ".join(d.domain for d in (settings, *settings.extra_domains))
+        print(f"kvcached: configuration OK ({args.config or 'defaults'}; domains: {domains}; socket {settings.socket})")
+        return 0
     if args.cmd == "selfcheck":
         return _selfcheck(settings)
     from kvcached.daemon import run

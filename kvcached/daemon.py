@@ -216,11 +216,18 @@ async def _reload(domains: list[DaemonSettings], stores: list[Store], runnings: 
     notify = notify or Notifier({})
     notify.reloading()
     try:
-        new = load_settings(config_file, overrides)
+        await _apply_reload(domains, stores, runnings, config_file, overrides)
     except SettingsError as e:
-        log.error("reload failed, keeping the running settings: %s", e)
-        notify.ready(_status_line(stores[0]))
-        return
+        log.error("reload refused, keeping the running settings: %s", e, extra={"event": "reload_failed"})
+    except Exception as e:  # noqa: BLE001 - a reload must never take the daemon down or go unlogged
+        log.exception("reload failed, keeping the running settings: %s", e, extra={"event": "reload_failed"})
+    notify.ready(_status_line(stores[0]))
+
+
+async def _apply_reload(domains: list[DaemonSettings], stores: list[Store], runnings: list[Any],
+                        config_file: str | None, overrides: dict[str, Any]) -> None:
+    """Load and apply; :func:`load_settings` refuses a bad value before anything is applied."""
+    new = load_settings(config_file, overrides)
     fresh = {d.domain: d for d in (new, *new.extra_domains)}
     fields = [f.name for f in dataclasses.fields(DaemonSettings) if f.name != "extra_domains"]
     changed: set[str] = set()
@@ -242,4 +249,3 @@ async def _reload(domains: list[DaemonSettings], stores: list[Store], runnings: 
     applied = sorted(changed & RELOADABLE)
     logging.getLogger().setLevel(getattr(logging, new.log_level.upper()))
     log.info("reloaded: %s", ", ".join(applied) or "nothing changed", extra={"event": "reload"})
-    notify.ready(_status_line(stores[0]))

@@ -17,7 +17,7 @@ import re
 import shutil
 import tomllib
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from kvcached.config import FileAccess, GiB, MiB, StoreConfig
 
@@ -183,8 +183,32 @@ class DaemonSettings:
             raise SettingsError(f"log_level must be debug, info, warning or error, not {self.log_level!r}")
         if self.report_gpu_hour_price < 0 or self.report_prefill_tokens_per_s < 0:
             raise SettingsError("report_gpu_hour_price and report_prefill_tokens_per_s must be >= 0 (0: not stated)")
+        if self.writeback_low > self.writeback_high:
+            raise SettingsError(f"writeback_low = {self.writeback_low!r} is above writeback_high = "
+                                f"{self.writeback_high!r}: 0 <= writeback_low <= writeback_high < 1")
+        if self.eviction_admission == "frequency" and self.eviction_policy != "frequency":
+            raise SettingsError(f"eviction_admission = 'frequency' needs eviction_policy = 'frequency', "
+                                f"not {self.eviction_policy!r}")
         if self.tcp_listen:
             self.check_tcp()
+
+    def validate(self) -> None:
+        """Everything the daemon would refuse when it opens this domain, refused now: the store's
+        own checks (built for the CPU, so no GPU is touched), the remote tier's, the KV events',
+        the socket group and the shared key file."""
+        for key, build in (("hash_key_file", self._check_key_file), ("socket_group", self.socket_gid),
+                           ("remote_nodes", self.remote_config), ("kv_events_endpoint", self.kv_events_config)):
+            try:
+                build()
+            except ValueError as e:  # named by its key when the message does not name it already
+                raise SettingsError(str(e) if key.split("_")[0] + "_" in str(e) else f"{key}: {e}") from None
+        self.store_config(self.pool_bytes or 1 << 30, device="cpu")
+
+    def _check_key_file(self) -> None:
+        if self.hash_key_file:
+            from kvcached.keys import load_shared_key
+
+            load_shared_key(self.hash_key_file)
 
     def check_tcp(self) -> None:
         """TLS is required on TCP unless the address is loopback or insecure TCP is allowed."""
@@ -195,7 +219,7 @@ class DaemonSettings:
             loopback = False
         if not (self.tls_cert and self.tls_key) and not loopback and not self.allow_insecure_tcp:
             raise SettingsError(
-                f"refusing plain TCP on {self.tcp_listen}: set tls_cert and tls_key, listen on loopback, "
+                f"tcp_listen = {self.tcp_listen!r}: refusing plain TCP: set tls_cert and tls_key, listen on loopback, "
                 "or set allow_insecure_tcp = true if the network is trusted"
             )
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -226,10 +250,11 @@ class DaemonSettings:
         share = default_pool_for(self.resolved_device(), sharing) if sharing else None
         return [d.store_config(share) for d in domains]
 
-    def store_config(self, default_pool: int | None = None) -> StoreConfig:
+    def store_config(self, default_pool: int | None = None, *, device: str | None = None) -> StoreConfig:
         """This domain's StoreConfig; ``default_pool`` is its pool size when ``pool_bytes`` is
-        not set (None: this domain's default, as if it were the only one)."""
-        device = self.resolved_device()
+        not set (None: this domain's default, as if it were the only one); ``device`` overrides
+        the resolved device (validation uses the CPU)."""
+        device = device or self.resolved_device()
         pool = self.pool_bytes or (default_pool if default_pool is not None else default_pool_for(device))
         if self.hash_key_file:  # refused at load time, with the reason, rather than at the store's start
             from kvcached.keys import load_shared_key
@@ -323,35 +348,103 @@ class DaemonSettings:
             raise SettingsError(f"socket_group {self.socket_group!r} does not exist on this host") from None
 
 
+def _is_pow2(v: int) -> bool:
+    return 1024 <= v <= 1 << 28 and not v & (v - 1)
+
+
+#: What each setting allows beyond its type, in the words an error shows. Checked per key, where
+#: the key and the value are known (load_settings); the store's own checks run after as a net.
+_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "device": (lambda v: v in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", v) is not None,
+               "auto, cpu, cuda or cuda:N"),
+    "socket": (lambda v: bool(v.strip()), "a path"),
+    "state_dir": (lambda v: bool(v.strip()), "a directory"),
+    "domain": (lambda v: 0 < len(v) <= 64 and "/" not in v, "a name of 1-64 characters without '/'"),
+    "socket_mode": (lambda v: 0 <= v <= 0o777, "an octal permission such as \"0660\""),
+    "pool_bytes": (lambda v: v == 0 or v >= 64 << 10, "0 (the device's default) or a size of at least 64K"),
+    "cache_ttl": (lambda v: v > 0, "seconds > 0"),
+    "lease_ttl": (lambda v: v > 0, "seconds > 0"),
+    "reservation_ttl": (lambda v: v > 0, "seconds > 0"),
+    "prefetch_distance": (lambda v: 0 <= v <= 1024, "0..1024 chunks"),
+    "max_prompt_tokens": (lambda v: v >= 1, "a number of tokens >= 1"),
+    "bypass_generation_tokens": (lambda v: v >= 0, "a number of tokens >= 0"),
+    "max_sessions": (lambda v: v >= 1, "an integer >= 1"),
+    "max_leases_per_session": (lambda v: v >= 1, "an integer >= 1"),
+    "max_reservations_per_session": (lambda v: v >= 1, "an integer >= 1"),
+    "writeback_low": (lambda v: 0 <= v < 1, "a fraction of the pool, 0 <= writeback_low <= writeback_high < 1"),
+    "writeback_high": (lambda v: 0 <= v < 1, "a fraction of the pool, 0 <= writeback_low <= writeback_high < 1"),
+    "writeback_batch_bytes": (lambda v: v >= 1, "a size > 0"),
+    "writeback_wait": (lambda v: v >= 0, "seconds >= 0"),
+    "eviction_policy": (lambda v: v in ("frequency", "lru"), "frequency or lru"),
+    "eviction_weight": (lambda v: 0 <= v <= 1000, "0..1000"),
+    "eviction_memory_chunks": (_is_pow2, "a power of two in 1024..268435456"),
+    "eviction_admission": (lambda v: v in ("always", "frequency"), "always or frequency"),
+    "remote_ttl": (lambda v: v >= 0, "seconds >= 0 (0: cache_ttl)"),
+    "remote_timeout": (lambda v: v > 0, "seconds > 0"),
+    "remote_write": (lambda v: v in ("async", "on_evict", "off"), "async, on_evict or off"),
+    "remote_queue_chunks": (lambda v: v >= 1, "an integer >= 1"),
+    "remote_queue_bytes": (lambda v: v >= 1, "a size > 0"),
+    "kv_events_buffer_batches": (lambda v: v >= 1, "an integer >= 1"),
+    "max_message_bytes": (lambda v: v >= 64 * 1024, "a size of at least 64K"),
+    "call_timeout": (lambda v: v > 0, "seconds > 0"),
+    "expire_interval": (lambda v: v > 0, "seconds > 0"),
+    "worker_threads": (lambda v: v >= 1, "an integer >= 1"),
+    "log_level": (lambda v: v.lower() in ("debug", "info", "warning", "error"), "debug, info, warning or error"),
+    "report_gpu_hour_price": (lambda v: v >= 0, "a price >= 0 (0: not stated)"),
+    "report_prefill_tokens_per_s": (lambda v: v >= 0, "tokens per second >= 0 (0: not stated)"),
+}
+
+
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 _SIZES = {"pool_bytes", "pool_block_bytes", "nvme_bytes", "nvme_map_bytes", "max_message_bytes",
           "hash_memo_bytes", "writeback_batch_bytes", "remote_queue_bytes"}
 
 
 def _coerce(name: str, value: Any, field: dataclasses.Field) -> Any:
+    """``value`` as the setting's type, refused (naming the key and the value) if it is not one
+    or is out of what the setting allows."""
+    coerced = _coerce_type(name, value, field)
+    rule = _RULES.get(name)
+    if rule is not None and not rule[0](coerced):
+        raise SettingsError(f"{name} = {value!r} is not allowed: {rule[1]}")
+    return coerced
+
+
+def _coerce_type(name: str, value: Any, field: dataclasses.Field) -> Any:
     if name in _SIZES:
-        return parse_size(value)
+        try:
+            return parse_size(value)
+        except SettingsError:
+            raise SettingsError(f"{name} = {value!r} is not allowed: a size >= 0 such as 512M, 2G or 1073741824") from None
     if name == "socket_mode":
         if isinstance(value, str):
             try:
                 return int(value, 8)
             except ValueError:
-                raise SettingsError(f"socket_mode {value!r} is not octal (e.g. \"0660\")") from None
-        return int(value)
+                raise SettingsError(f"socket_mode = {value!r} is not allowed: an octal permission such as \"0660\"") from None
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise SettingsError(f"socket_mode = {value!r} is not allowed: an octal permission such as \"0660\"")
+        return value
     typ = _TYPES[str(field.type)]
     if typ is bool:
         if not isinstance(value, bool):
-            raise SettingsError(f"{name} must be true or false, got {value!r}")
+            raise SettingsError(f"{name} = {value!r} is not allowed: true or false")
         return value
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, typ) or isinstance(value, bool) and typ is not bool:
-        raise SettingsError(f"{name} must be a {typ.__name__}, got {value!r}")
+        what = {int: "an integer", float: "a number", str: "a string"}[typ]
+        raise SettingsError(f"{name} = {value!r} is not allowed: {what}")
     return value
 
 
 def load_settings(config_file: str | None = None, overrides: Mapping[str, Any] | None = None) -> DaemonSettings:
-    """Defaults, then the config file (if any), then ``overrides`` (flags; None values ignored)."""
+    """Defaults, then the config file (if any), then ``overrides`` (flags; None values ignored).
+
+    Every error is a :class:`SettingsError` of one line that names where the value came from (the
+    file, or the command line), the key, the value and what is allowed; everything the daemon
+    would refuse at start is refused here, so a reload with a bad value keeps the running settings.
+    """
     values: dict[str, Any] = {}
     path = config_file if config_file is not None else (DEFAULT_CONFIG_FILE if os.path.exists(DEFAULT_CONFIG_FILE) else None)
     if path is not None:
@@ -360,31 +453,54 @@ def load_settings(config_file: str | None = None, overrides: Mapping[str, Any] |
                 values.update(tomllib.load(f))
         except FileNotFoundError:
             raise SettingsError(f"config file {path} does not exist") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise SettingsError(f"config file {path} cannot be read: {e}") from None
         except tomllib.TOMLDecodeError as e:
-            raise SettingsError(f"{path}: {e}") from None
-    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+            raise SettingsError(f"{path}: not valid TOML: {e}") from None
+    flags = {k: v for k, v in (overrides or {}).items() if v is not None}
+
+    def source(key: str) -> str:
+        return "command line" if key in flags or path is None else path
+
+    values.update(flags)
     domain_tables = values.pop("domains", {})
     if not isinstance(domain_tables, dict):
-        raise SettingsError("domains must be a table of [domains.NAME] tables")
+        raise SettingsError(f"{path}: domains must be a table of [domains.NAME] tables")
     fields = {f.name: f for f in dataclasses.fields(DaemonSettings) if f.name != "extra_domains"}
     unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise SettingsError(f"unknown setting(s) {', '.join(unknown)}{f' in {path}' if path else ''}")
-    kwargs = {k: _coerce(k, v, fields[k]) for k, v in values.items()}
+        raise SettingsError(f"{source(unknown[0])}: unknown setting(s) {', '.join(unknown)}")
+    kwargs: dict[str, Any] = {}
+    for k, v in values.items():
+        try:
+            kwargs[k] = _coerce(k, v, fields[k])
+        except SettingsError as e:
+            raise SettingsError(f"{source(k)}: {e}") from None
     kwargs.setdefault("socket", default_socket())
     kwargs.setdefault("state_dir", default_state_dir())
+    where = path or "command line"
     try:
         main = DaemonSettings(**kwargs)
-        extra = tuple(_domain_settings(main, name, table, fields) for name, table in domain_tables.items())
-    except SettingsError:
-        raise
     except (TypeError, ValueError) as e:
-        raise SettingsError(str(e)) from None
+        raise SettingsError(f"{where}: {e}") from None
+    extra = []
+    for name, table in domain_tables.items():
+        try:
+            extra.append(_domain_settings(main, name, table, fields))
+        except (TypeError, ValueError) as e:
+            raise SettingsError(f"{where}: [domains.{name}] {e}") from None
     names = [main.domain, *(d.domain for d in extra)]
     sockets = [main.socket, *(d.socket for d in extra)]
     if len(set(names)) != len(names) or len(set(sockets)) != len(sockets):
-        raise SettingsError("every trust domain needs its own name and its own socket")
-    return dataclasses.replace(main, extra_domains=extra)
+        raise SettingsError(f"{where}: every trust domain needs its own name and its own socket")
+    settings = dataclasses.replace(main, extra_domains=tuple(extra))
+    for d in (settings, *settings.extra_domains):
+        try:
+            d.validate()
+        except (TypeError, ValueError) as e:
+            label = "" if d is settings else f"[domains.{d.domain}] "
+            raise SettingsError(f"{where}: {label}{e}") from None
+    return settings
 
 
 #: What a [domains.NAME] table may set; the rest is the daemon's.
@@ -410,5 +526,7 @@ def _domain_settings(main: DaemonSettings, name: str, table: Any, fields: dict) 
         raise SettingsError(f"[domains.{name}] cannot set {', '.join(bad)} (allowed: {', '.join(sorted(DOMAIN_KEYS))})")
     if "socket" not in table:
         raise SettingsError(f"[domains.{name}] needs its own socket")
-    own = {k: _coerce(k, v, fields[k]) for k, v in table.items()}
+    own = {}
+    for k, v in table.items():
+        own[k] = _coerce(k, v, fields[k])
     return dataclasses.replace(main, domain=name, tcp_listen="", metrics_addr="off", **own)

@@ -661,7 +661,7 @@ def test_plain_tcp_off_loopback_refuses_to_start(tmp_path, host):
         deadline = time.monotonic() + 10  # the output pump may still be reading the last line
         while "refusing" not in d.log() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert f"refusing plain TCP on {host}:{port}" in d.log() and "tls_cert" in d.log(), d.log()
+        assert f"tcp_listen = '{host}:{port}': refusing plain TCP" in d.log() and "tls_cert" in d.log(), d.log()
         assert not os.path.exists(d.socket)  # refused before anything was bound
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=2).close()
