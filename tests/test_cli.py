@@ -78,7 +78,7 @@ def test_parse_size(text, want):
     assert parse_size(text) == want
 
 
-def test_default_paths(monkeypatch):
+def test_default_paths(monkeypatch, tmp_path):
     monkeypatch.setenv("STATE_DIRECTORY", "/var/lib/kvcached:/other")
     assert default_state_dir() == "/var/lib/kvcached"
     monkeypatch.delenv("STATE_DIRECTORY")
@@ -92,6 +92,18 @@ def test_default_paths(monkeypatch):
     monkeypatch.delenv("RUNTIME_DIRECTORY")
     monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000")
     assert default_socket() == "/run/user/1000/kvcached.sock"
+    # a host that runs the system service: every client finds its socket without a setting
+    import kvcached.settings as settings_mod
+
+    monkeypatch.setattr(settings_mod, "SYSTEM_SOCKET", str(tmp_path / "run-kvcached.sock"))
+    (tmp_path / "run-kvcached.sock").touch()
+    assert default_socket() == str(tmp_path / "run-kvcached.sock")
+    monkeypatch.setenv("KVCACHED_SOCKET", "/x.sock")  # still the first rule
+    assert default_socket() == "/x.sock"
+    monkeypatch.delenv("KVCACHED_SOCKET")
+    (tmp_path / "run-kvcached.sock").unlink()
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert default_socket() == f"/tmp/kvcached-{os.getuid()}/kvcached.sock"
 
 
 def test_config_file_then_flags(tmp_path):

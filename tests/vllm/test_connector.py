@@ -99,6 +99,9 @@ def test_no_daemon_serves_without_the_cache(tmp_path, engines, reference):
     assert sum(r2["fail_open"].values()) >= 1  # counted
     assert e.output().count("serving without the cache") >= 1  # and said, once per kind of failure
     assert e.output().count("serving without the cache") <= 3
+    # at start, once: which path it tried and how to point it elsewhere
+    assert e.output().count(f"no daemon answers at unix:{tmp_path / 'nobody-listens.sock'}") == 1, e.output()[-3000:]
+    assert "$KVCACHED_SOCKET" in e.output()
 
 
 def test_daemon_killed_between_lookup_and_load(vdaemon, engines, reference, tmp_path):

@@ -243,10 +243,15 @@ class SchedulerSide:
             for lay in self.layouts:
                 self.client.register(lay)
             self.client.session_id()  # leases are bound to it: open it now, not on the first hit
+        except UnavailableError as e:
+            log.warning("kvcached connector: no daemon answers at %s (%s); the engine runs without the cache "
+                        "until one does. Start it (./scripts/serve, or systemctl start kvcached) or point the "
+                        "connector at its socket: kv_connector_extra_config {\"socket\": PATH} or $KVCACHED_SOCKET",
+                        self.client.target, e)
         except KvcachedError as e:
             level = logging.WARNING if isinstance(e, _TRIPS) else logging.ERROR
-            log.log(level, "kvcached connector: the daemon cannot serve this engine's layout (%s: %s); "
-                    "the engine runs without the cache until it can", e.code.name, e)
+            log.log(level, "kvcached connector: the daemon at %s cannot serve this engine's layout (%s: %s); "
+                    "the engine runs without the cache until it can", self.client.target, e.code.name, e)
         else:
             log.info("kvcached connector: connected to the daemon at %s (layout %s, %d rank(s), %s loads)",
                      self.client.target, self.layouts[0].model, len(self.layouts),
