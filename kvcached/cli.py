@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 from kvcached import __version__
 from kvcached.settings import SettingsError, default_socket, load_settings, parse_size
+from kvcached.units import human_bytes
 
 
 #: sysexits.h's EX_CONFIG: the exit code of a daemon refused by its configuration (systemd shows it)
@@ -200,12 +201,7 @@ def _out(args: argparse.Namespace, data: dict, rows: list[tuple[str, Any]]) -> i
     return 0
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)  # pragma: no cover
+_bytes = human_bytes
 
 
 def _status(c: Any, args: argparse.Namespace) -> int:
@@ -264,6 +260,15 @@ def _read_tokens(source: str) -> list[int]:
         raise SystemExit(f"kvcachectl: token ids must be integers: {e}") from None
 
 
+def _layout_name(d: dict) -> str:
+    """A layout's model, with what tells two layouts of one model apart (TP rank, LoRA, salt...)."""
+    extra = dict(d.get("extra") or ())
+    bits = [f"{k} {v}" for k, v in extra.items() if k in ("tp", "engine", "salt", "cache_salt")]
+    if d.get("lora_name"):
+        bits.append(f"lora {d['lora_name']}")
+    return d.get("model", "?") + (f", {', '.join(bits)}" if bits else "")
+
+
 def _lookup(c: Any, args: argparse.Namespace) -> int:
     from kvcached.keys import KVLayout
 
@@ -272,8 +277,9 @@ def _lookup(c: Any, args: argparse.Namespace) -> int:
     lid = args.layout_id
     if not lid:
         if len(layouts) != 1:
-            raise SystemExit(f"kvcachectl lookup: {len(layouts)} layouts are registered; pick one with --layout-id "
-                             f"({', '.join(layouts) or 'none'})")
+            named = "; ".join(f"{k} ({_layout_name(v)})" for k, v in layouts.items()) or "none"
+            raise SystemExit(f"kvcachectl lookup: {len(layouts)} layouts are registered; pick one with --layout-id: "
+                             f"{named}")
         lid = next(iter(layouts))
     if lid not in layouts:
         raise SystemExit(f"kvcachectl lookup: unknown layout id {lid}")

@@ -21,11 +21,12 @@ import sys
 from typing import Any
 
 from kvcached import __version__
-from kvcached.journal import JournalHandler, stderr_is_journal
+from kvcached.journal import JournalHandler, stderr_is_journal, stream_is_journal
 from kvcached.metrics import Metrics
 from kvcached.settings import RELOADABLE, STORE_RELOADABLE, DaemonSettings, SettingsError, load_settings
 from kvcached.store import Store
 from kvcached.systemd import Notifier
+from kvcached.units import human_bytes
 
 log = logging.getLogger("kvcached.daemon")
 
@@ -159,16 +160,18 @@ def _announce(settings: DaemonSettings, store: Store, tcp_port: int | None, metr
                          else "off"),
         (f"  pool: host shared memory /dev/shm/{store.pool.name}, " if store.config.device == "cpu"
          else f"  pool: GPU {store.pool.name}, ")
-        + f"{s.pool.capacity_bytes} bytes, packed",
-        "  nvme: " + (f"{s.nvme.chunks} chunks, {s.nvme.used_bytes} of {s.nvme.capacity_bytes} bytes"
+        + f"{human_bytes(s.pool.capacity_bytes)}, packed",
+        "  nvme: " + (f"{s.nvme.chunks} chunks, {human_bytes(s.nvme.used_bytes)} of {human_bytes(s.nvme.capacity_bytes)}"
                       + (f", index rebuilt in {r.seconds:.2f} s" if r else "") if s.nvme else "disabled"),
         "  kv events: " + (f"{events.pub_endpoint}" + (f", replay {events.replay_endpoint}" if events.replay_endpoint
                                                          else "") if events is not None else "off"),
         f"  layouts: {s.layouts}",  # the last line (tests wait for it)
     ]
-    for line in lines:
-        log.info("%s", line.strip(), extra={"event": "ready" if "ready" in line else "start"})
-    print("\n".join(lines), flush=True)
+    # Once, not twice: one log line (the journal's "ready" event), and the same on stdout as a
+    # block for a terminal; under systemd stdout goes to the journal too, so there only the log line.
+    log.info("%s: %s", lines[0], "; ".join(line.strip() for line in lines[1:]), extra={"event": "ready"})
+    if not stream_is_journal(1):
+        print("\n".join(lines), flush=True)
 
 
 def _status_line(store: Store) -> str:

@@ -25,10 +25,15 @@ _PRIORITY = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.
 
 def stderr_is_journal(env: dict[str, str] | None = None) -> bool:
     """True when stderr is the journal stream systemd set up (``JOURNAL_STREAM``)."""
+    return stream_is_journal(2, env)
+
+
+def stream_is_journal(fd: int, env: dict[str, str] | None = None) -> bool:
+    """True when file descriptor ``fd`` is the journal stream systemd set up (``JOURNAL_STREAM``)."""
     value = (os.environ if env is None else env).get("JOURNAL_STREAM", "")
     try:
         dev, ino = (int(x) for x in value.split(":"))
-        st = os.fstat(2)
+        st = os.fstat(fd)
     except (ValueError, OSError):
         return False
     return st.st_dev == dev and st.st_ino == ino

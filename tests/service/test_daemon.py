@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -227,6 +228,11 @@ def test_kvcachectl_against_a_daemon(daemon):
     r = ctl("lookup", "--json", stdin=" ".join(map(str, range(2 * CT + 3))))
     assert json.loads(r.stdout)["cached_tokens"] == 2 * CT
     lid = next(iter(s["layouts_detail"]))
+    with Client(daemon.socket) as c:  # a second layout: lookup asks which, naming each by its model
+        c.register(dataclasses.replace(LAYOUT, model="other-model@rev", extra=(("tp", "1/2"),)))
+    r = ctl("lookup", stdin="1 2 3")
+    assert r.returncode != 0 and "2 layouts are registered" in r.stderr
+    assert f"{lid} ({LAYOUT.model})" in r.stderr and "(other-model@rev, tp 1/2)" in r.stderr, r.stderr
     r = ctl("evict", "--layout-id", lid, "--prefix", "-", "--json", stdin=" ".join(map(str, range(2 * CT))))
     assert json.loads(r.stdout)["chunks"] == 2  # chunks 1 and 2 (prompts starting with the first two chunks)
     assert json.loads(ctl("flush", "--json").stdout) == {"chunks": 1}
