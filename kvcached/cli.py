@@ -201,8 +201,6 @@ def _out(args: argparse.Namespace, data: dict, rows: list[tuple[str, Any]]) -> i
     return 0
 
 
-_bytes = human_bytes
-
 
 def _status(c: Any, args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
@@ -218,9 +216,9 @@ def _status(c: Any, args: argparse.Namespace) -> int:
         ("daemon", f"up, kvcached {s['version']}, {s['listen']}, uptime {s['uptime_seconds']:.0f} s, rtt {rtt:.2f} ms"
                    + (", DRAINING" if s["draining"] else "")),
         ("chunks", f"{s['indexed_chunks']} indexed in {s['layouts']} layouts, hit rate {s['hit_rate']:.1%}"),
-        ("pool", f"{_bytes(p['payload_bytes'])} of KV in {p['chunks']} chunks ({p['leased_chunks']} leased), "
-                 f"{_bytes(p['reserved_bytes'])} reserved, {_bytes(p['free_bytes'])} free of {_bytes(p['capacity_bytes'])}"),
-        ("nvme", f"{n['chunks']} chunks, {_bytes(n['used_bytes'])} of {_bytes(n['capacity_bytes'])}" if n else "disabled"),
+        ("pool", f"{human_bytes(p['payload_bytes'])} of KV in {p['chunks']} chunks ({p['leased_chunks']} leased), "
+                 f"{human_bytes(p['reserved_bytes'])} reserved, {human_bytes(p['free_bytes'])} free of {human_bytes(p['capacity_bytes'])}"),
+        ("nvme", f"{n['chunks']} chunks, {human_bytes(n['used_bytes'])} of {human_bytes(n['capacity_bytes'])}" if n else "disabled"),
         ("clients", f"{s['sessions_open']} sessions, {s['leases_active']} leases, {s['reservations_active']} reservations"),
     ]
     return _out(args, data, rows)
@@ -300,7 +298,7 @@ def _evict(c: Any, args: argparse.Namespace) -> int:
             raise SystemExit("kvcachectl evict --prefix needs --layout-id (see `kvcachectl stats`)")
         prefix = _read_tokens(args.prefix)
     chunks, nbytes = c.evict(args.layout_id, prefix)
-    return _out(args, {"chunks": chunks, "bytes": nbytes}, [("evicted", f"{chunks} chunks, {_bytes(nbytes)}")])
+    return _out(args, {"chunks": chunks, "bytes": nbytes}, [("evicted", f"{chunks} chunks, {human_bytes(nbytes)}")])
 
 
 def _flush(c: Any, args: argparse.Namespace) -> int:
@@ -373,8 +371,8 @@ def doctor_checks(s: dict, shm_free: int | None = None) -> list[dict]:
     elif free < 0.05 and p["cached_chunks"] == 0:
         add("pool", "warn", "no free space and no evictable chunks", "kvcachectl stats")
     else:
-        add("pool", "ok", f"{_bytes(p['free_bytes'])} free, {p['leased_chunks']} leased and {p['cached_chunks']} "
-            f"cached chunks in {_bytes(p['capacity_bytes'])}", "kvcachectl stats")
+        add("pool", "ok", f"{human_bytes(p['free_bytes'])} free, {p['leased_chunks']} leased and {p['cached_chunks']} "
+            f"cached chunks in {human_bytes(p['capacity_bytes'])}", "kvcachectl stats")
     if n is not None:
         used = n["used_bytes"] / n["capacity_bytes"] if n["capacity_bytes"] else 0
         if not n["admitting"]:
@@ -402,7 +400,7 @@ def doctor_checks(s: dict, shm_free: int | None = None) -> list[dict]:
             f"pool is {pool_share:.0%} of GPU memory, {gfree:.0%} of the GPU free", "nvidia-smi")
     elif shm_free is not None:
         add("shared memory", "warn" if shm_free < p["capacity_bytes"] * 0.1 else "ok",
-            f"pool {_bytes(p['capacity_bytes'])} in /dev/shm, {_bytes(shm_free)} free there", "df -h /dev/shm")
+            f"pool {human_bytes(p['capacity_bytes'])} in /dev/shm, {human_bytes(shm_free)} free there", "df -h /dev/shm")
     return checks
 
 
@@ -444,12 +442,12 @@ def _remote_checks(r: dict, rs: dict, add: Any) -> None:
             "it should be volatile-* or allkeys-* with maxmemory set", "redis-cli CONFIG GET maxmemory*")
     elif any(p not in _EVICTING_POLICIES for p in policies) or 0 in r.get("maxmemory", []):
         add("remote memory", "warn", f"maxmemory-policy {', '.join(policies)}, maxmemory "
-            f"{', '.join(_bytes(m) if m else 'unlimited' for m in r.get('maxmemory', []))}: Redis will not make room "
+            f"{', '.join(human_bytes(m) if m else 'unlimited' for m in r.get('maxmemory', []))}: Redis will not make room "
             "by itself (with noeviction, publishes fail once it is full; unlimited grows until the host runs out)",
             "redis-cli CONFIG SET maxmemory 32gb; CONFIG SET maxmemory-policy volatile-lru")
     else:
         add("remote memory", "ok", f"maxmemory-policy {', '.join(policies)}, maxmemory "
-            f"{', '.join(_bytes(m) for m in r.get('maxmemory', []))}", "redis-cli INFO memory")
+            f"{', '.join(human_bytes(m) for m in r.get('maxmemory', []))}", "redis-cli INFO memory")
 
 
 def _doctor(c: Any, args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ import tomllib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from kvcached.config import FileAccess, GiB, MiB, StoreConfig
+from kvcached.config import BLOCK_ALIGN, FileAccess, GiB, MiB, StoreConfig
 
 DEFAULT_CONFIG_FILE = "/etc/kvcached/kvcached.toml"
 
@@ -179,20 +179,12 @@ class DaemonSettings:
     extra_domains: tuple["DaemonSettings", ...] = ()
 
     def __post_init__(self) -> None:
-        if not (self.device in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", self.device)):
-            raise SettingsError(f"device must be auto, cpu or cuda[:N], not {self.device!r}")
-        if not 0 <= self.socket_mode <= 0o777:
-            raise SettingsError(f"socket_mode must be an octal permission like 0660, got {oct(self.socket_mode)}")
-        if self.max_message_bytes < 64 * 1024:
-            raise SettingsError("max_message_bytes must be at least 64K")
-        if min(self.max_sessions, self.max_leases_per_session, self.max_reservations_per_session) < 1:
-            raise SettingsError("max_sessions, max_leases_per_session and max_reservations_per_session must be >= 1")
-        if self.call_timeout <= 0 or self.expire_interval <= 0 or self.worker_threads <= 0:
-            raise SettingsError("call_timeout, expire_interval and worker_threads must be positive")
-        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
-            raise SettingsError(f"log_level must be debug, info, warning or error, not {self.log_level!r}")
-        if self.report_gpu_hour_price < 0 or self.report_prefill_tokens_per_s < 0:
-            raise SettingsError("report_gpu_hour_price and report_prefill_tokens_per_s must be >= 0 (0: not stated)")
+        # The per-key rules (_RULES) are the one statement of what each setting allows; load_settings
+        # applies them as it reads each value (to say where it came from), this to any construction.
+        for name, (ok, allowed) in _RULES.items():
+            value = getattr(self, name)
+            if not ok(value):
+                raise SettingsError(f"{name} = {value!r} is not allowed: {allowed}")
         if self.writeback_low > self.writeback_high:
             raise SettingsError(f"writeback_low = {self.writeback_low!r} is above writeback_high = "
                                 f"{self.writeback_high!r}: 0 <= writeback_low <= writeback_high < 1")
@@ -203,22 +195,10 @@ class DaemonSettings:
             self.check_tcp()
 
     def validate(self) -> None:
-        """Everything the daemon would refuse when it opens this domain, refused now: the store's
-        own checks (built for the CPU, so no GPU is touched), the remote tier's, the KV events',
-        the socket group and the shared key file."""
-        for key, build in (("hash_key_file", self._check_key_file), ("socket_group", self.socket_gid),
-                           ("remote_nodes", self.remote_config), ("kv_events_endpoint", self.kv_events_config)):
-            try:
-                build()
-            except ValueError as e:  # named by its key when the message does not name it already
-                raise SettingsError(str(e) if key.split("_")[0] + "_" in str(e) else f"{key}: {e}") from None
+        """Everything the daemon would refuse when it opens this domain, refused now: building
+        its StoreConfig runs the store's own checks (for the CPU, so no GPU is touched), the
+        remote tier's, the KV events', the socket group's and the shared key file's."""
         self.store_config(self.pool_bytes or 1 << 30, device="cpu")
-
-    def _check_key_file(self) -> None:
-        if self.hash_key_file:
-            from kvcached.keys import load_shared_key
-
-            load_shared_key(self.hash_key_file)
 
     def check_tcp(self) -> None:
         """TLS is required on TCP unless the address is loopback or insecure TCP is allowed."""
@@ -272,7 +252,7 @@ class DaemonSettings:
             try:
                 load_shared_key(self.hash_key_file)
             except ValueError as e:
-                raise SettingsError(str(e)) from None
+                raise SettingsError(f"hash_key_file = {self.hash_key_file!r}: {e}") from None
         return StoreConfig(
             state_dir=self.state_dir,
             domain=self.domain,
@@ -319,7 +299,7 @@ class DaemonSettings:
             return KvEventsConfig(self.kv_events_endpoint, self.kv_events_replay_endpoint, self.kv_events_topic,
                                   self.kv_events_buffer_batches, allow_remote=self.kv_events_allow_remote)
         except ValueError as e:
-            raise SettingsError(str(e)) from None
+            raise SettingsError(f"kv_events_endpoint = {self.kv_events_endpoint!r}: {e}") from None
 
     def remote_config(self) -> Any:
         """This domain's RemoteConfig, or None without ``remote_nodes``. The password file must be
@@ -346,7 +326,7 @@ class DaemonSettings:
                 ttl=self.remote_ttl or self.cache_ttl, timeout=self.remote_timeout, ssl=self.remote_tls,
                 ssl_ca_certs=self.remote_tls_ca or None)
         except ValueError as e:
-            raise SettingsError(str(e)) from None
+            raise SettingsError(f"remote_nodes = {self.remote_nodes!r}: {e}") from None
 
     def socket_gid(self) -> int:
         """The socket group's gid (-1: not set); it also owns the domain's tier files."""
@@ -371,7 +351,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "state_dir": (lambda v: bool(v.strip()), "a directory"),
     "domain": (lambda v: 0 < len(v) <= 64 and "/" not in v, "a name of 1-64 characters without '/'"),
     "socket_mode": (lambda v: 0 <= v <= 0o777, "an octal permission such as \"0660\""),
-    "pool_bytes": (lambda v: v == 0 or v >= 64 << 10, "0 (the device's default) or a size of at least 64K"),
+    "pool_bytes": (lambda v: v == 0 or v >= BLOCK_ALIGN, f"0 (the device's default) or a size of at least {BLOCK_ALIGN} bytes"),
     "cache_ttl": (lambda v: v > 0, "seconds > 0"),
     "lease_ttl": (lambda v: v > 0, "seconds > 0"),
     "reservation_ttl": (lambda v: v > 0, "seconds > 0"),
@@ -536,7 +516,5 @@ def _domain_settings(main: DaemonSettings, name: str, table: Any, fields: dict) 
         raise SettingsError(f"[domains.{name}] cannot set {', '.join(bad)} (allowed: {', '.join(sorted(DOMAIN_KEYS))})")
     if "socket" not in table:
         raise SettingsError(f"[domains.{name}] needs its own socket")
-    own = {}
-    for k, v in table.items():
-        own[k] = _coerce(k, v, fields[k])
+    own = {k: _coerce(k, v, fields[k]) for k, v in table.items()}
     return dataclasses.replace(main, domain=name, tcp_listen="", metrics_addr="off", **own)

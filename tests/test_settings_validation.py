@@ -30,7 +30,7 @@ BAD: dict[str, list[object] | None] = {
     "device": [0, "tpu", "cuda:x", "gpu"],
     "domain": [1, "", "a/b", "x" * 65],
     "hash_key_file": [1, "/nonexistent/kvc.key"],
-    "pool_bytes": [[1], "lots", -1, 1024],
+    "pool_bytes": [[1], "lots", -1, 32],
     "pool_block_bytes": [{}, "x"],
     "nvme_bytes": [[], "big", -5],
     "nvme_map_bytes": [[], "huge"],
