@@ -992,8 +992,8 @@ class GpuCheck:
     def vllm_paged(self, entry: dict) -> None:
         from kvcached_client import Client
 
-        def worker_client() -> Client:  # the worker side's own client, as a vLLM worker process has
-            return Client(self.daemon.socket, timeout=RPC_TIMEOUT, nvme_read="promote")
+        def worker_client(placement: str = "") -> Client:  # the worker side's own client, as a vLLM worker process has
+            return Client(self.daemon.socket, timeout=RPC_TIMEOUT, nvme_read="promote", placement=placement)
 
         with self.client() as c:
             paged_check(c, worker_client, self.layout, self.chunks, entry["figures"], device="cuda",

@@ -43,8 +43,8 @@ def kvcached_main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--config", help="TOML config file (default /etc/kvcached/kvcached.toml if it exists)")
         p.add_argument("--socket", help="Unix socket path (default $KVCACHED_SOCKET or the runtime dir)")
         p.add_argument("--state-dir", help="state directory: hash key, NVMe tier (default $STATE_DIRECTORY)")
-        p.add_argument("--device", help="auto | cpu | cuda[:N]")
-        p.add_argument("--pool-bytes", type=_size, help="device pool size, e.g. 2G")
+        p.add_argument("--device", help="auto | cpu | cuda (a pool slab on every GPU) | cuda:N[,M...]")
+        p.add_argument("--pool-bytes", type=_size, help="pool size (each GPU's slab), e.g. 2G")
         p.add_argument("--nvme-bytes", type=_size, help="NVMe tier size, e.g. 64G; 0 disables it")
         p.add_argument("--metrics-addr", help="HOST:PORT for Prometheus metrics")
         p.add_argument("--check-config", action="store_true",
@@ -218,6 +218,8 @@ def _status(c: Any, args: argparse.Namespace) -> int:
         ("chunks", f"{s['indexed_chunks']} indexed in {s['layouts']} layouts, hit rate {s['hit_rate']:.1%}"),
         ("pool", f"{human_bytes(p['payload_bytes'])} of KV in {p['chunks']} chunks ({p['leased_chunks']} leased), "
                  f"{human_bytes(p['reserved_bytes'])} reserved, {human_bytes(p['free_bytes'])} free of {human_bytes(p['capacity_bytes'])}"),
+        *[(f"  slab {k}", f"{sl['placement']}: {human_bytes(sl['used_bytes'])} used of {human_bytes(sl['capacity_bytes'])}")
+          for k, sl in enumerate(p.get("slabs") or []) if len(p["slabs"]) > 1],
         ("nvme", f"{n['chunks']} chunks, {human_bytes(n['used_bytes'])} of {human_bytes(n['capacity_bytes'])}" if n else "disabled"),
         ("clients", f"{s['sessions_open']} sessions, {s['leases_active']} leases, {s['reservations_active']} reservations"),
     ]
@@ -231,7 +233,11 @@ def _stats(c: Any, args: argparse.Namespace) -> int:
     for k in ("layouts", "indexed_chunks", "leases_active", "reservations_active", "sessions_open", "draining"):
         rows.append((k, s[k]))
     for k, v in s["pool"].items():
-        rows.append((f"pool.{k}", v))
+        if k == "slabs":
+            for i, slab in enumerate(v):
+                rows += [(f"pool.slabs.{i}.{sk}", sv) for sk, sv in slab.items()]
+        else:
+            rows.append((f"pool.{k}", v))
     for k, v in (s["nvme"] or {}).items():
         rows.append((f"nvme.{k}", v))
     for k, v in s["counters"].items():

@@ -100,8 +100,9 @@ class StoreConfig:
     #: The domain's hash key: a file shared by every host of the domain (kvcached.keys.load_shared_key),
     #: or None for this daemon's own ``<state_dir>/hash.key``, created on first start.
     hash_key_file: str | None = None
-    device: str = "cpu"  # "cpu" (host shared memory) or "cuda[:N]"
-    pool_bytes: int = 1 * GiB
+    device: str = "cpu"  # "cpu" (host shared memory), "cuda" (a slab on every GPU), "cuda:N" or "cuda:N,M"
+    pool_bytes: int = 1 * GiB  # each slab's
+    pool_slabs: int = 1  # host pool only: slabs host:0 .. (kvcached.tiers.packed)
     pool_prefault: bool = True
     nvme_bytes: int = 64 * GiB  # 0 disables the NVMe tier
     nvme_map_bytes: int | None = None  # LMDB map size; default 2 x nvme_bytes (sparse)
@@ -150,6 +151,8 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if self.pool_bytes < BLOCK_ALIGN:
             raise ValueError(f"pool_bytes must be at least {BLOCK_ALIGN}")
+        if not 1 <= self.pool_slabs <= 64 or (self.pool_slabs > 1 and self.device != "cpu"):
+            raise ValueError("pool_slabs: 1..64, and only for the host pool (a CUDA pool has one slab per GPU)")
         if not 0 <= self.writeback_low <= self.writeback_high < 1:
             raise ValueError("writeback_low and writeback_high are fractions of the pool: 0 <= low <= high < 1")
         if self.writeback_batch_bytes < 1 or self.writeback_wait < 0:

@@ -84,6 +84,13 @@ class StoreCollector:
             pool_bytes.add_metric([dom, state], getattr(s.pool, f"{state}_bytes"))
         gauge("kvcached_pool_largest_free_bytes", "The longest free run of the pool (fragmentation)").add_metric(
             [dom], s.pool.largest_free_bytes)
+        slab_used = gauge("kvcached_pool_slab_used_bytes", "Bytes used in each pool slab (one per GPU)",
+                          ("slab", "placement"))
+        slab_cap = gauge("kvcached_pool_slab_capacity_bytes", "Capacity of each pool slab (one per GPU)",
+                         ("slab", "placement"))
+        for k, slab in enumerate(s.pool.slabs):
+            slab_used.add_metric([dom, str(k), slab.placement], slab.used_bytes)
+            slab_cap.add_metric([dom, str(k), slab.placement], slab.capacity_bytes)
         pool_chunks = gauge("kvcached_pool_chunks", "Pool chunks by state", ("state",))
         for state in ("leased", "cached", "reserved"):
             pool_chunks.add_metric([dom, state], getattr(s.pool, f"{state}_chunks"))

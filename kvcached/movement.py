@@ -90,30 +90,34 @@ class Mover:
 
     # -- pool ----------------------------------------------------------------------
 
-    def pool_room(self, nbytes: int) -> bool:
-        """Evict unpinned pool copies until a run of ``nbytes`` fits: in eviction order first
-        until that many bytes are free, then the cheapest contiguous window. False if it cannot
-        (everything in the way is pinned, reserved, or cannot leave the pool).
+    def pool_room(self, nbytes: int, slab: int = 0) -> bool:
+        """Evict unpinned pool copies until a run of ``nbytes`` fits in ``slab``: in eviction
+        order first until that many bytes are free there, then the cheapest contiguous window.
+        False if it cannot (everything in the way is pinned, reserved, or cannot leave the pool).
+        Chunks of other slabs are passed over (and put back): room on GPU 1 does not help GPU 0.
 
         On the inline path a dirty victim (no NVMe copy yet) raises WouldBlock; whatever was
         evicted before stays evicted (clean copies only, so nothing is lost) and the caller
         releases what it holds."""
         pool = self.pool
-        if pool.can_admit(nbytes):
+        if pool.can_admit(nbytes, slab):
             return True
         lru = self.index.pool_lru
         skipped: list[Node] = []
+        several = pool.slabs > 1
         try:
-            while pool.free_bytes < nbytes:
+            while pool.slab_free_bytes(slab) < nbytes:
                 victim = lru.pop()
                 if victim is None:
                     break
                 skipped.append(victim)  # until evicted: an I/O check may raise in between
+                if several and pool.slab_of(victim.pool_offset) != slab:
+                    continue
                 if self.evict_pool_copy(victim):
                     skipped.pop()
-            if pool.can_admit(nbytes):
+            if pool.can_admit(nbytes, slab):
                 return True
-            hashes = self._window(nbytes)
+            hashes = self._window(nbytes, slab)
             if hashes is None:
                 return False
             self.counters.pool_window_evictions += 1
@@ -124,17 +128,17 @@ class Mover:
                 skipped.append(victim)
                 if self.evict_pool_copy(victim):
                     skipped.pop()
-            return pool.can_admit(nbytes)
+            return pool.can_admit(nbytes, slab)
         finally:
             for node in skipped:
                 if node.refcount == 0 and node.tiers & POOL and not node.pool_children:
                     lru.add(node)
 
-    def _window(self, nbytes: int) -> list[ChunkHash] | None:
-        """The contiguous window to evict for ``nbytes``: among the oldest quarter of the pool's
-        LRU span first (by last use), then among any evictable chunk. The cheapest window
-        ignores recency; bench/pool_packing.py measured that limiting it to old chunks keeps
-        re-used chunks cached far more often (0.90 vs 0.68 of re-touches hit) at the same
+    def _window(self, nbytes: int, slab: int = 0) -> list[ChunkHash] | None:
+        """The contiguous window of ``slab`` to evict for ``nbytes``: among the oldest quarter of
+        the pool's LRU span first (by last use), then among any evictable chunk. The cheapest
+        window ignores recency; bench/pool_packing.py measured that limiting it to old chunks
+        keeps re-used chunks cached far more often (0.90 vs 0.68 of re-touches hit) at the same
         packing (98 % vs 99 % of the pool holding KV)."""
         lru, get = self.index.pool_lru, self.index.get
         oldest = lru.peek()
@@ -143,9 +147,9 @@ class Mover:
         newest = max(oldest.last_use, self.index.newest_use)
         cutoff = oldest.last_use + 0.25 * (newest - oldest.last_use)
         hashes = self.pool.victims_for(
-            nbytes, lambda h: (n := get(h)) is not None and n in lru and n.last_use <= cutoff)
+            nbytes, lambda h: (n := get(h)) is not None and n in lru and n.last_use <= cutoff, slab)
         if hashes is None:
-            hashes = self.pool.victims_for(nbytes, lambda h: (n := get(h)) is not None and n in lru)
+            hashes = self.pool.victims_for(nbytes, lambda h: (n := get(h)) is not None and n in lru, slab)
         return hashes
 
     def evict_pool_copy(self, node: Node) -> bool:
@@ -168,8 +172,9 @@ class Mover:
             return True
         return False
 
-    def promote(self, node: Node) -> None:
-        """Copy an NVMe-only chunk into a pool block. The caller has pinned ``node``.
+    def promote(self, node: Node, slab: int = 0) -> None:
+        """Copy an NVMe-only chunk into a pool block of ``slab`` (the reader's device). The
+        caller has pinned ``node``.
 
         Raises :class:`TierFull` when no block can be freed and
         :class:`CorruptChunk` when the NVMe copy fails its checksum (the
@@ -177,9 +182,9 @@ class Mover:
         """
         assert self.nvme is not None and node.tiers & NVME
         layout, _ = self._layout_of(node.layout_id)
-        if not self.pool_room(layout.chunk_bytes):
+        if not self.pool_room(layout.chunk_bytes, slab):
             raise TierFull("the pool is full of leased chunks; cannot promote from NVMe")
-        slot = self.pool.reserve(layout.chunk_bytes)
+        slot = self.pool.reserve(layout.chunk_bytes, slab)
         try:
             nvme = self.nvme
             self.pool.write_with(slot, lambda dest: nvme.read_into(node.hash, dest))

@@ -50,13 +50,13 @@ class ReadPath:
             return any(not n.tiers & POOL for n in self.index.branch(nodes[-1], self._config().prefetch_distance))
         return False
 
-    def ensure_in_pool(self, nodes: list[Node], now: float) -> list[Node]:
-        """Promote NVMe-only pinned nodes; on failure unpin the rest and truncate."""
+    def ensure_in_pool(self, nodes: list[Node], now: float, slab: int = 0) -> list[Node]:
+        """Promote NVMe-only pinned nodes into ``slab``; on failure unpin the rest and truncate."""
         for i, node in enumerate(nodes):
             if node.tiers & POOL:
                 continue
             try:
-                self.mover.promote(node)
+                self.mover.promote(node, slab)
             except (TierFull, CorruptChunk) as e:
                 self._unpin(nodes[i:], now)
                 if isinstance(e, CorruptChunk):
@@ -66,7 +66,7 @@ class ReadPath:
                 return nodes[:i]
         return nodes
 
-    def prefetch(self, last: Node, now: float) -> None:
+    def prefetch(self, last: Node, now: float, slab: int = 0) -> None:
         """Promote NVMe-only chunks of the branch below ``last`` ahead of need.
 
         Follows the most recently used children for up to
@@ -84,7 +84,7 @@ class ReadPath:
                 if node.tiers & POOL:
                     continue
                 try:
-                    self.mover.promote(node)
+                    self.mover.promote(node, slab)
                 except (TierFull, CorruptChunk) as e:
                     if isinstance(e, CorruptChunk):
                         self._unpin(targets, now)

@@ -118,6 +118,9 @@ class DaemonSettings:
     #: the daemon's own <state_dir>/hash.key. Restart to change; a new key orphans the NVMe chunks.
     hash_key_file: str = ""
     pool_bytes: int = 0  # 0: the device's default (default_pool_for), shared by the domains that take it
+    #: Host pool only: slabs (separate shared-memory segments, ``host:0`` ...), as a multi-GPU
+    #: host has one per GPU; chunks go to the slab a client names. ``pool_bytes`` is each slab's.
+    pool_slabs: int = 1
     #: No longer used: the pool is packed (chunks of any size share it). Still accepted so that
     #: existing config files load; the daemon logs that it is ignored.
     pool_block_bytes: int = 0
@@ -259,6 +262,7 @@ class DaemonSettings:
             hash_key_file=self.hash_key_file or None,
             device=device,
             pool_bytes=pool,
+            pool_slabs=self.pool_slabs,
             nvme_bytes=self.nvme_bytes,
             nvme_map_bytes=self.nvme_map_bytes or None,
             cache_ttl=self.cache_ttl,
@@ -345,8 +349,9 @@ def _is_pow2(v: int) -> bool:
 #: What each setting allows beyond its type, in the words an error shows. Checked per key, where
 #: the key and the value are known (load_settings); the store's own checks run after as a net.
 _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "device": (lambda v: v in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", v) is not None,
-               "auto, cpu, cuda or cuda:N"),
+    "device": (lambda v: v in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+(,\d+)*)?", v) is not None,
+               "auto, cpu, cuda (every GPU, a pool slab each), cuda:N or cuda:N,M,..."),
+    "pool_slabs": (lambda v: 1 <= v <= 64, "1..64 (host pool only)"),
     "socket": (lambda v: bool(v.strip()), "a path"),
     "state_dir": (lambda v: bool(v.strip()), "a directory"),
     "domain": (lambda v: 0 < len(v) <= 64 and "/" not in v, "a name of 1-64 characters without '/'"),
@@ -495,7 +500,7 @@ def load_settings(config_file: str | None = None, overrides: Mapping[str, Any] |
 
 #: What a [domains.NAME] table may set; the rest is the daemon's.
 DOMAIN_KEYS = frozenset({
-    "socket", "socket_mode", "socket_owner", "socket_group", "pool_bytes", "pool_block_bytes", "nvme_bytes",
+    "socket", "socket_mode", "socket_owner", "socket_group", "pool_bytes", "pool_slabs", "pool_block_bytes", "nvme_bytes",
     "nvme_map_bytes", "cache_ttl", "lease_ttl", "reservation_ttl", "write_through", "prefetch_distance",
     "max_prompt_tokens", "hash_memo_bytes", "bypass_generation_tokens", "max_sessions", "max_leases_per_session",
     "max_reservations_per_session", "writeback", "writeback_low", "writeback_high", "writeback_batch_bytes",

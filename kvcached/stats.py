@@ -62,6 +62,16 @@ class TierStats:
 
 
 @dataclass(frozen=True)
+class SlabStats:
+    """One slab of the pool (one per GPU): its device, size and what is taken."""
+
+    placement: str
+    capacity_bytes: int
+    used_bytes: int
+    free_bytes: int
+
+
+@dataclass(frozen=True)
 class PoolStats(TierStats):
     """The packed pool. ``used_bytes`` counts committed and reserved runs (rounded up to the
     alignment); ``payload_bytes`` only the committed chunks' bytes, what holds KV."""
@@ -76,6 +86,7 @@ class PoolStats(TierStats):
     leased_chunks: int  # committed and pinned by at least one lease
     leased_bytes: int
     generation: str
+    slabs: tuple[SlabStats, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ from kvcached.reads import ReadPath
 from kvcached.writes import WritePath
 from kvcached.publish import RemotePublisher
 from kvcached.stats import (
+    SlabStats,
     Counters,
     EvictionStats,
     HashMemoStats,
@@ -288,6 +289,7 @@ class Store:
         max_chunks: int | None = None,
         promote: bool = True,
         keep_empty: bool = True,
+        placement: str = "",
     ) -> LeaseReceipt:
         """Pin the longest cached prefix and return where it lives.
 
@@ -300,17 +302,19 @@ class Store:
         with zero chunks is still a valid lease (release it like any other),
         unless ``keep_empty`` is False: then no lease is made and the receipt's
         id is empty. With a remote tier, the chunks after the local prefix are looked for
-        there first (:meth:`_fill_from_remote`).
+        there first (:meth:`_fill_from_remote`). ``placement`` is the reader's device (its UUID,
+        or ``host:K``): chunks promoted or fetched for it go to that device's pool slab.
         """
         if self.remote is not None:  # whether or not the caller reads NVMe chunks itself
-            self._remote_first(layout_id, tokens)
+            self._remote_first(layout_id, tokens, placement)
         with self._lock:
             self._check_admitting()
             raw, hashes = self._raw_hashes(layout_id, tokens)
-            return self._acquire(layout_id, hashes, session, ttl, max_chunks, promote, keep_empty, raw)
+            return self._acquire(layout_id, hashes, session, ttl, max_chunks, promote, keep_empty, raw,
+                                 self.pool.slab_for(placement))
 
     def _acquire(self, layout_id: LayoutId, hashes: list[ChunkHash], session: SessionId, ttl: float | None,
-                 max_chunks: int | None, promote: bool, keep_empty: bool, raw: bytes) -> LeaseReceipt:
+                 max_chunks: int | None, promote: bool, keep_empty: bool, raw: bytes, slab: int = 0) -> LeaseReceipt:
         """:meth:`acquire` of already validated chunk hashes (lock held); ``raw`` the prompt's
         tokens as bytes, for the prompt-structure report."""
         layout = self._layouts[layout_id][0]
@@ -333,11 +337,11 @@ class Store:
             if promote or self.nvme is None:
                 matched = len(nodes)
                 if not in_pool:
-                    nodes = self.reads.ensure_in_pool(nodes, now)
+                    nodes = self.reads.ensure_in_pool(nodes, now, slab)
                     offsets = [n.pool_offset for n in nodes]
                 if (nodes and len(nodes) == matched and self.nvme is not None and self.config.prefetch_distance
                         and not checked):
-                    self.reads.prefetch(nodes[-1], now)
+                    self.reads.prefetch(nodes[-1], now, slab)
         except BaseException:
             self._unpin(nodes, now)  # an I/O error must not leave pins behind
             raise
@@ -386,15 +390,15 @@ class Store:
         assert self.writeback is not None
         return self.writeback.write_nodes(nodes, demotion=False)
 
-    def _wait_room(self, nbytes: int) -> None:
-        """Before reserving ``nbytes`` with less free: let the write-back thread make the room
-        (bounded wait, lock released meanwhile); on the inline path, go to a worker thread."""
+    def _wait_room(self, nbytes: int, slab: int = 0) -> None:
+        """Before reserving ``nbytes`` in ``slab`` with less free: let the write-back thread make
+        the room (bounded wait, lock released meanwhile); on the inline path, go to a worker thread."""
         wb = self.writeback
         if wb is None or not wb.running:
             return
         if self._inline:
             raise WouldBlock
-        wb.wait_room(nbytes, self.config.writeback_wait)
+        wb.wait_room(nbytes, self.config.writeback_wait, slab)
 
     def release(self, lease_id: LeaseId, session: SessionId | None = None) -> bool:
         """Drop a lease's pins. Idempotent: False if it was already released or expired.
@@ -462,20 +466,22 @@ class Store:
 
     def reserve(
         self, layout_id: LayoutId, tokens: TokenInput, session: SessionId = DEFAULT_SESSION, *,
-        ttl: float | None = None, store_nothing: bool = False, open_empty: bool = True,
+        ttl: float | None = None, store_nothing: bool = False, open_empty: bool = True, placement: str = "",
     ) -> ReservationReceipt:
         """Reserve pool room for the prompt's full chunks that are not cached yet
         (see :meth:`kvcached.writes.WritePath.reserve`). ``store_nothing`` (a no-store
         request) validates and reports what is cached but reserves nothing. With
-        ``open_empty`` False a reservation of nothing is not opened (empty id)."""
+        ``open_empty`` False a reservation of nothing is not opened (empty id). The room is
+        in the pool slab of ``placement``, the writer's device (:meth:`PackedPool.slab_for`)."""
         with self._lock:
             self._check_admitting()
             hashes = self.hashes(layout_id, tokens)
-            return self._reserve(layout_id, hashes, session, ttl, store_nothing, open_empty, tokens=tokens)
+            return self._reserve(layout_id, hashes, session, ttl, store_nothing, open_empty, tokens=tokens,
+                                 slab=self.pool.slab_for(placement))
 
     def _reserve(self, layout_id: LayoutId, hashes: list[ChunkHash], session: SessionId, ttl: float | None,
                  store_nothing: bool, open_empty: bool, touch: bool = True,
-                 tokens: TokenInput | None = None) -> ReservationReceipt:
+                 tokens: TokenInput | None = None, slab: int = 0) -> ReservationReceipt:
         cap = self.config.max_reservations_per_session
         if self.writes.reservations.count(session) >= cap:
             raise LimitReached(f"session {session} already holds {cap} open reservations "
@@ -486,7 +492,7 @@ class Store:
         if self.events is not None and tokens is not None:  # BlockStored carries the chunks' token ids
             packed = normalize_tokens(tokens, self._layouts[layout_id][0].vocab_size)
         r = self.writes.reserve(layout_id, hashes, session, ttl or self.config.reservation_ttl, self._clock(),
-                                open_empty=open_empty, touch=touch, tokens=packed)
+                                open_empty=open_empty, touch=touch, tokens=packed, slab=slab)
         if self.writeback is not None:
             self.writeback.kick()
         return r
@@ -494,7 +500,7 @@ class Store:
     def acquire_reserve(
         self, layout_id: LayoutId, tokens: TokenInput, session: SessionId = DEFAULT_SESSION, *,
         ttl: float | None = None, reservation_ttl: float | None = None, promote: bool = True,
-        no_cache: bool = False, store_nothing: bool = False,
+        no_cache: bool = False, store_nothing: bool = False, placement: str = "",
     ) -> tuple[LeaseReceipt, ReservationReceipt]:
         """A request's first round trip: pin the cached prefix (as :meth:`acquire`) and reserve
         the prompt's uncached full chunks after it (as :meth:`reserve`), in one call.
@@ -502,13 +508,15 @@ class Store:
         Neither half leaves anything to give back when it has nothing: a lease of no chunk and a
         reservation of no chunk have empty ids. The reservation is made first (it may wait for
         the write-back thread, with the lock released); the lease then pins the prefix the
-        reservation found, which the reservation's own parent pin keeps in place.
+        reservation found, which the reservation's own parent pin keeps in place. Both use the
+        pool slab of ``placement``.
         """
         if self.remote is not None and not no_cache:
-            self._remote_first(layout_id, tokens)
+            self._remote_first(layout_id, tokens, placement)
         with self._lock:
             self._check_admitting()
             raw, hashes = self._raw_hashes(layout_id, tokens)
+            slab = self.pool.slab_for(placement)
             if self._inline and promote and self.nvme is not None:
                 nodes, offsets = self.index.match_located(hashes)
                 if self.reads.needs_promotion(nodes, not offsets or min(offsets) >= 0):
@@ -516,9 +524,10 @@ class Store:
             self._check_lease_cap(session)
             # No touch: the lease below pins (and on release re-dates) the same prefix.
             r = self._reserve(layout_id, hashes, session, reservation_ttl, store_nothing, open_empty=False,
-                              touch=no_cache, tokens=tokens)
+                              touch=no_cache, tokens=tokens, slab=slab)
             try:
-                lease = self._acquire(layout_id, hashes, session, ttl, 0 if no_cache else None, promote, False, raw)
+                lease = self._acquire(layout_id, hashes, session, ttl, 0 if no_cache else None, promote, False, raw,
+                                      slab)
             except BaseException:
                 if r.opened:
                     self.writes.abort(r.reservation_id, self._clock())
@@ -566,7 +575,7 @@ class Store:
                 self.publisher.offer(entry.payload.hashes[: r.committed_chunks])
             return r
 
-    def _remote_first(self, layout_id: LayoutId, tokens: TokenInput) -> None:
+    def _remote_first(self, layout_id: LayoutId, tokens: TokenInput, placement: str = "") -> None:
         """Before an acquire: fill from the remote tier what the local tiers lack. On the event
         loop's inline path that would be network I/O under the lock: WouldBlock instead (the call
         moves to a worker thread), unless everything is cached locally anyway."""
@@ -576,9 +585,9 @@ class Store:
                 if len(self.index.match(hashes)) < len(hashes):
                     raise WouldBlock
             return
-        self._fill_from_remote(layout_id, tokens)
+        self._fill_from_remote(layout_id, tokens, placement)
 
-    def _fill_from_remote(self, layout_id: LayoutId, tokens: TokenInput) -> int:
+    def _fill_from_remote(self, layout_id: LayoutId, tokens: TokenInput, placement: str = "") -> int:
         """Fetch the chunks after the locally cached prefix from the remote tier, verified, and
         store them here (pool, then NVMe as any chunk), so the acquire that follows finds them.
 
@@ -603,7 +612,7 @@ class Store:
             if not payloads:
                 break
             n = k + len(payloads)
-            r = self.reserve(layout_id, packed[: n * layout.chunk_tokens * 4], open_empty=False)
+            r = self.reserve(layout_id, packed[: n * layout.chunk_tokens * 4], open_empty=False, placement=placement)
             if not r.opened:
                 break
             try:
@@ -644,6 +653,7 @@ class Store:
         tokens: TokenInput,
         chunk_data: Sequence[bytes | memoryview],
         session: SessionId = DEFAULT_SESSION,
+        placement: str = "",
     ) -> CommitReceipt:
         """Reserve, write and commit in one call. ``chunk_data[i]`` is the payload of chunk i.
 
@@ -660,7 +670,7 @@ class Store:
                 nbytes = memoryview(d).nbytes
                 if nbytes != layout.chunk_bytes:
                     raise InvalidKV(f"chunk {i} payload is {nbytes} bytes; layout needs {layout.chunk_bytes}")
-            r = self.reserve(layout_id, tokens, session, open_empty=False)
+            r = self.reserve(layout_id, tokens, session, open_empty=False, placement=placement)
             if not r.opened:
                 return CommitReceipt(r.reservation_id, 0, r.cached_tokens, r.durable_tokens, r.write_through)
             try:
@@ -789,6 +799,8 @@ class Store:
                 pool.capacity_bytes, pool.used_bytes, pool.committed_chunks, pool.payload_bytes, pool.free_bytes,
                 pool.largest_free, pool.free_runs, pool.reserved_bytes, pool.reserved_chunks,
                 pool.committed_chunks - leased, leased, self._leased_bytes(), pool.generation,
+                tuple(SlabStats(pool.placements[k], pool.slab_capacity(k), pool.slab_used_bytes(k),
+                                pool.slab_free_bytes(k)) for k in range(pool.slabs)),
             )
             nstats, m = None, self._memo
             if self.nvme is not None:

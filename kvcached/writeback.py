@@ -106,6 +106,7 @@ class WriteBack:
         self._stopping = False
         self.busy = False  # a batch's disk I/O is running outside the lock
         self._need = 0  # the largest free run a waiting reservation needs
+        self._need_slab = 0  # ... in this pool slab
         self._leftover: list[ChunkHash] = []  # NVMe victims of a failed batch, deleted by the next
         self.stalled = False  # the last attempt could free nothing (all pinned, or NVMe full)
 
@@ -128,14 +129,25 @@ class WriteBack:
     def running(self) -> bool:
         return self._thread is not None
 
-    def _goal(self) -> int:
-        """Free bytes to reach once a batch starts (lock held)."""
-        return max(int(self._config().writeback_high * self.pool.capacity_bytes), self._need)
+    def _goal(self, slab: int) -> int:
+        """Free bytes of ``slab`` to reach once a batch starts (lock held)."""
+        need = self._need if slab == self._need_slab else 0
+        return max(int(self._config().writeback_high * self.pool.slab_capacity(slab)), need)
+
+    def _wanted_slab(self) -> int | None:
+        """The pool slab below its low watermark (or that a waiting reservation needs room in),
+        None if none: each slab (one per GPU) keeps its own free space."""
+        pool = self.pool
+        if self._need > 0 and not pool.can_admit(self._need, self._need_slab):
+            return self._need_slab
+        low = self._config().writeback_low
+        for k in range(pool.slabs):
+            if pool.slab_free_bytes(k) < int(low * pool.slab_capacity(k)):
+                return k
+        return None
 
     def _wanted(self) -> bool:
-        low = int(self._config().writeback_low * self.pool.capacity_bytes)
-        free = self.pool.free_bytes
-        return free < low or (self._need > 0 and not self.pool.can_admit(self._need))
+        return self._wanted_slab() is not None
 
     def _run(self) -> None:
         backoff = 0.0
@@ -158,10 +170,13 @@ class WriteBack:
 
     def _one_batch(self) -> bool:
         """Lock held on entry and exit; released around the disk I/O. True if it freed or cleaned anything."""
-        free_before = self.pool.free_bytes
-        batch = self.prepare(self._goal(), self._config().writeback_batch_bytes, evict_clean=True)
+        slab = self._wanted_slab()
+        if slab is None:
+            return True
+        free_before = self.pool.slab_free_bytes(slab)
+        batch = self.prepare(self._goal(slab), self._config().writeback_batch_bytes, evict_clean=True, slab=slab)
         if batch is None:
-            return self.pool.free_bytes > free_before
+            return self.pool.slab_free_bytes(slab) > free_before
         self.busy = True
         self.cond.release()
         try:
@@ -169,8 +184,8 @@ class WriteBack:
         finally:
             self.cond.acquire()
             self.busy = False
-        written = self.finish(batch, evict_to=self._goal())
-        return written > 0 or self.pool.free_bytes > free_before
+        written = self.finish(batch, evict_to=self._goal(slab), slab=slab)
+        return written > 0 or self.pool.slab_free_bytes(slab) > free_before
 
     # -- waiting (lock held) ------------------------------------------------------------------
 
@@ -179,18 +194,21 @@ class WriteBack:
         if self._thread is not None and self._wanted():
             self.cond.notify_all()
 
-    def wait_room(self, nbytes: int, timeout: float) -> bool:
-        """Wait (releasing the lock) until a run of ``nbytes`` fits, the writer can do nothing
-        more, or ``timeout`` passes. True if it fits now. Lock held."""
-        if self._thread is None or self.pool.can_admit(nbytes):
-            return self.pool.can_admit(nbytes)
+    def wait_room(self, nbytes: int, timeout: float, slab: int = 0) -> bool:
+        """Wait (releasing the lock) until a run of ``nbytes`` fits in ``slab``, the writer can
+        do nothing more, or ``timeout`` passes. True if it fits now. Lock held."""
+        if self._thread is None or self.pool.can_admit(nbytes, slab):
+            return self.pool.can_admit(nbytes, slab)
         t0 = time.monotonic()
         deadline = t0 + timeout
+        if self._need_slab != slab:
+            self._need = 0
         self._need = max(self._need, nbytes)
+        self._need_slab = slab
         self.stalled = False
         self.cond.notify_all()
         try:
-            while not self.pool.can_admit(nbytes) and not self._stopping:
+            while not self.pool.can_admit(nbytes, slab) and not self._stopping:
                 left = deadline - time.monotonic()
                 if left <= 0 or (self.stalled and not self.busy):
                     break
@@ -200,7 +218,7 @@ class WriteBack:
             waited = time.monotonic() - t0
             self.counters.writeback_waits += 1
             self.counters.writeback_wait_seconds += waited
-        ok = self.pool.can_admit(nbytes)
+        ok = self.pool.can_admit(nbytes, slab)
         if not ok and time.monotonic() >= deadline:
             self.counters.writeback_wait_timeouts += 1
             log.warning("a reservation waited %.2f s for write-back to free %d bytes; demoting synchronously "
@@ -220,7 +238,9 @@ class WriteBack:
         deterministically: the stateful tests interleave it with every other operation). Frees
         up to ``goal`` bytes (default: the high watermark). Returns chunks written."""
         self.quiesce()
-        goal = self._goal() if goal is None else goal
+        goal = self._goal(0) if goal is None and self.pool.slabs == 1 else goal
+        if goal is None:  # several slabs: the whole pool's high watermark
+            goal = int(self._config().writeback_high * self.pool.capacity_bytes)
         batch = self.prepare(goal, self._config().writeback_batch_bytes, evict_clean=True)
         if batch is None:
             return 0
@@ -255,9 +275,13 @@ class WriteBack:
 
     # -- the three phases ----------------------------------------------------------------------------
 
-    def prepare(self, goal: int, limit: int, *, evict_clean: bool) -> Batch | None:
-        """Phase 1 (lock held): victims in eviction order until ``goal`` bytes would be free, evicting clean
-        ones right away and pinning up to ``limit`` bytes of dirty ones. None if nothing dirty.
+    def _free(self, slab: int | None) -> int:
+        return self.pool.free_bytes if slab is None else self.pool.slab_free_bytes(slab)
+
+    def prepare(self, goal: int, limit: int, *, evict_clean: bool, slab: int | None = None) -> Batch | None:
+        """Phase 1 (lock held): victims in eviction order until ``goal`` bytes would be free (in
+        ``slab``, or in the whole pool when None; chunks of other slabs are passed over), evicting
+        clean ones right away and pinning up to ``limit`` bytes of dirty ones. None if nothing dirty.
 
         A chunk leaves the pool leaf-first, so a parent becomes a victim only once its last
         pool child is one. The dirty children stay in the pool until the batch is written, so
@@ -271,8 +295,10 @@ class WriteBack:
         waiting: dict[int, int] = {}  # id(parent) -> its pool children picked so far
         later: list[tuple[float, int, Node]] = []  # parents all of whose pool children are picked
         skipped: list[Node] = []
+        elsewhere: list[Node] = []  # in another slab: put back as they were
+        only = slab is not None and pool.slabs > 1
         seq = 0
-        while pool.free_bytes + picked_bytes < goal and picked_bytes < limit:
+        while self._free(slab) + picked_bytes < goal and picked_bytes < limit:
             head = lru.peek()
             if later and (head is None or later[0][0] <= lru.key(head)):
                 node = heapq.heappop(later)[2]
@@ -280,6 +306,10 @@ class WriteBack:
                 node = lru.pop()
                 if node is None:
                     break
+            if only and pool.slab_of(node.pool_offset) != slab:
+                if node.refcount == 0 and not node.pool_children:
+                    elsewhere.append(node)
+                continue
             if not self._dirty(node) and not node.pool_children:
                 if evict_clean:  # a clean leaf: no I/O, evict it now (its parent may join the queue)
                     pool.delete(node.hash)
@@ -298,6 +328,8 @@ class WriteBack:
                     heapq.heappush(later, (lru.key(parent), seq, parent))
         for node in skipped:
             lru.add(node)
+        for node in elsewhere:
+            lru.add(node)
         if not any(self._dirty(n) for n in picked):
             for node in picked:  # clean parents of clean leaves only: nothing to write
                 if node.refcount == 0 and not node.pool_children:
@@ -315,10 +347,10 @@ class WriteBack:
         views = [read(off, n) for off, n in batch.where]
         batch.result = self.nvme.write_batch(list(zip(batch.metas, views)), batch.deletes)
 
-    def finish(self, batch: Batch, *, evict_to: int, demotion: bool = True) -> int:
+    def finish(self, batch: Batch, *, evict_to: int, demotion: bool = True, slab: int | None = None) -> int:
         """Phase 3 (lock held): account, mark on NVMe, unpin; evict pool copies of the batch
-        (least recently used first) while fewer than ``evict_to`` bytes are free. Returns the
-        chunks written."""
+        (least recently used first) while fewer than ``evict_to`` bytes are free (in ``slab``,
+        or the whole pool when None). Returns the chunks written."""
         result = batch.result
         assert result is not None and batch.slot is not None
         self.nvme.settle(result, [batch.slot])
@@ -347,7 +379,7 @@ class WriteBack:
         self._release(batch)
         lru = self.index.pool_lru
         for node, before in zip(batch.nodes, batch.last_use):
-            if self.pool.free_bytes >= evict_to:
+            if self._free(slab) >= evict_to:
                 break
             if node in lru and node.last_use == before and node.tiers & NVME:
                 lru.discard(node)

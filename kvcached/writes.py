@@ -58,7 +58,7 @@ class WritePath:
         counters: Counters,
         layout_of: Callable[[LayoutId], tuple[KVLayout, ChunkHash]],
         unpin: Callable[[Sequence[Node], float], None],
-        wait_room: Callable[[int], None] = lambda nbytes: None,
+        wait_room: Callable[[int, int], None] = lambda nbytes, slab: None,
         write_nvme: Callable[[Sequence[Node]], int] | None = None,
     ) -> None:
         self.config = config
@@ -90,7 +90,7 @@ class WritePath:
 
     def reserve(
         self, layout_id: LayoutId, hashes: list[ChunkHash], session: SessionId, ttl: float, now: float, *,
-        open_empty: bool = True, touch: bool = True, tokens: bytes | None = None,
+        open_empty: bool = True, touch: bool = True, tokens: bytes | None = None, slab: int = 0,
     ) -> ReservationReceipt:
         """Reserve pool room for the prompt's full chunks that are not cached yet. ``tokens``
         (the prompt's packed ids) travels with the reservation to the index's observer at commit.
@@ -103,13 +103,14 @@ class WritePath:
         says how many it could not, and why: a full cache is never an error.
         With nothing reserved and ``open_empty`` False no reservation is
         opened (the receipt's id is empty: nothing to commit). ``touch`` False
-        leaves the cached prefix's recency alone (the caller pins it anyway).
+        leaves the cached prefix's recency alone (the caller pins it anyway). The room is taken
+        in pool slab ``slab`` (the writer's device).
         """
         layout = self._layout_of(layout_id)[0]
         cached, todo, in_flight = self.plan(hashes)
         need = len(todo) * round_up(layout.chunk_bytes)
-        if todo and self.pool.free_bytes < need:
-            self._wait_room(need)  # may release the lock: plan again
+        if todo and self.pool.slab_free_bytes(slab) < need:
+            self._wait_room(need, slab)  # may release the lock: plan again
             cached, todo, in_flight = self.plan(hashes)
         if self.reservations.ended(session):  # it ended while this call ran (or waited, above)
             raise SessionNotOpen(f"session {shown(session)} ended while this call ran; open a new Session")
@@ -134,14 +135,14 @@ class WritePath:
         policy = self.index.policy
         try:
             for i, h in enumerate(todo):
-                if policy.screens and not self.pool.can_admit(layout.chunk_bytes):
+                if policy.screens and not self.pool.can_admit(layout.chunk_bytes, slab):
                     victim = self.index.pool_lru.peek()
                     if victim is not None and not policy.admits(h, now, victim):
                         refused = len(todo) - i  # a chunk is only stored after its whole prefix
                         break
-                if not self.mover.pool_room(layout.chunk_bytes):
+                if not self.mover.pool_room(layout.chunk_bytes, slab):
                     break
-                slots.append(self.pool.reserve(layout.chunk_bytes))
+                slots.append(self.pool.reserve(layout.chunk_bytes, slab))
         except BaseException:  # WouldBlock on the inline path: give everything back
             for slot in slots:
                 self.pool.abort(slot)
@@ -158,7 +159,8 @@ class WritePath:
         elif missing:
             self.counters.not_reserved_chunks += missing
             reason = (f"the pool has no room for {missing} more chunks of {layout.chunk_bytes} bytes: "
-                      f"{self.pool.used_bytes} of {self.pool.capacity_bytes} bytes are leased, reserved or "
+                      f"{self.pool.slab_used_bytes(slab)} of {self.pool.slab_capacity(slab)} bytes"
+                      f"{f' of slab {slab}' if self.pool.slabs > 1 else ''} are leased, reserved or "
                       "could not be evicted")
         todo = todo[: len(slots)]
         durable = next((i for i, node in enumerate(cached) if not node.tiers & NVME), k)

@@ -27,10 +27,11 @@ BAD: dict[str, list[object] | None] = {
     "socket_mode": [True, "rwx", "999", 0o1777],
     "socket_owner": [5],
     "socket_group": [5, "no-such-group-kvc"],
-    "device": [0, "tpu", "cuda:x", "gpu"],
+    "device": [0, "tpu", "cuda:x", "gpu", "cuda:0,", "cuda:,1"],
     "domain": [1, "", "a/b", "x" * 65],
     "hash_key_file": [1, "/nonexistent/kvc.key"],
     "pool_bytes": [[1], "lots", -1, 32],
+    "pool_slabs": ["two", 0, 65, 1.5],
     "pool_block_bytes": [{}, "x"],
     "nvme_bytes": [[], "big", -5],
     "nvme_map_bytes": [[], "huge"],
@@ -84,7 +85,7 @@ BAD: dict[str, list[object] | None] = {
     "report_prefill_tokens_per_s": ["x", -0.5],
 }
 
-GOOD: dict[str, object] = {"cache_ttl": 60, "eviction_policy": "lru", "pool_bytes": "2M", "writeback_low": 0.05,
+GOOD: dict[str, object] = {"device": "cuda:0,1", "cache_ttl": 60, "eviction_policy": "lru", "pool_bytes": "2M", "writeback_low": 0.05,
                            "socket_mode": "0600", "device": "cpu", "log_level": "WARNING", "prefetch_distance": 0}
 
 

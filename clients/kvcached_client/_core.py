@@ -123,14 +123,46 @@ def validate_kv(layout: KVLayout, kv: "torch.Tensor", n_tokens: int) -> None:
 def write_slots(pool: PoolMap, layout: KVLayout, slots: Sequence[Location], kv: "torch.Tensor") -> None:
     """Copy each reserved chunk of ``kv`` straight into its pool block."""
     c = layout.chunk_tokens
-    last = None
+    devices = set()
     for s in slots:
-        last = pool.view(layout, s.offset, s.nbytes)
-        last.copy_(kv[:, :, :, s.position * c : (s.position + 1) * c, :], non_blocking=True)
-    if last is not None and last.device.type == "cuda":
+        block = pool.view(layout, s.offset, s.nbytes)
+        block.copy_(kv[:, :, :, s.position * c : (s.position + 1) * c, :], non_blocking=True)
+        devices.add(block.device)
+    _sync(devices)  # the commit must not overtake the copies
+
+
+def sync_devices(pool: PoolMap, offsets: Sequence[int]) -> None:
+    """Wait for the GPU work queued on the slabs of these pool offsets (none for a host pool)."""
+    try:
+        _sync({pool.device_of(off) for off in offsets})
+    except PoolMappingError:  # a slab that was never mapped here: nothing of ours is queued on it
+        pass
+
+
+def _sync(devices: "set[torch.device]") -> None:
+    cuda = [d for d in devices if d.type == "cuda"]
+    if cuda:
         import torch
 
-        torch.cuda.synchronize(last.device)  # the commit must not overtake the copies
+        for d in cuda:
+            torch.cuda.synchronize(d)
+
+
+def placement_of(device: "str | torch.device | None") -> str:
+    """A client's placement: a CUDA device becomes its UUID, a string is taken as is (a UUID or
+    ``host:K``), the CPU or None is unplaced ("")."""
+    if device is None:
+        return ""
+    if isinstance(device, str) and not device.startswith("cuda"):
+        return "" if device == "cpu" else device
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return ""
+    from kvcached.tiers.pool_cuda import device_uuid
+
+    return device_uuid(dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device()))
 
 
 @dataclass(frozen=True)
@@ -170,7 +202,7 @@ class LeaseBase:
         self.ttl_seconds: float = resp.ttl_seconds
         self.released = False
         self._nvme_cache: dict[int, "torch.Tensor"] = {}  # NVMe chunks read directly, on the pool's device
-        self._cuda_reads: "torch.device | None" = None  # set once a CUDA pool block was viewed (read or handed out)
+        self._cuda_reads: "set[torch.device]" = set()  # GPUs whose pool blocks were viewed (read or handed out)
 
     def __len__(self) -> int:
         return len(self._offsets)
@@ -245,10 +277,7 @@ class LeaseBase:
         out a view of a CUDA pool synchronises that device (all its streams: the views may be
         read on any). A host pool, or a lease that handed out no CUDA view, costs nothing here.
         """
-        if self._cuda_reads is not None:
-            import torch
-
-            torch.cuda.synchronize(self._cuda_reads)
+        _sync(self._cuda_reads)
 
     def _pool_chunk(self, i: int) -> "torch.Tensor":
         pool = self._client._pool
@@ -258,6 +287,7 @@ class LeaseBase:
             # into blocks the new daemon owns (tests/reliability/test_crash.py read wrong bytes).
             raise FailedPreconditionError("the daemon restarted since this lease was granted; "
                                           "its chunks are gone, acquire again")
-        if self._cuda_reads is None and pool.device.type == "cuda":
-            self._cuda_reads = pool.device
+        device = pool.device_of(self._offsets[i])
+        if device.type == "cuda":
+            self._cuda_reads.add(device)
         return view

@@ -77,8 +77,8 @@ class AsyncLease(_core.LeaseBase):
 
 class AsyncClient:
     def __init__(self, socket: str | None = None, *, timeout: float = 10.0, client_name: str | None = None,
-                 nvme_read: str = _core.NVME_READ_DEFAULT) -> None:
-        """``nvme_read``: "direct" or "promote", as for :class:`~kvcached_client.Client`."""
+                 nvme_read: str = _core.NVME_READ_DEFAULT, placement: Any = None) -> None:
+        """``nvme_read`` and ``placement``: as for :class:`~kvcached_client.Client`."""
         if nvme_read not in _core.NVME_READ_MODES:
             raise ValueError("nvme_read must be 'promote' or 'direct'")
         self.nvme_read = nvme_read
@@ -87,7 +87,8 @@ class AsyncClient:
         self.client_name = client_name or f"pid {os.getpid()} (asyncio)"
         self._channel = grpc.aio.insecure_channel(self.target, options=_core.CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVCacheStub(self._channel)
-        self._pool = PoolMap()
+        self.placement = _core.placement_of(placement)
+        self._pool = PoolMap(self.placement)
         self._nvme = NvmeReader()
         self._handle: pb.PoolHandle | None = None
         self._layouts: dict[KVLayout, str] = {}
@@ -169,7 +170,8 @@ class AsyncClient:
 
         def go(lid: str) -> Awaitable[tuple[pb.AcquireResponse, str]]:
             return self._with_session(lambda sid: self._call(self._stub.Acquire, pb.AcquireRequest(
-                layout_id=lid, tokens=packed, session_id=sid, ttl_seconds=ttl or 0, read_nvme_directly=direct)))
+                layout_id=lid, tokens=packed, session_id=sid, ttl_seconds=ttl or 0, read_nvme_directly=direct,
+                placement=self.placement)))
 
         direct = self.nvme_read == "direct"
         resp, sid = await self._with_layout(layout, go)
@@ -212,7 +214,7 @@ class AsyncClient:
 
         def reserve(lid: str) -> Awaitable[tuple[pb.ReserveResponse, str]]:
             return self._with_session(lambda sid: self._call(self._stub.Reserve, pb.ReserveRequest(
-                layout_id=lid, tokens=packed, session_id=sid, skip_empty=True)))
+                layout_id=lid, tokens=packed, session_id=sid, skip_empty=True, placement=self.placement)))
 
         r, sid = await self._with_layout(layout, reserve)
         if not r.reservation_id:  # nothing to write (all cached, in flight, or no room): one call

@@ -168,10 +168,8 @@ class Reservation:
             return self.receipt()
         if self.done:
             raise FailedPreconditionError("the reservation was already committed or aborted")
-        if self.slots and self._client._pool.device.type == "cuda":
-            import torch
-
-            torch.cuda.synchronize(self._client._pool.device)
+        if self.slots and self._client._pool.generation == self._generation:
+            _core.sync_devices(self._client._pool, [s.offset for s in self.slots])
         self.done = True
         ids = [lease.lease_id for lease in release if not lease.released and lease.lease_id]
         for lease in release:
@@ -256,11 +254,16 @@ class Client:
         client_name: str | None = None,
         session: bool = True,
         nvme_read: str = NVME_READ_DEFAULT,
+        placement: "str | torch.device | None" = None,
     ) -> None:
         """``nvme_read``: how chunks found only on NVMe reach this process. "promote": the
         daemon copies them into the pool; "direct": this process reads the LMDB file itself
         (same host, access to the state directory). The default is the faster one as measured
-        by bench/chunk_read.py."""
+        by bench/chunk_read.py.
+
+        ``placement``: the device this process computes on (a ``torch.device``, a GPU UUID, or
+        ``host:K``). On a daemon with a pool slab per GPU, the chunks it stores go to that GPU's
+        slab, and that slab is the one mapped at once. None: unplaced (the daemon picks)."""
         if nvme_read not in _core.NVME_READ_MODES:
             raise ValueError("nvme_read must be 'promote' or 'direct'")
         self.nvme_read = nvme_read
@@ -269,7 +272,8 @@ class Client:
         self.client_name = client_name or f"pid {os.getpid()}"
         self._channel = grpc.insecure_channel(self.target, options=_core.CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVCacheStub(self._channel)
-        self._pool = PoolMap()
+        self.placement = _core.placement_of(placement)
+        self._pool = PoolMap(self.placement)
         self._nvme = NvmeReader()
         self._handle: pb.PoolHandle | None = None
         self._layouts: dict[KVLayout, str] = {}
@@ -391,7 +395,8 @@ class Client:
 
         def go(lid: str) -> tuple[pb.AcquireResponse, str]:
             return self._with_session(lambda sid: self._call(self._stub.Acquire, pb.AcquireRequest(
-                layout_id=lid, tokens=packed, session_id=sid, ttl_seconds=ttl or 0, read_nvme_directly=direct)))
+                layout_id=lid, tokens=packed, session_id=sid, ttl_seconds=ttl or 0, read_nvme_directly=direct,
+                placement=self.placement)))
 
         direct = self.nvme_read == "direct"
         resp, sid = self._with_layout(layout, go)
@@ -450,16 +455,20 @@ class Client:
         return view
 
     def reserve(self, layout: KVLayout, tokens: TokenInput, *, skip_empty: bool = False, ttl: float | None = None,
-                map_pool: bool = True) -> Reservation:
+                map_pool: bool = True, placement: str | None = None) -> Reservation:
         """Reserve the full chunks of ``tokens`` that are not cached yet, to write in place
         (see :class:`Reservation`); :meth:`put` is reserve, write, commit. ``skip_empty``: open
         no reservation when there is nothing to write (then commit costs no call). ``ttl``: the
-        reservation's (default the daemon's); ``map_pool=False``: see :meth:`acquire_reserve`."""
+        reservation's (default the daemon's); ``map_pool=False``: see :meth:`acquire_reserve`;
+        ``placement``: the writer's device when it is not this client's (a holder reserving for
+        a writer in another process)."""
         packed = _core.pack_tokens(tokens)
+        where = self.placement if placement is None else placement
 
         def reserve(lid: str) -> tuple[pb.ReserveResponse, str]:
             return self._with_session(lambda sid: self._call(self._stub.Reserve, pb.ReserveRequest(
-                layout_id=lid, tokens=packed, session_id=sid, skip_empty=skip_empty, ttl_seconds=ttl or 0)))
+                layout_id=lid, tokens=packed, session_id=sid, skip_empty=skip_empty, ttl_seconds=ttl or 0,
+                placement=where)))
 
         r, sid = self._with_layout(layout, reserve)
         res = Reservation(self, layout, r, sid)
@@ -473,21 +482,24 @@ class Client:
 
     def acquire_reserve(self, layout: KVLayout, tokens: TokenInput, *, no_cache: bool = False,
                         no_store: bool = False, ttl: float | None = None,
-                        reservation_ttl: float | None = None, map_pool: bool = True) -> CacheRequest:
+                        reservation_ttl: float | None = None, map_pool: bool = True,
+                        placement: str | None = None) -> CacheRequest:
         """A request's first round trip: pin the cached prefix of ``tokens`` and reserve pool room
         for its uncached full chunks (one AcquireReserve call). ``no_cache``: serve nothing from
         the cache; ``no_store``: reserve nothing. Finish it with :meth:`CacheRequest.finish`.
         ``map_pool=False``: for a holder that only hands tickets to readers and writers in other
         processes (vLLM's scheduler): this client maps nothing (no CUDA context here) and cannot
-        read or write the chunks itself."""
+        read or write the chunks itself; ``placement`` then names that reader's and writer's
+        device (default: this client's)."""
         packed = _core.pack_tokens(tokens)
         direct = self.nvme_read == "direct"
+        where = self.placement if placement is None else placement
 
         def go(lid: str) -> tuple[pb.AcquireReserveResponse, str]:
             return self._with_session(lambda sid: self._call(self._stub.AcquireReserve, pb.AcquireReserveRequest(
                 layout_id=lid, tokens=packed, session_id=sid, lease_ttl_seconds=ttl or 0,
                 reservation_ttl_seconds=reservation_ttl or 0, read_nvme_directly=direct, no_cache=no_cache,
-                no_store=no_store)))
+                no_store=no_store, placement=where)))
 
         resp, sid = self._with_layout(layout, go)
         lease = Lease(self, layout, resp.lease)
@@ -592,7 +604,8 @@ class Client:
         """Fallback for processes that cannot map the pool: the KV bytes travel over gRPC (slow)."""
         packed = _core.pack_tokens(tokens)
         resp = self._with_layout(layout, lambda lid: self._call(
-            self._stub.PutBytes, pb.PutBytesRequest(layout_id=lid, tokens=packed, chunks=list(chunks))))
+            self._stub.PutBytes, pb.PutBytesRequest(layout_id=lid, tokens=packed, chunks=list(chunks),
+                                                    placement=self.placement)))
         return put_receipt(resp)
 
     def get_bytes(self, layout: KVLayout, tokens: TokenInput) -> list[bytes]:

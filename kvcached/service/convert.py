@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from kvcached.errors import InvalidLayout, InvalidPoolHandle, InvalidTokens, shown
+from kvcached.errors import InvalidArgument, InvalidLayout, InvalidPoolHandle, InvalidTokens, shown
 from kvcached.keys import KVLayout
 from kvcached.locations import POOL
 from kvcached.receipts import ChunkLocation, CommitReceipt, LeaseReceipt, ReservationReceipt
-from kvcached.tiers.packed import CudaIpc, PoolHandle
+from kvcached.tiers.packed import CudaIpc, PoolHandle, PoolSlab
 from kvcached.v1 import kvcached_pb2 as pb
 
 
@@ -109,7 +109,21 @@ def pool_handle_to_proto(h: PoolHandle, nvme_path: str = "") -> pb.PoolHandle:
         msg.ipc_size_bytes, msg.ipc_offset_bytes = c.size_bytes, c.offset_bytes
         msg.ref_counter_handle, msg.ref_counter_offset = c.ref_counter_handle, c.ref_counter_offset
         msg.event_handle, msg.event_sync_required = c.event_handle, c.event_sync_required
+    for slab in h.slabs:
+        msg.slabs.add(base=slab.base, placement=slab.placement, handle=pool_handle_to_proto(slab.handle))
     return msg
+
+
+PLACEMENT_MAX = 128
+
+
+def placement_from_proto(placement: str) -> str:
+    """A request's placement (a device UUID or ``host:K``), checked: short and printable. One
+    the daemon has no slab for is not an error (the slab with the most room takes it)."""
+    if len(placement) > PLACEMENT_MAX or not placement.isprintable():
+        raise InvalidArgument(f"placement {shown(placement[:PLACEMENT_MAX])} is not a device: a GPU UUID or host:K, "
+                              f"at most {PLACEMENT_MAX} printable characters")
+    return placement
 
 
 CUDA_IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t: CUDA_IPC_HANDLE_SIZE bytes
@@ -121,6 +135,20 @@ def pool_handle_from_proto(msg: pb.PoolHandle) -> PoolHandle:
     """The daemon's pool handle, checked before a client maps anything with it: a handle that
     could not describe a real pool raises :class:`InvalidPoolHandle` saying which field is wrong."""
     _check_pool_handle(msg)
+    slabs = []
+    end = 0
+    for i, m in enumerate(msg.slabs):
+        if m.handle.slabs:
+            raise InvalidPoolHandle(f"the daemon's pool handle is unusable: slab {i} has slabs of its own")
+        if m.base != end:
+            raise InvalidPoolHandle(f"the daemon's pool handle is unusable: slab {i} starts at {m.base}, "
+                                    f"not where slab {i - 1} ends ({end})" if i else
+                                    f"the daemon's pool handle is unusable: slab 0 starts at {m.base}, not 0")
+        one = pool_handle_from_proto(m.handle)
+        if one.kind != msg.kind or one.generation != msg.generation:
+            raise InvalidPoolHandle(f"the daemon's pool handle is unusable: slab {i} is of another kind or generation")
+        slabs.append(PoolSlab(m.base, m.placement, one))
+        end = m.base + one.size_bytes
     cuda = None
     if msg.kind == "cuda":
         cuda = CudaIpc(msg.device_index, msg.device_uuid, msg.ipc_handle, msg.ipc_size_bytes, msg.ipc_offset_bytes,
@@ -129,7 +157,7 @@ def pool_handle_from_proto(msg: pb.PoolHandle) -> PoolHandle:
         size, align = msg.size_bytes, msg.align_bytes
     else:  # an older daemon: one chunk per block, and the slab is block_bytes x num_blocks
         size, align = msg.block_bytes * msg.num_blocks, msg.block_bytes
-    return PoolHandle(msg.kind, msg.name, size, align, msg.generation, cuda)
+    return PoolHandle(msg.kind, msg.name, size, align, msg.generation, cuda, tuple(slabs))
 
 
 def _check_pool_handle(msg: pb.PoolHandle) -> None:

@@ -173,7 +173,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             return self.store.acquire(request.layout_id, convert.tokens_from_proto(tokens),
                                       self._session(request.session_id), ttl=_ttl(request.ttl_seconds),
                                       promote=not request.read_nvme_directly,
-                                      max_chunks=0 if request.no_cache else None)
+                                      max_chunks=0 if request.no_cache else None,
+                                      placement=convert.placement_from_proto(request.placement))
 
         r = await self._run(context, acquire, inline=True)
         return convert.lease_to_proto(r, self._remaining(r.expires_at))
@@ -198,7 +199,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         def reserve() -> ReservationReceipt:
             return self.store.reserve(request.layout_id, convert.tokens_from_proto(tokens),
                                       self._session(request.session_id), ttl=_ttl(request.ttl_seconds),
-                                      store_nothing=self._bypass(request), open_empty=not request.skip_empty)
+                                      store_nothing=self._bypass(request), open_empty=not request.skip_empty,
+                                      placement=convert.placement_from_proto(request.placement))
 
         r = await self._run(context, reserve, inline=True)
         ttl = self._remaining(r.expires_at) if r.opened else 0.0
@@ -227,7 +229,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             return self.store.acquire_reserve(
                 request.layout_id, convert.tokens_from_proto(tokens), self._session(request.session_id),
                 ttl=_ttl(request.lease_ttl_seconds), reservation_ttl=_ttl(request.reservation_ttl_seconds),
-                promote=not request.read_nvme_directly, no_cache=request.no_cache, store_nothing=self._bypass(request))
+                promote=not request.read_nvme_directly, no_cache=request.no_cache, store_nothing=self._bypass(request),
+                placement=convert.placement_from_proto(request.placement))
 
         lease, r = await self._run(context, both, inline=True)
         return pb.AcquireReserveResponse(
@@ -308,7 +311,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             if self._bypass(request):
                 self.store.hashes(request.layout_id, checked)  # still validated
                 return None
-            return self.store.put(request.layout_id, checked, list(request.chunks), session)
+            return self.store.put(request.layout_id, checked, list(request.chunks), session,
+                                  convert.placement_from_proto(request.placement))
 
         c = await self._run(context, put)
         return pb.CommitResponse(committed_chunks=0) if c is None else convert.commit_to_proto(c)

@@ -1,7 +1,14 @@
-"""The packed pool: chunks of any size in one slab (host shared memory or CUDA).
+"""The packed pool: chunks of any size in slabs (host shared memory or CUDA), one per device.
 
-A pool is one slab of ``capacity`` bytes, exported once (a shm name, or one
-CUDA IPC handle). A chunk takes one contiguous run of it, at a multiple of
+A pool is one or more slabs, each exported once (a shm name, or one CUDA IPC
+handle). On a host with several GPUs the daemon keeps one slab on each, so a
+worker on GPU k writes and reads chunks in GPU k's memory (no cross-GPU copy,
+no second CUDA context); a chunk is placed in the slab of the device its
+writer names (its *placement*, see :meth:`PackedPool.slab_for`). Offsets are
+global: slab k covers ``[base_k, base_k + size_k)`` of one address space, so a
+receipt's offset names its slab too, and no run crosses a slab's end.
+
+A chunk takes one contiguous run of a slab, at a multiple of
 :data:`kvcached.config.BLOCK_ALIGN`, chosen by :class:`~kvcached.tiers.extents.
 ExtentAllocator` (best fit with coalescing; the module says why by measurement).
 Chunks of every layout share the slab, so a 4 KiB test chunk and a 40 MiB
@@ -13,11 +20,18 @@ which chunk); a subclass only moves bytes (``_write``, ``_read``, ``_fill``) and
 says how a client maps the slab (``handle``).
 
 A slot's id is its offset (unique while the run is reserved or committed).
+
+How a reader on GPU j reads a chunk that lives on GPU k (a chunk placed before that worker
+said where it runs, or written by an engine on another GPU): its client opens slab k by CUDA
+IPC on device k, which must be visible to it (``CUDA_VISIBLE_DEVICES``); the copy then goes
+over NVLink or PCIe peer access and the process holds a CUDA context on device k too. A
+process that cannot see device k fails that load open (the blocks are recomputed).
 """
 
 from __future__ import annotations
 
 import abc
+import bisect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -46,7 +60,10 @@ class CudaIpc:
 
 @dataclass(frozen=True)
 class PoolHandle:
-    """Everything a client needs to map the pool. Sent as protobuf fields, never pickled."""
+    """Everything a client needs to map the pool. Sent as protobuf fields, never pickled.
+
+    The top-level fields describe slab 0 (the whole pool when it has one slab); ``slabs``
+    lists every slab of a pool with several, slab 0 included."""
 
     kind: str  # "shm" (POSIX shared memory) or "cuda"
     name: str  # shm: the segment name under /dev/shm
@@ -54,20 +71,60 @@ class PoolHandle:
     align_bytes: int  # every chunk starts at a multiple of this
     generation: str
     cuda: CudaIpc | None = field(default=None)
+    slabs: "tuple[PoolSlab, ...]" = ()
 
     @property
     def nbytes(self) -> int:
         return self.size_bytes
 
+    def all_slabs(self) -> "tuple[PoolSlab, ...]":
+        """Every slab with its base offset (a one-slab pool: itself at 0)."""
+        if self.slabs:
+            return self.slabs
+        return (PoolSlab(0, self.cuda.device_uuid if self.cuda else "", self),)
+
+
+@dataclass(frozen=True)
+class PoolSlab:
+    """One slab of a pool: its first global offset, the device it is on, and how to map it
+    (a one-slab :class:`PoolHandle` whose offsets start at 0)."""
+
+    base: int
+    placement: str  # the device's UUID (CUDA) or "host:K" (host shared memory)
+    handle: PoolHandle
+
+
+def normal_placement(placement: str) -> str:
+    """A device UUID as CUDA and NVML print it, either way: ``GPU-6f1c...`` or ``6f1c...``."""
+    p = placement.strip().lower()
+    return p[4:] if p.startswith("gpu-") else p
+
 
 class PackedPool(Tier):
+    """Space bookkeeping over one or more slabs (see the module docstring).
+
+    ``capacity_bytes`` is one size per slab (an int: one slab); ``placements`` names the
+    device of each (defaults ``host:0`` ...). Every method that finds room takes the slab it
+    is for; a caller picks it with :meth:`slab_for`."""
+
     tier_id = TierId.POOL
 
-    def __init__(self, capacity_bytes: int) -> None:
-        if capacity_bytes < BLOCK_ALIGN:
-            raise ValueError(f"a pool needs at least {BLOCK_ALIGN} bytes")
-        self._space = ExtentAllocator(capacity_bytes, BLOCK_ALIGN)
-        self.size_bytes = self._space.capacity
+    def __init__(self, capacity_bytes: int | list[int], placements: list[str] | None = None) -> None:
+        sizes = [capacity_bytes] if isinstance(capacity_bytes, int) else list(capacity_bytes)
+        if not sizes or min(sizes) < BLOCK_ALIGN:
+            raise ValueError(f"a pool needs at least one slab of at least {BLOCK_ALIGN} bytes")
+        self._spaces = [ExtentAllocator(n, BLOCK_ALIGN) for n in sizes]
+        self._bases = []
+        base = 0
+        for sp in self._spaces:
+            self._bases.append(base)
+            base += sp.capacity
+        self._ends = self._bases[1:] + [base]
+        self.size_bytes = base
+        self.placements = list(placements) if placements else [f"host:{k}" for k in range(len(sizes))]
+        if len(self.placements) != len(sizes):
+            raise ValueError(f"{len(sizes)} slabs but {len(self.placements)} placements")
+        self._slab_of_placement = {normal_placement(p): k for k, p in enumerate(self.placements)}
         self._reserved: dict[int, int] = {}  # offset -> nbytes
         self._committed: dict[ChunkHash, tuple[int, int]] = {}  # hash -> (offset, nbytes)
         self._at: dict[int, ChunkHash] = {}  # offset -> committed hash
@@ -92,13 +149,15 @@ class PackedPool(Tier):
 
     # -- Tier ------------------------------------------------------------------------------
 
-    def reserve(self, nbytes: int) -> Slot:
-        if nbytes <= 0 or nbytes > self.size_bytes:
-            raise InvalidKV(f"a chunk of {nbytes} bytes does not fit a {self.size_bytes} byte pool")
-        offset = self._space.alloc(nbytes)
-        if offset is None:
-            raise TierFull(f"pool: no free run of {nbytes} bytes ({self._space.free_bytes} bytes free in "
-                           f"{self._space.gaps} gaps, the largest {self._space.largest_gap})")
+    def reserve(self, nbytes: int, slab: int = 0) -> Slot:
+        space = self._spaces[slab]
+        if nbytes <= 0 or nbytes > space.capacity:
+            raise InvalidKV(f"a chunk of {nbytes} bytes does not fit a {space.capacity} byte pool slab")
+        local = space.alloc(nbytes)
+        if local is None:
+            raise TierFull(f"pool slab {slab}: no free run of {nbytes} bytes ({space.free_bytes} bytes free in "
+                           f"{space.gaps} gaps, the largest {space.largest_gap})")
+        offset = self._bases[slab] + local
         self._reserved[offset] = nbytes
         return Slot(TierId.POOL, offset, offset, nbytes)
 
@@ -125,7 +184,7 @@ class PackedPool(Tier):
 
     def abort(self, slot: Slot) -> None:
         if self._reserved.pop(slot.offset, None) is not None:
-            self._space.free(slot.offset)
+            self._free(slot.offset)
 
     def read(self, h: ChunkHash) -> memoryview:
         try:
@@ -141,7 +200,7 @@ class PackedPool(Tier):
         offset, nbytes = entry
         del self._at[offset]
         self._payload -= nbytes
-        self._space.free(offset)
+        self._free(offset)
         return True
 
     def __contains__(self, h: ChunkHash) -> bool:
@@ -154,10 +213,53 @@ class PackedPool(Tier):
     @property
     def used_bytes(self) -> int:
         """Bytes of committed and reserved runs (each rounded up to the alignment)."""
-        return self._space.used_bytes
+        return sum(sp.used_bytes for sp in self._spaces)
 
-    def can_admit(self, nbytes: int) -> bool:
-        return self._space.fits(nbytes)
+    def can_admit(self, nbytes: int, slab: int = 0) -> bool:
+        return self._spaces[slab].fits(nbytes)
+
+    # -- slabs -----------------------------------------------------------------------------------
+
+    @property
+    def slabs(self) -> int:
+        return len(self._spaces)
+
+    def slab_of(self, offset: int) -> int:
+        """The slab a global offset lies in."""
+        return bisect.bisect_right(self._bases, offset) - 1
+
+    def slab_for(self, placement: str) -> int:
+        """The slab for a chunk whose writer (or reader, for a promotion) runs on ``placement``:
+        that device's slab; for an empty or unknown placement (a host-memory client, a GPU the
+        daemon has no slab on) the slab with the most free bytes."""
+        if len(self._spaces) == 1:
+            return 0
+        k = self._slab_of_placement.get(normal_placement(placement)) if placement else None
+        if k is not None:
+            return k
+        return max(range(len(self._spaces)), key=lambda i: self._spaces[i].free_bytes)
+
+    def local_base(self, slab: int) -> int:
+        """The global offset of the slab's first byte."""
+        return self._bases[slab]
+
+    def slab_capacity(self, slab: int) -> int:
+        return self._spaces[slab].capacity
+
+    def slab_free_bytes(self, slab: int) -> int:
+        return self._spaces[slab].free_bytes
+
+    def slab_used_bytes(self, slab: int) -> int:
+        return self._spaces[slab].used_bytes
+
+    def local(self, offset: int) -> tuple[int, int]:
+        """(slab, offset within it) of a global offset: what a backend's byte movers use."""
+        k = bisect.bisect_right(self._bases, offset) - 1
+        return k, offset - self._bases[k]
+
+    def _free(self, offset: int) -> None:
+        k = bisect.bisect_right(self._bases, offset) - 1
+        self._spaces[k].free(offset - self._bases[k])
 
     # -- pool specifics ------------------------------------------------------------------------
 
@@ -173,25 +275,25 @@ class PackedPool(Tier):
         """(offset, nbytes) of a committed chunk; KeyError if absent. The fast path of slot_of."""
         return self._committed[h]
 
-    def victims_for(self, nbytes: int, evictable: Callable[[ChunkHash], bool]) -> list[ChunkHash] | None:
-        """The committed chunks to evict so that a run of ``nbytes`` fits: the contiguous window
-        that frees the fewest bytes (see :meth:`ExtentAllocator.window`), made only of free space
-        and chunks ``evictable`` accepts. None if there is no such window."""
-        at = self._at
-        offsets = self._space.window(nbytes, lambda off: off in at and evictable(at[off]))
-        return None if offsets is None else [at[off] for off in offsets]
+    def victims_for(self, nbytes: int, evictable: Callable[[ChunkHash], bool], slab: int = 0) -> list[ChunkHash] | None:
+        """The committed chunks to evict so that a run of ``nbytes`` fits in ``slab``: the
+        contiguous window that frees the fewest bytes (see :meth:`ExtentAllocator.window`), made
+        only of free space and chunks ``evictable`` accepts. None if there is no such window."""
+        at, base = self._at, self._bases[slab]
+        offsets = self._spaces[slab].window(nbytes, lambda off: off + base in at and evictable(at[off + base]))
+        return None if offsets is None else [at[off + base] for off in offsets]
 
     @property
     def free_bytes(self) -> int:
-        return self._space.free_bytes
+        return sum(sp.free_bytes for sp in self._spaces)
 
     @property
     def largest_free(self) -> int:
-        return self._space.largest_gap
+        return max(sp.largest_gap for sp in self._spaces)
 
     @property
     def free_runs(self) -> int:
-        return self._space.gaps
+        return sum(sp.gaps for sp in self._spaces)
 
     @property
     def payload_bytes(self) -> int:
@@ -212,8 +314,9 @@ class PackedPool(Tier):
 
     def check(self) -> None:
         """Full consistency check (tests)."""
-        self._space.check()
-        if len(self._space) != len(self._reserved) + len(self._committed):
+        for sp in self._spaces:
+            sp.check()
+        if sum(len(sp) for sp in self._spaces) != len(self._reserved) + len(self._committed):
             raise InternalInvariantError("pool allocations and chunks disagree")
 
     def _check_reserved(self, slot: Slot) -> None:

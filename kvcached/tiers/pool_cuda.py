@@ -1,6 +1,9 @@
-"""CUDA pool: one slab of device memory per daemon, shared with clients by CUDA IPC.
+"""CUDA pool: one slab of device memory per GPU, shared with clients by CUDA IPC.
 
-The slab is a single plain ``cudaMalloc``-backed allocation (a torch uint8
+``device = "cuda"`` gives every GPU the daemon sees a slab of its own (the default: a worker
+on GPU k then keeps its chunks in GPU k's memory, see :mod:`kvcached.tiers.packed`);
+``cuda:N`` or ``cuda:0,2`` names the GPUs. Each slab is a single plain ``cudaMalloc``-backed
+allocation (a torch uint8
 tensor from the caching allocator, which hands a request this large its own
 segment). Legacy CUDA IPC cannot export memory from expandable segments or
 other virtual-memory (cuMem*) allocations, so the pool refuses to start when
@@ -23,6 +26,7 @@ writes are synchronised by the client before it commits (see
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -30,7 +34,7 @@ from typing import TYPE_CHECKING, Callable
 
 from kvcached.config import BLOCK_ALIGN
 from kvcached.errors import InvalidArgument, TierFull, Unavailable
-from kvcached.tiers.packed import CudaIpc, PackedPool, PoolHandle
+from kvcached.tiers.packed import CudaIpc, PackedPool, PoolHandle, PoolSlab
 
 if TYPE_CHECKING:
     import torch
@@ -52,15 +56,27 @@ def check_allocator() -> None:
 
 
 def resolve_device(device: str) -> "torch.device":
+    """The first device of ``device`` (see :func:`resolve_devices`)."""
+    return resolve_devices(device)[0]
+
+
+def resolve_devices(device: str) -> "list[torch.device]":
+    """The GPUs ``device`` names: ``cuda`` every visible one, ``cuda:N`` one, ``cuda:0,2`` a list."""
     import torch
 
     if not torch.cuda.is_available():
         raise CudaUnavailable(f"--device {device}: CUDA is not available here (torch {torch.__version__}); "
                               "use --device cpu for the host shared-memory pool")
-    dev = torch.device(device if ":" in device else "cuda:0")
-    if dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise InvalidArgument(f"--device {device}: only {torch.cuda.device_count()} CUDA devices are visible")
-    return dev
+    count = torch.cuda.device_count()
+    if ":" not in device:
+        return [torch.device("cuda", i) for i in range(count)]
+    out = []
+    for part in device.split(":", 1)[1].split(","):
+        i = int(part)
+        if i >= count:
+            raise InvalidArgument(f"--device {device}: only {count} CUDA devices are visible")
+        out.append(torch.device("cuda", i))
+    return out
 
 
 def device_uuid(dev: "torch.device") -> str:
@@ -70,11 +86,11 @@ def device_uuid(dev: "torch.device") -> str:
 
 
 def default_pool_bytes(device: str, domains: int = 1) -> int:
-    """Half of the device's free memory (DESIGN.md section 8), split evenly among ``domains`` pools."""
+    """Half of each device's free memory (the least free of them), split evenly among
+    ``domains`` pools: the size of each GPU's slab."""
     import torch
 
-    free, _total = torch.cuda.mem_get_info(resolve_device(device))
-    return free // 2 // domains
+    return min(torch.cuda.mem_get_info(d)[0] for d in resolve_devices(device)) // 2 // domains
 
 
 def check_slab_aligned(slab: "torch.Tensor") -> None:
@@ -84,28 +100,26 @@ def check_slab_aligned(slab: "torch.Tensor") -> None:
         raise ValueError(f"CUDA pool slab at {slab.data_ptr():#x} is not {BLOCK_ALIGN}-byte aligned")
 
 
-class CudaPool(PackedPool):
-    def __init__(self, device: str, capacity_bytes: int, *, staging_bytes: int = 64 << 20) -> None:
+class _Slab:
+    """One GPU's slab: the tensor, its exported handle, and pinned staging for daemon-side copies."""
+
+    def __init__(self, dev: "torch.device", size: int, generation: str, staging_bytes: int) -> None:
         import torch
 
-        check_allocator()
-        super().__init__(capacity_bytes)
-        self.device = resolve_device(device)
-        size = self.size_bytes
+        self.device = dev
         try:
-            self._slab = torch.empty(size, dtype=torch.uint8, device=self.device)
+            self.tensor = torch.empty(size, dtype=torch.uint8, device=dev)
         except torch.cuda.OutOfMemoryError as e:
-            raise TierFull(f"cannot allocate a {size} byte pool on {self.device}: {e}; lower --pool-bytes") from e
-        torch.cuda.synchronize(self.device)
-        check_slab_aligned(self._slab)
+            raise TierFull(f"cannot allocate a {size} byte pool on {dev}: {e}; lower --pool-bytes") from e
+        torch.cuda.synchronize(dev)
+        check_slab_aligned(self.tensor)
         (dev_index, handle, size_bytes, offset_bytes, rc_handle, rc_offset, ev_handle, ev_sync) = (
-            self._slab.untyped_storage()._share_cuda_()
+            self.tensor.untyped_storage()._share_cuda_()
         )
-        self.generation = secrets.token_hex(8)
-        self.name = f"cuda:{self.device.index or 0}/{self.generation}"
-        self._ipc = CudaIpc(
+        self.name = f"cuda:{dev.index or 0}/{generation}"
+        self.ipc = CudaIpc(
             device_index=int(dev_index),
-            device_uuid=device_uuid(self.device),
+            device_uuid=device_uuid(dev),
             handle=bytes(handle),
             size_bytes=int(size_bytes),
             offset_bytes=int(offset_bytes),
@@ -116,42 +130,62 @@ class CudaPool(PackedPool):
         )
         # Pinned host bytes for daemon-side copies (promotion, the bytes fallback), grown on demand to
         # the largest chunk seen: chunks have no fixed size any more.
-        self._staging = torch.empty(min(staging_bytes, size), dtype=torch.uint8, pin_memory=True)
-        log.info("CUDA pool: %d bytes on %s (%s)", size, self.device, self._ipc.device_uuid)
+        self.staging = torch.empty(min(staging_bytes, size), dtype=torch.uint8, pin_memory=True)
 
-    def _stage(self, nbytes: int) -> "torch.Tensor":
+    def stage(self, nbytes: int) -> "torch.Tensor":
         import torch
 
-        if self._staging.numel() < nbytes:
-            self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        return self._staging[:nbytes]
+        if self.staging.numel() < nbytes:
+            self.staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return self.staging[:nbytes]
+
+
+class CudaPool(PackedPool):
+    def __init__(self, device: str, capacity_bytes: int, *, staging_bytes: int = 64 << 20) -> None:
+        check_allocator()
+        devices = resolve_devices(device)
+        super().__init__([capacity_bytes] * len(devices), [device_uuid(d) for d in devices])
+        self.device = devices[0]
+        self.generation = secrets.token_hex(8)
+        self._slabs = [_Slab(d, self.slab_capacity(k), self.generation, staging_bytes) for k, d in enumerate(devices)]
+        self.name = self._slabs[0].name
+        for s in self._slabs:
+            log.info("CUDA pool: %d bytes on %s (%s)", s.tensor.numel(), s.device, s.ipc.device_uuid)
 
     def _write(self, offset: int, data: memoryview) -> None:
         import torch
 
-        n = data.nbytes
-        staging = self._stage(n)
+        k, local = self.local(offset)
+        slab, n = self._slabs[k], data.nbytes
+        staging = slab.stage(n)
         staging.numpy()[:] = memoryview(data).cast("B")
-        self._slab[offset : offset + n].copy_(staging, non_blocking=True)
-        torch.cuda.synchronize(self.device)
+        slab.tensor[local : local + n].copy_(staging, non_blocking=True)
+        torch.cuda.synchronize(slab.device)
 
     def _read(self, offset: int, nbytes: int) -> memoryview:
-        return memoryview(self._slab[offset : offset + nbytes].cpu().numpy())
+        k, local = self.local(offset)
+        return memoryview(self._slabs[k].tensor[local : local + nbytes].cpu().numpy())
 
     def _fill(self, offset: int, nbytes: int, fill: Callable[[memoryview], None]) -> None:
         import torch
 
-        staging = self._stage(nbytes)
+        k, local = self.local(offset)
+        slab = self._slabs[k]
+        staging = slab.stage(nbytes)
         fill(memoryview(staging.numpy()))
-        self._slab[offset : offset + nbytes].copy_(staging, non_blocking=True)
-        torch.cuda.synchronize(self.device)
+        slab.tensor[local : local + nbytes].copy_(staging, non_blocking=True)
+        torch.cuda.synchronize(slab.device)
 
     def handle(self) -> PoolHandle:
-        return PoolHandle("cuda", self.name, self.size_bytes, BLOCK_ALIGN, self.generation, self._ipc)
+        one = [PoolHandle("cuda", s.name, self.slab_capacity(k), BLOCK_ALIGN, self.generation, s.ipc)
+               for k, s in enumerate(self._slabs)]
+        if len(one) == 1:
+            return one[0]
+        return dataclasses.replace(one[0], slabs=tuple(
+            PoolSlab(self.local_base(k), self.placements[k], h) for k, h in enumerate(one)))
 
     def close(self) -> None:
-        self._slab = None  # type: ignore[assignment]
-        self._staging = None  # type: ignore[assignment]
+        self._slabs = []
 
 
 class CudaPoolMapping:

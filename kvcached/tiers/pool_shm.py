@@ -1,4 +1,4 @@
-"""Host pool: one POSIX shared-memory slab, packed with chunks of any size.
+"""Host pool: POSIX shared-memory slabs, packed with chunks of any size.
 
 This is the device pool on a host without a GPU (and in CI): the same packed
 layout the CUDA pool uses, in ``/dev/shm``. Inference processes map the slab
@@ -6,7 +6,10 @@ once by name (:class:`HostPoolMapping`) and then read or write a chunk at the
 byte offset a receipt names, with no copy through the daemon.
 
 Space bookkeeping lives in :class:`kvcached.tiers.packed.PackedPool`; this
-module only creates the segment and moves bytes in and out of it.
+module only creates the segments and moves bytes in and out of them. A host
+pool has one slab unless ``pool_slabs`` asks for more (``host:0`` ...): each is
+its own segment, mapped separately, exactly as a multi-GPU pool has one slab
+per GPU, so every placement rule runs on a machine without one.
 
 Ownership: the daemon creates and unlinks the segment. A client mapping
 outlives neither the segment's name (unlinked at close) nor its generation:
@@ -20,6 +23,7 @@ delivering SIGBUS to a client later.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import mmap
 import os
@@ -31,7 +35,7 @@ from kvcached.errors import TierFull
 from kvcached.config import FileAccess
 from kvcached.tiers.base import Slot
 from kvcached.config import BLOCK_ALIGN
-from kvcached.tiers.packed import PackedPool, PoolHandle
+from kvcached.tiers.packed import PackedPool, PoolHandle, PoolSlab
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +43,26 @@ SHM_DIR = "/dev/shm"
 
 
 class HostPool(PackedPool):
-    def __init__(self, name_prefix: str, capacity_bytes: int, *, prefault: bool = True,
+    def __init__(self, name_prefix: str, capacity_bytes: int, *, slabs: int = 1, prefault: bool = True,
                  access: FileAccess = FileAccess()) -> None:
-        super().__init__(capacity_bytes)
+        super().__init__([capacity_bytes] * slabs)
         self.generation = secrets.token_hex(8)
         self.name = f"{name_prefix}.{os.getpid()}.{self.generation}"
-        self._path = os.path.join(SHM_DIR, self.name)
-        size = self.size_bytes
-        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self._names = [self.name] + [f"{self.name}-{k}" for k in range(1, slabs)]
+        self._mmaps: list[mmap.mmap] = []
+        self._views: list[memoryview] = []
+        self._closed = False
+        try:
+            for k, name in enumerate(self._names):
+                self._mmaps.append(self._create(os.path.join(SHM_DIR, name), self.slab_capacity(k), prefault, access))
+                self._views.append(memoryview(self._mmaps[-1]))
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _create(path: str, size: int, prefault: bool, access: FileAccess) -> mmap.mmap:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             access.apply(fd, access.shared_mode)  # clients that may connect may map it
             os.ftruncate(fd, size)
@@ -54,48 +70,58 @@ class HostPool(PackedPool):
                 try:
                     os.posix_fallocate(fd, 0, size)
                 except OSError as e:
-                    os.unlink(self._path)
+                    os.unlink(path)
                     raise TierFull(
                         f"cannot allocate a {size} byte host pool in {SHM_DIR}: {e.strerror}; "
                         "lower --pool-bytes or enlarge /dev/shm"
                     ) from e
-            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        self._view = memoryview(self._mmap)
-        self._closed = False
+
+    def _span(self, offset: int, nbytes: int) -> memoryview:
+        k, local = self.local(offset)
+        return self._views[k][local : local + nbytes]
 
     def _write(self, offset: int, data: memoryview) -> None:
-        self._view[offset : offset + data.nbytes] = data
+        self._span(offset, data.nbytes)[:] = data
 
     def _read(self, offset: int, nbytes: int) -> memoryview:
-        return self._view[offset : offset + nbytes]
+        return self._span(offset, nbytes)
 
     def _fill(self, offset: int, nbytes: int, fill: Callable[[memoryview], None]) -> None:
-        fill(self._view[offset : offset + nbytes])  # straight into the run: one copy
+        fill(self._span(offset, nbytes))  # straight into the run: one copy
 
     def reserved_view(self, slot: Slot) -> memoryview:
         """Writable view of a reserved run (what an in-process writer fills)."""
         self._check_reserved(slot)
-        return self._view[slot.offset : slot.offset + slot.nbytes]
+        return self._span(slot.offset, slot.nbytes)
 
     def handle(self) -> PoolHandle:
-        return PoolHandle("shm", self.name, self.size_bytes, BLOCK_ALIGN, self.generation)
+        one = [PoolHandle("shm", name, self.slab_capacity(k), BLOCK_ALIGN, self.generation)
+               for k, name in enumerate(self._names)]
+        if len(one) == 1:
+            return one[0]
+        slabs = tuple(PoolSlab(self.local_base(k), self.placements[k], h) for k, h in enumerate(one))
+        return dataclasses.replace(one[0], slabs=slabs)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._view.release()
-        try:
-            self._mmap.close()
-        except BufferError:
-            # Someone still holds a view of a chunk; the mapping goes with the last view.
-            log.warning("host pool %s closed while views were still exported", self.name)
-        try:
-            os.unlink(self._path)
-        except FileNotFoundError:
-            pass
+        for view in self._views:
+            view.release()
+        for mm in self._mmaps:
+            try:
+                mm.close()
+            except BufferError:
+                # Someone still holds a view of a chunk; the mapping goes with the last view.
+                log.warning("host pool %s closed while views were still exported", self.name)
+        for name in self._names:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except FileNotFoundError:
+                pass
 
 
 def remove_stale_segments(name_prefix: str) -> list[str]:
@@ -112,7 +138,7 @@ def remove_stale_segments(name_prefix: str) -> list[str]:
     for name in names:
         if not name.startswith(name_prefix + "."):
             continue
-        rest = name[len(name_prefix) + 1 :].split(".")
+        rest = name[len(name_prefix) + 1 :].split(".")  # pid, generation[-slab]
         if len(rest) != 2 or not rest[0].isdigit():
             continue
         pid = int(rest[0])

@@ -18,7 +18,7 @@ def _host(config: StoreConfig) -> PackedPool:
 
     prefix = f"kvcached.{config.domain}"
     remove_stale_segments(prefix)
-    return HostPool(prefix, config.pool_bytes, prefault=config.pool_prefault,
+    return HostPool(prefix, config.pool_bytes, slabs=config.pool_slabs, prefault=config.pool_prefault,
                     access=config.file_access)
 
 

@@ -78,20 +78,22 @@ class ChunkLocations(_message.Message):
     def __init__(self, first_position: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., nvme_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("layout_id", "tokens", "session_id", "ttl_seconds", "read_nvme_directly", "no_cache")
+    __slots__ = ("layout_id", "tokens", "session_id", "ttl_seconds", "read_nvme_directly", "no_cache", "placement")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     READ_NVME_DIRECTLY_FIELD_NUMBER: _ClassVar[int]
     NO_CACHE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     layout_id: str
     tokens: bytes
     session_id: str
     ttl_seconds: float
     read_nvme_directly: bool
     no_cache: bool
-    def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., session_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., read_nvme_directly: _Optional[bool] = ..., no_cache: _Optional[bool] = ...) -> None: ...
+    placement: str
+    def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., session_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., read_nvme_directly: _Optional[bool] = ..., no_cache: _Optional[bool] = ..., placement: _Optional[str] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease_id", "matched_tokens", "chunks", "ttl_seconds", "pool_generation")
@@ -138,7 +140,7 @@ class KeepAliveResponse(_message.Message):
     def __init__(self, ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("layout_id", "tokens", "session_id", "ttl_seconds", "no_store", "expected_output_tokens", "skip_empty")
+    __slots__ = ("layout_id", "tokens", "session_id", "ttl_seconds", "no_store", "expected_output_tokens", "skip_empty", "placement")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +148,7 @@ class ReserveRequest(_message.Message):
     NO_STORE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SKIP_EMPTY_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     layout_id: str
     tokens: bytes
     session_id: str
@@ -153,7 +156,8 @@ class ReserveRequest(_message.Message):
     no_store: bool
     expected_output_tokens: int
     skip_empty: bool
-    def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., session_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., no_store: _Optional[bool] = ..., expected_output_tokens: _Optional[int] = ..., skip_empty: _Optional[bool] = ...) -> None: ...
+    placement: str
+    def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., session_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., no_store: _Optional[bool] = ..., expected_output_tokens: _Optional[int] = ..., skip_empty: _Optional[bool] = ..., placement: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("reservation_id", "cached_tokens", "in_flight_tokens", "slots", "ttl_seconds", "pool_generation", "durable_tokens", "write_through", "not_reserved_tokens", "not_reserved_reason")
@@ -216,7 +220,7 @@ class AbortResponse(_message.Message):
     def __init__(self, aborted: _Optional[int] = ...) -> None: ...
 
 class AcquireReserveRequest(_message.Message):
-    __slots__ = ("layout_id", "tokens", "session_id", "lease_ttl_seconds", "reservation_ttl_seconds", "read_nvme_directly", "no_cache", "no_store", "expected_output_tokens")
+    __slots__ = ("layout_id", "tokens", "session_id", "lease_ttl_seconds", "reservation_ttl_seconds", "read_nvme_directly", "no_cache", "no_store", "expected_output_tokens", "placement")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +230,7 @@ class AcquireReserveRequest(_message.Message):
     NO_CACHE_FIELD_NUMBER: _ClassVar[int]
     NO_STORE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     layout_id: str
     tokens: bytes
     session_id: str
@@ -235,7 +240,8 @@ class AcquireReserveRequest(_message.Message):
     no_cache: bool
     no_store: bool
     expected_output_tokens: int
-    def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., session_id: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ..., reservation_ttl_seconds: _Optional[float] = ..., read_nvme_directly: _Optional[bool] = ..., no_cache: _Optional[bool] = ..., no_store: _Optional[bool] = ..., expected_output_tokens: _Optional[int] = ...) -> None: ...
+    placement: str
+    def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., session_id: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ..., reservation_ttl_seconds: _Optional[float] = ..., read_nvme_directly: _Optional[bool] = ..., no_cache: _Optional[bool] = ..., no_store: _Optional[bool] = ..., expected_output_tokens: _Optional[int] = ..., placement: _Optional[str] = ...) -> None: ...
 
 class AcquireReserveResponse(_message.Message):
     __slots__ = ("lease", "reservation")
@@ -292,7 +298,7 @@ class PoolHandleRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PoolHandle(_message.Message):
-    __slots__ = ("kind", "name", "ipc_handle", "block_bytes", "num_blocks", "generation", "device_uuid", "nvme_path", "ipc_size_bytes", "ipc_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "device_index", "size_bytes", "align_bytes")
+    __slots__ = ("kind", "name", "ipc_handle", "block_bytes", "num_blocks", "generation", "device_uuid", "nvme_path", "ipc_size_bytes", "ipc_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "device_index", "size_bytes", "align_bytes", "slabs")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +316,7 @@ class PoolHandle(_message.Message):
     DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ALIGN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLABS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     name: str
     ipc_handle: bytes
@@ -327,23 +334,36 @@ class PoolHandle(_message.Message):
     device_index: int
     size_bytes: int
     align_bytes: int
-    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., generation: _Optional[str] = ..., device_uuid: _Optional[str] = ..., nvme_path: _Optional[str] = ..., ipc_size_bytes: _Optional[int] = ..., ipc_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., device_index: _Optional[int] = ..., size_bytes: _Optional[int] = ..., align_bytes: _Optional[int] = ...) -> None: ...
+    slabs: _containers.RepeatedCompositeFieldContainer[PoolSlab]
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., generation: _Optional[str] = ..., device_uuid: _Optional[str] = ..., nvme_path: _Optional[str] = ..., ipc_size_bytes: _Optional[int] = ..., ipc_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., device_index: _Optional[int] = ..., size_bytes: _Optional[int] = ..., align_bytes: _Optional[int] = ..., slabs: _Optional[_Iterable[_Union[PoolSlab, _Mapping]]] = ...) -> None: ...
+
+class PoolSlab(_message.Message):
+    __slots__ = ("base", "placement", "handle")
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    base: int
+    placement: str
+    handle: PoolHandle
+    def __init__(self, base: _Optional[int] = ..., placement: _Optional[str] = ..., handle: _Optional[_Union[PoolHandle, _Mapping]] = ...) -> None: ...
 
 class PutBytesRequest(_message.Message):
-    __slots__ = ("layout_id", "tokens", "chunks", "session_id", "no_store", "expected_output_tokens")
+    __slots__ = ("layout_id", "tokens", "chunks", "session_id", "no_store", "expected_output_tokens", "placement")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NO_STORE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     layout_id: str
     tokens: bytes
     chunks: _containers.RepeatedScalarFieldContainer[bytes]
     session_id: str
     no_store: bool
     expected_output_tokens: int
-    def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., chunks: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[str] = ..., no_store: _Optional[bool] = ..., expected_output_tokens: _Optional[int] = ...) -> None: ...
+    placement: str
+    def __init__(self, layout_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., chunks: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[str] = ..., no_store: _Optional[bool] = ..., expected_output_tokens: _Optional[int] = ..., placement: _Optional[str] = ...) -> None: ...
 
 class GetBytesRequest(_message.Message):
     __slots__ = ("layout_id", "tokens", "session_id")

@@ -1,7 +1,7 @@
 """Where a lease's chunks land and when its release may run, for a pool on another device.
 
 This machine has no GPU, so a pool "on another device" is simulated by what the client believes
-its pool's device is (``PoolMap.device``): "meta" for placement (tensors on it carry shapes,
+its pool's device is (``PoolMap.device``, and ``PoolMap.device_of`` for a slab): "meta" for placement (tensors on it carry shapes,
 no data) and "cuda:0" for release ordering (nothing is allocated there). The bytes still come from
 the daemon's host pool. tests/tiers/test_pool_cuda.py checks the same on a real GPU.
 """
@@ -26,6 +26,7 @@ def fat_daemon(make_daemon):
 
 def pool_device(monkeypatch, device: str) -> None:
     monkeypatch.setattr(PoolMap, "device", property(lambda self: torch.device(device)), raising=False)
+    monkeypatch.setattr(PoolMap, "device_of", lambda self, offset: torch.device(device))
 
 
 def test_nvme_direct_chunks_land_on_the_pools_device(fat_daemon, monkeypatch):

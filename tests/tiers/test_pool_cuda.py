@@ -22,6 +22,11 @@ def gpu(fn):
     return pytest.mark.gpu(skip(fn))
 
 
+def two_gpus(fn):
+    skip = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs; this machine has fewer")
+    return pytest.mark.gpu(skip(fn))
+
+
 def test_expandable_segments_are_refused(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128,expandable_segments:True")
     with pytest.raises(CudaUnavailable, match="expandable_segments"):
@@ -57,7 +62,7 @@ g = torch.Generator(device="cuda").manual_seed(11)
 kv = torch.randn(2, 2, 2, 64, 8, device="cuda", generator=g)
 with Client(sys.argv[1]) as c:
     assert c.put(LAYOUT, list(range(64)), kv).stored_chunks == 4
-    assert c._pool._mapping.slab.device.type == "cuda"
+    assert c._pool.device.type == "cuda"
 torch.save(kv.cpu(), sys.argv[2])
 """
 
@@ -133,3 +138,26 @@ def test_gpu_blocks_of_a_derived_size_view_as_a_two_byte_dtype(make_daemon):
         assert c.put(layout, list(range(64)), kv).stored_chunks == 4  # blocks 0..3
         with c.acquire(layout, list(range(64))) as lease:
             assert torch.equal(lease.kv().cpu(), kv)
+
+
+_PLACED = r"""
+import sys, torch
+from kvcached_client import Client
+from tests.service.conftest import LAYOUT
+dev, toks = torch.device(sys.argv[2]), list(range(int(sys.argv[3]), int(sys.argv[3]) + 64))
+kv = torch.randn(2, 2, 2, 64, 8, device=dev, generator=torch.Generator(device=dev).manual_seed(5))
+with Client(sys.argv[1], placement=dev) as c:
+    assert c.put(LAYOUT, toks, kv).stored_chunks == 4
+    assert c._pool.mapped_slabs == [dev.index]  # its own GPU's slab only: no context on the other
+    with c.acquire(LAYOUT, toks) as lease:
+        assert all(lease.chunk(i).device == dev for i in range(4))
+        assert torch.equal(lease.kv(), kv)
+    print([s["used_bytes"] > 0 for s in c.stats()["pool"]["slabs"]])
+"""
+
+
+@two_gpus
+def test_gpu_a_slab_per_gpu_and_each_client_stores_on_its_own(make_daemon):
+    d = make_daemon(device="cuda", pool_bytes="64M")
+    assert _run(_PLACED, d.socket, "cuda:1", "0").endswith("[False, True]")
+    assert _run(_PLACED, d.socket, "cuda:0", "1000").endswith("[True, True]")

@@ -109,7 +109,7 @@ class Engine:
         hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self._hasher = get_request_block_hasher(BLOCK, hash_fn)
-        self.worker = WorkerSide(NAMES, BLOCK, self.layout.chunk_tokens, 0, CPU, lambda: Client(socket))
+        self.worker = WorkerSide(NAMES, BLOCK, self.layout.chunk_tokens, 0, CPU, lambda where: Client(socket, placement=where))
         self.worker.register({n: torch.zeros(num_blocks, H, BLOCK, 2 * D) for n in NAMES})
         self.kv: dict[str, torch.Tensor] = {}  # req id -> the KV its "forward" writes
         self.n_prompt: dict[str, int] = {}

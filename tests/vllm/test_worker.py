@@ -26,7 +26,7 @@ def worker(vdaemon):
     from kvcached_client.vllm.paged import CPU
     from kvcached_client.vllm.worker import WorkerSide
 
-    w = WorkerSide(NAMES, BLOCK, CHUNK, 0, CPU, lambda: Client(vdaemon.socket))
+    w = WorkerSide(NAMES, BLOCK, CHUNK, 0, CPU, lambda where: Client(vdaemon.socket, placement=where))
     w.register({n: torch.zeros(32, H, BLOCK, 2 * D) for n in NAMES})
     yield w
     w.close()
@@ -109,7 +109,7 @@ def test_a_lease_of_a_dead_daemon(worker, vdaemon):
     assert step(worker, ticket_plan)[0].loaded == {(7, 0): 1} and worker.take_failed_blocks() == set()
     assert torch.equal(blocks_as_kv(worker, [1, 2, 3, 4]), kv)
 
-    fresh = WorkerSide(NAMES, BLOCK, CHUNK, 0, CPU, lambda: Client(vdaemon.socket))
+    fresh = WorkerSide(NAMES, BLOCK, CHUNK, 0, CPU, lambda where: Client(vdaemon.socket, placement=where))
     fresh.register({n: torch.zeros(32, H, BLOCK, 2 * D) for n in NAMES})  # maps the new daemon's pool
     try:
         assert step(fresh, ticket_plan)[0].loaded == {(7, 0): 1}

@@ -57,6 +57,10 @@ class ConnectorConfig:
     nvme_read: str = NVME_READ_DEFAULT
     #: vLLM's load-failure policy must be "recompute" for fail-open loads; the connector sets it unless False
     set_recompute_policy: bool = True
+    #: each worker's device, which picks its slab of the daemon's pool (one slab per GPU): default the
+    #: UUID of the GPU its KV cache is on (a CPU engine: none, the daemon picks); "{rank}" becomes the
+    #: worker's TP rank, e.g. "host:{rank}" for a host pool with pool_slabs
+    placement: str | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> "ConnectorConfig":

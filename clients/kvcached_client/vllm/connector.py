@@ -30,7 +30,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvcached_client.client import Client
 from kvcached_client.vllm.config import ConnectorConfig, async_loads
 from kvcached_client.vllm.paged import converter_for, verify_cpu_layout
-from kvcached_client.vllm.plan import KvcachedMetadata, KvcachedWorkerMetadata
+from kvcached_client.vllm.plan import KvcachedHandshake, KvcachedMetadata, KvcachedWorkerMetadata
 from kvcached_client.vllm.scheduler import SchedulerSide
 from kvcached_client.vllm.spec import (
     UnsupportedEngineError,
@@ -82,7 +82,8 @@ class KvcachedConnector(KVConnectorBase_V1):
             rank = get_tensor_model_parallel_rank()
             backend = self._backend_name(vllm_config)
             self.worker = WorkerSide(self.layer_names, block_size, chunk, rank, converter_for(backend),
-                                     lambda: self._client(f"{name} rank {rank}"))
+                                     lambda where: self._client(f"{name} rank {rank}", where),
+                                     placement=cfg.placement)
             self._backend = backend
         self._delta = self._stats_delta()
         log.info("kvcached connector (%s): layout %s, %d layers, %d KV heads, head dim %d, %s, chunk %d tokens "
@@ -117,9 +118,9 @@ class KvcachedConnector(KVConnectorBase_V1):
                            per_engine_labelvalues: Any) -> KvcachedPromMetrics:
         return stats.build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
-    def _client(self, name: str) -> Client:
+    def _client(self, name: str, placement: str = "") -> Client:
         return Client(self.config.socket, timeout=self.config.rpc_timeout_s, client_name=name,
-                      nvme_read=self.config.nvme_read)
+                      nvme_read=self.config.nvme_read, placement=placement)
 
     def _backend_name(self, vllm_config: "VllmConfig") -> str:
         from vllm.config import get_layers_from_vllm_config
@@ -183,6 +184,17 @@ class KvcachedConnector(KVConnectorBase_V1):
         if self.worker is None:
             return None, None
         return None, self.worker.get_finished() or None
+
+    def get_handshake_metadata(self) -> KvcachedHandshake | None:
+        """What this worker tells the scheduler side once, at start (vLLM's connector handshake,
+        collected from every rank after the KV caches are registered): its device, so that the
+        scheduler reserves and promotes this rank's chunks in that GPU's pool slab."""
+        return KvcachedHandshake(self.worker.placement) if self.worker is not None else None
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        if self.scheduler is not None:
+            self.scheduler.set_placements({rank: m.placement for rank, m in metadata.items()
+                                           if isinstance(m, KvcachedHandshake)})
 
     def build_connector_worker_meta(self) -> KvcachedWorkerMetadata | None:
         return self.worker.take_report() if self.worker is not None else None

@@ -19,9 +19,16 @@ from dataclasses import dataclass, field
 from kvcached_client._core import LeaseTicket, ReservationTicket
 
 try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorHandshakeMetadata,
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
+    )
 except ImportError:  # the worker's data path runs without vLLM too (bench/gpu_check.py on a bare GPU machine)
     class KVConnectorMetadata:  # type: ignore[no-redef]
+        pass
+
+    class KVConnectorHandshakeMetadata:  # type: ignore[no-redef]
         pass
 
     class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
@@ -67,6 +74,14 @@ class SavePlan:
     from_chunk: int
     to_chunk: int
     block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KvcachedHandshake(KVConnectorHandshakeMetadata):
+    """A worker's word to the scheduler side at start: the device its KV cache is on (a GPU's
+    UUID, ``host:K``, or "" for none), which picks its slab of the daemon's pool."""
+
+    placement: str
 
 
 @dataclass

@@ -181,6 +181,7 @@ class SchedulerSide:
         self.chunk_tokens = layouts[0].chunk_tokens
         self.blocks_per_chunk = self.chunk_tokens // block_size
         self.async_load = async_load
+        self._placements = [""] * len(layouts)  # each rank's device (set_placements)
         self._client_factory = client_factory
         self._client: Client | None = None
         self._clock = clock
@@ -276,17 +277,32 @@ class SchedulerSide:
             return False
         self.stats["lookups"] += 1
         st.lookup_started = self._clock()
-        st.lookup = [self._bg.submit(self._acquire_reserve, lay, st.tokens, not st.policy.read, not store)
-                     for lay in st.layouts]
+        st.lookup = [self._bg.submit(self._acquire_reserve, lay, st.tokens, not st.policy.read, not store,
+                                     self.placement(rank)) for rank, lay in enumerate(st.layouts)]
         self._looking.add(st)
         return True
 
-    def _acquire_reserve(self, layout: KVLayout, tokens: Sequence[int], no_cache: bool, no_store: bool) -> CacheRequest:
-        """On a connector thread: one rank's lease and reservation. The scheduler never maps the
-        pool (the workers read and write it through tickets)."""
+    def _acquire_reserve(self, layout: KVLayout, tokens: Sequence[int], no_cache: bool, no_store: bool,
+                         placement: str = "") -> CacheRequest:
+        """On a connector thread: one rank's lease and reservation, in the pool slab of that
+        rank's device. The scheduler never maps the pool (the workers read and write it through
+        tickets)."""
         return self.client.acquire_reserve(layout, tokens, no_cache=no_cache, no_store=no_store,
                                            ttl=self.cfg.lease_ttl_s or None,
-                                           reservation_ttl=self.cfg.reservation_ttl_s, map_pool=False)
+                                           reservation_ttl=self.cfg.reservation_ttl_s, map_pool=False,
+                                           placement=placement)
+
+    def set_placements(self, placements: dict[int, str]) -> None:
+        """Each rank's device, as its worker reported it at start (vLLM's connector handshake,
+        after the KV caches are registered and before the first request)."""
+        for rank, where in placements.items():
+            if 0 <= rank < len(self._placements):
+                self._placements[rank] = where
+        log.info("kvcached connector: workers' devices for the pool slabs: %s",
+                 ", ".join(f"rank {r}: {p or 'unplaced'}" for r, p in enumerate(self._placements)))
+
+    def placement(self, rank: int) -> str:
+        return self._placements[rank] if rank < len(self._placements) else ""
 
     def _landed(self, st: _Req) -> bool:
         """Whether the request's lookup has an outcome now (never waits); takes it if so."""
@@ -526,7 +542,8 @@ class SchedulerSide:
         st.rereserves += 1
         self.stats["rereserves"] += 1
         st.rereserve = [self._bg.submit(self.client.reserve, lay, st.tokens, skip_empty=True,
-                                        ttl=self.cfg.reservation_ttl_s, map_pool=False) for lay in st.layouts]
+                                        ttl=self.cfg.reservation_ttl_s, map_pool=False,
+                                        placement=self.placement(rank)) for rank, lay in enumerate(st.layouts)]
 
     def _take_rereserve(self, st: _Req) -> None:
         futs = st.rereserve

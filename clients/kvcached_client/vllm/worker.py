@@ -77,8 +77,8 @@ class _InFlight:
 
 class WorkerSide:
     def __init__(self, layer_names: list[str], block_size: int, chunk_tokens: int, tp_rank: int,
-                 converter: PagedLayout, client_factory: Callable[[], Client], *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 converter: PagedLayout, client_factory: Callable[[str], Client], *,
+                 clock: Callable[[], float] = time.monotonic, placement: str | None = None) -> None:
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens
@@ -87,6 +87,9 @@ class WorkerSide:
         self.converter = converter
         self._clock = clock
         self._client_factory = client_factory
+        self._placement_setting = placement
+        #: this rank's device for the daemon's pool slab (set by register; see ConnectorConfig.placement)
+        self.placement = ""
         self._client: Client | None = None
         self.caches: list[torch.Tensor] = []
         self.fail = FailOpen("vllm")
@@ -104,7 +107,7 @@ class WorkerSide:
     @property
     def client(self) -> Client:
         if self._client is None:
-            self._client = self._client_factory()
+            self._client = self._client_factory(self.placement)
         return self._client
 
     @property
@@ -120,6 +123,12 @@ class WorkerSide:
             device = self.caches[0].device
             self._load_stream = torch.cuda.Stream(device=device)
             self._save_stream = torch.cuda.Stream(device=device)
+        if self._placement_setting is not None:
+            self.placement = self._placement_setting.replace("{rank}", str(self.rank))
+        elif self.caches and self.caches[0].is_cuda:
+            from kvcached_client._core import placement_of
+
+            self.placement = placement_of(self.caches[0].device)  # the GPU's UUID: its slab of the pool
         try:  # session and pool mapping now, not on the first request (a daemon that is down: later)
             self.client.warm_up()
         except KvcachedError as e:
