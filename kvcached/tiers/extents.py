@@ -1,6 +1,6 @@
 """Free-space bookkeeping of the packed pool: aligned extents, best fit, coalescing.
 
-The pool is one slab; a chunk takes one contiguous, aligned run of it (a client
+One allocator covers one pool slab; a chunk takes one contiguous, aligned run of it (a client
 views it as one tensor in place, so it cannot be scattered). This module only
 answers "where do ``n`` bytes go" and "which allocations, if freed, would make
 room for ``n`` contiguous bytes"; it knows nothing of chunks, tiers or pins.

@@ -164,7 +164,7 @@ def test_the_paged_step_on_a_cpu_daemon(daemon, no_vllm) -> None:
     asynchronous loads and its store, all against the expected layout, for both orders."""
     fig: dict = {}
     with Client(daemon.socket) as c:
-        G.paged_check(c, lambda: Client(daemon.socket), LAYOUT, 2, fig, device="cpu", rounds=1, block=BLOCK,
+        G.paged_check(c, lambda where="": Client(daemon.socket, placement=where), LAYOUT, 2, fig, device="cpu", rounds=1, block=BLOCK,
                       token_base=1000)
         c.sync()
     if no_vllm:
@@ -191,6 +191,6 @@ def test_the_worker_with_a_wrong_converter_fails(daemon, no_vllm) -> None:
         kv = G.put_pattern(c, LAYOUT, tokens, seed=8, device="cpu")
         with G.SyncWatch(cuda=False) as watch, c.acquire(LAYOUT, tokens) as lease:
             with pytest.raises(G.StepFailed, match="synchronous load the paged cache differs .*K and V swapped"):
-                G.worker_check(c, lambda: Client(daemon.socket), LAYOUT, lease, kv, "BNHC", store, converter=SWAPPED,
+                G.worker_check(c, lambda where="": Client(daemon.socket, placement=where), LAYOUT, lease, kv, "BNHC", store, converter=SWAPPED,
                                block=BLOCK, rounds=1, watch=watch, store_seed=9, d2d=1.0)
         c.sync()

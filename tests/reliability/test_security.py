@@ -362,6 +362,9 @@ REQUEST_FIELDS: dict[str, str] = {
     "GetBytesRequest.layout_id": "daemon-issued id", "GetBytesRequest.tokens": "token ids",
     "GetBytesRequest.session_id": "daemon-issued id",
     "StatsRequest.doctor": "policy",
+    # which pool slab (the client's device); a slab holds any chunk, so a wrong one only costs speed
+    **{f"{m}.placement": "policy" for m in ("AcquireRequest", "ReserveRequest", "AcquireReserveRequest",
+                                            "PutBytesRequest")},
     "EvictRequest.layout_id": "daemon-issued id", "EvictRequest.prefix_tokens": "token ids",
 }
 
