@@ -333,13 +333,33 @@ class DaemonSettings:
             raise SettingsError(f"remote_nodes = {self.remote_nodes!r}: {e}") from None
 
     def socket_gid(self) -> int:
-        """The socket group's gid (-1: not set); it also owns the domain's tier files."""
+        """The socket group's gid (-1: not set); it also owns the domain's tier files. Refused when
+        this process could not give files to it (see :func:`id_mapped`)."""
         if not self.socket_group:
             return -1
         try:
-            return grp.getgrnam(self.socket_group).gr_gid
+            gid = grp.getgrnam(self.socket_group).gr_gid
         except KeyError:
             raise SettingsError(f"socket_group {self.socket_group!r} does not exist on this host") from None
+        if gid != os.getegid() and not id_mapped("gid", gid):
+            raise SettingsError(
+                f"socket_group = {self.socket_group!r}: this process cannot give files to group "
+                f"{self.socket_group} (gid {gid}): its user namespace does not map that group (systemd's "
+                "PrivateUsers=yes maps only the service's own user and group). Add the clients' users to the "
+                "service's group instead, or set PrivateUsers=no in a drop-in (systemd/README.md)")
+        return gid
+
+
+def id_mapped(kind: str, ident: int) -> bool:
+    """Whether ``ident`` (a uid or gid) exists in this process's user namespace. In the initial
+    namespace every id does; in one such as systemd's ``PrivateUsers=yes`` makes, an id outside
+    ``/proc/self/{uid,gid}_map`` cannot own a file (chown fails with EINVAL)."""
+    try:
+        with open(f"/proc/self/{kind}_map") as f:
+            ranges = [tuple(map(int, line.split())) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return True  # no /proc: nothing to say
+    return any(inside <= ident < inside + count for inside, _outside, count in ranges)
 
 
 def _is_pow2(v: int) -> bool:

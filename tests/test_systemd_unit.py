@@ -71,3 +71,27 @@ def test_default_config_loads():
 
     s = load_settings(os.path.join(ROOT, "systemd", "kvcached.toml"))
     assert s.socket == "/run/kvcached/kvcached.sock" and s.socket_mode == 0o660 and s.state_dir == "/var/lib/kvcached"
+
+
+def test_socket_group_the_service_cannot_map_is_refused_with_what_to_do(tmp_path):
+    """The unit runs with PrivateUsers=yes: its user namespace maps only root and the service's
+    own user and group, so giving the socket and tier files to any other group fails (chown:
+    EINVAL). The daemon says so at start (exit 78) instead of failing on the first chown; here
+    the namespace is made with unshare, mapping only root, as PrivateUsers=yes maps only the
+    service's user. Control: the same config in the initial namespace passes."""
+    require(shutil.which("unshare") is not None, "unshare (util-linux) is missing")
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "true"], capture_output=True)
+    require(probe.returncode == 0, f"cannot create a user namespace here: {probe.stderr.decode().strip()}")
+    import grp
+
+    group = next(g.gr_name for g in grp.getgrall() if g.gr_gid not in (0, os.getegid()))
+    config = tmp_path / "kvcached.toml"
+    config.write_text(f'socket_group = "{group}"\nstate_dir = "{tmp_path / "state"}"\n')
+    exe = os.path.join(os.path.dirname(sys.executable), "kvcached")
+    cmd = [exe, "serve", "--config", str(config), "--socket", str(tmp_path / "s.sock"), "--check-config"]
+    r = subprocess.run(["unshare", "--user", "--map-root-user", *cmd], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 78, r.stdout + r.stderr
+    assert f"socket_group = '{group}'" in r.stderr and "PrivateUsers=yes" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1  # one line, no traceback
+    control = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert control.returncode == 0, control.stdout + control.stderr
