@@ -114,7 +114,7 @@ def kvcachectl_main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("stats", help="every counter").add_argument("--json", action="store_true")
     lk = sub.add_parser("lookup", help="cached prefix length of token ids read from a file or stdin")
     lk.add_argument("file", nargs="?", default="-", help="token ids: JSON list or whitespace/comma separated ('-' = stdin)")
-    lk.add_argument("--layout-id", help="layout id (see `kvcachectl stats`); default: the only registered layout")
+    lk.add_argument("--layout-id", help="layout id (see `kvcachectl stats`); default: every registered layout")
     lk.add_argument("--json", action="store_true")
     ev = sub.add_parser("evict", help="drop unpinned chunks: all, of one layout, or of prompts with a prefix")
     ev.add_argument("--layout-id", default="")
@@ -274,27 +274,25 @@ def _layout_name(d: dict) -> str:
 
 
 def _lookup(c: Any, args: argparse.Namespace) -> int:
+    """The cached prefix of a prompt in one layout (``--layout-id``), or in every registered one."""
     from kvcached.keys import KVLayout
 
     tokens = _read_tokens(args.file)
     layouts = c.stats()["layouts_detail"]
-    lid = args.layout_id
-    if not lid:
-        if len(layouts) != 1:
-            named = "; ".join(f"{k} ({_layout_name(v)})" for k, v in layouts.items()) or "none"
-            raise SystemExit(f"kvcachectl lookup: {len(layouts)} layouts are registered; pick one with --layout-id: "
-                             f"{named}")
-        lid = next(iter(layouts))
-    if lid not in layouts:
-        raise SystemExit(f"kvcachectl lookup: unknown layout id {lid}")
-    layout = KVLayout.from_dict(layouts[lid])
-    cached = c.lookup(layout, tokens)
-    ct = layout.chunk_tokens
-    data = {"layout_id": lid, "model": layout.model, "tokens": len(tokens), "cached_tokens": cached,
-            "cached_chunks": cached // ct, "full_chunks": len(tokens) // ct}
-    rows = [("layout", f"{lid} ({layout.model})"), ("tokens", len(tokens)),
-            ("cached", f"{cached} tokens = {cached // ct} of {len(tokens) // ct} full chunks")]
-    return _out(args, data, rows)
+    if args.layout_id and args.layout_id not in layouts:
+        raise SystemExit(f"kvcachectl lookup: unknown layout id {args.layout_id} (see `kvcachectl stats`)")
+    if not layouts:
+        raise SystemExit("kvcachectl lookup: no layout is registered yet (nothing was stored)")
+    found = []
+    for lid in [args.layout_id] if args.layout_id else sorted(layouts):
+        layout = KVLayout.from_dict(layouts[lid])
+        cached, ct = c.lookup(layout, tokens), layout.chunk_tokens
+        found.append({"layout_id": lid, "model": layout.model, "tokens": len(tokens), "cached_tokens": cached,
+                      "cached_chunks": cached // ct, "full_chunks": len(tokens) // ct})
+    rows = [(f"{f['layout_id']} ({_layout_name(layouts[f['layout_id']])})",
+             f"{f['cached_tokens']} of {f['tokens']} tokens cached = {f['cached_chunks']} of {f['full_chunks']} "
+             "full chunks") for f in found]
+    return _out(args, found[0] if len(found) == 1 else {"layouts": found}, rows)
 
 
 def _evict(c: Any, args: argparse.Namespace) -> int:

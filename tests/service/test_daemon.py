@@ -228,11 +228,16 @@ def test_kvcachectl_against_a_daemon(daemon):
     r = ctl("lookup", "--json", stdin=" ".join(map(str, range(2 * CT + 3))))
     assert json.loads(r.stdout)["cached_tokens"] == 2 * CT
     lid = next(iter(s["layouts_detail"]))
-    with Client(daemon.socket) as c:  # a second layout: lookup asks which, naming each by its model
+    with Client(daemon.socket) as c:  # a second layout: lookup answers for each, naming it by its model
         c.register(dataclasses.replace(LAYOUT, model="other-model@rev", extra=(("tp", "1/2"),)))
-    r = ctl("lookup", stdin="1 2 3")
-    assert r.returncode != 0 and "2 layouts are registered" in r.stderr
-    assert f"{lid} ({LAYOUT.model})" in r.stderr and "(other-model@rev, tp 1/2)" in r.stderr, r.stderr
+    r = ctl("lookup", stdin=" ".join(map(str, range(2 * CT + 3))))
+    assert r.returncode == 0, r.stderr
+    assert f"{lid} ({LAYOUT.model})" in r.stdout and "(other-model@rev, tp 1/2)" in r.stdout, r.stdout
+    assert f"{2 * CT} of {2 * CT + 3} tokens cached" in r.stdout and f"0 of {2 * CT + 3} tokens cached" in r.stdout
+    r = ctl("lookup", "--json", stdin="1 2 3")
+    assert len(json.loads(r.stdout)["layouts"]) == 2
+    r = ctl("lookup", "--layout-id", "nope", stdin="1 2 3")
+    assert r.returncode != 0 and "unknown layout id nope" in r.stderr
     r = ctl("evict", "--layout-id", lid, "--prefix", "-", "--json", stdin=" ".join(map(str, range(2 * CT))))
     assert json.loads(r.stdout)["chunks"] == 2  # chunks 1 and 2 (prompts starting with the first two chunks)
     assert json.loads(ctl("flush", "--json").stdout) == {"chunks": 1}

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-log = logging.getLogger("kvcached_client.vllm")
+log = logging.getLogger("vllm.kvcached")  # under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL
 
 
 class KvcachedConnector(KVConnectorBase_V1):

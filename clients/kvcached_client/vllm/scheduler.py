@@ -65,7 +65,7 @@ from kvcached_client.vllm.config import ConnectorConfig
 from kvcached_client.vllm.plan import KvcachedMetadata, KvcachedWorkerMetadata, LoadPlan, SavePlan
 from kvcached_client.vllm.spec import request_cacheable, with_lora, with_salt
 
-log = logging.getLogger("kvcached_client.vllm")
+log = logging.getLogger("vllm.kvcached")  # under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL
 
 #: daemon trouble: skip the daemon for a while. Other errors only fail the one request.
 _TRIPS = (UnavailableError, DeadlineExceededError, TimeoutError)

@@ -47,7 +47,7 @@ from kvcached_client.failopen import FailOpen
 from kvcached_client.vllm.paged import PagedLayout
 from kvcached_client.vllm.plan import KvcachedMetadata, KvcachedWorkerMetadata, LoadPlan, SavePlan
 
-log = logging.getLogger("kvcached_client.vllm")
+log = logging.getLogger("vllm.kvcached")  # under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL
 
 
 @dataclass
@@ -131,6 +131,9 @@ class WorkerSide:
             self.placement = placement_of(self.caches[0].device)  # the GPU's UUID: its slab of the pool
         try:  # session and pool mapping now, not on the first request (a daemon that is down: later)
             self.client.warm_up()
+            pool = self.client._pool
+            log.info("kvcached connector (worker rank %d): pool mapped at %s, slab %s of %d (%s)", self.rank,
+                     self.client.target, pool.mapped_slabs, pool.slabs, self.placement or "unplaced")
         except KvcachedError as e:
             log.info("kvcached connector: worker could not reach the daemon yet (%s); it will on first use", e)
 
