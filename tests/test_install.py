@@ -36,6 +36,9 @@ cd "$REPO"
 echo "== verify"
 systemd-analyze verify /etc/systemd/system/kvcached.service
 echo "verify ok"
+for doc in $(sed -n 's|^Documentation=||p' /etc/systemd/system/kvcached.service); do
+    test -s "${doc#file://}" || { echo "Documentation= names $doc, which the install did not write"; exit 1; }
+done
 test "$(readlink /usr/local/bin/kvcached)" = /opt/kvcached/venv/bin/kvcached
 id kvcached
 # What systemd would make for the unit: RuntimeDirectory= and StateDirectory=, owned by the user.
