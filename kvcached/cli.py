@@ -133,6 +133,8 @@ def kvcachectl_main(argv: Sequence[str] | None = None) -> int:
     rp.add_argument("--config", help="read the report_* keys from this file (default /etc/kvcached/kvcached.toml "
                                      "if it exists)")
     rp.add_argument("--json", action="store_true")
+    la = sub.add_parser("layout", help="a registered layout as kvcached-router's [layout] table (TOML)")
+    la.add_argument("--layout-id", help="which one (see `kvcachectl stats`); default: the only registered layout")
     sub.add_parser("dashboard", help="print the Grafana dashboard for kvcached's metrics (JSON)")
     kg = sub.add_parser("keygen", help="write a new hash key file (mode 0600) for hosts sharing a remote tier")
     kg.add_argument("path", help="where to write it; an existing file is never replaced")
@@ -293,6 +295,26 @@ def _lookup(c: Any, args: argparse.Namespace) -> int:
              f"{f['cached_tokens']} of {f['tokens']} tokens cached = {f['cached_chunks']} of {f['full_chunks']} "
              "full chunks") for f in found]
     return _out(args, found[0] if len(found) == 1 else {"layouts": found}, rows)
+
+
+def _layout(c: Any, args: argparse.Namespace) -> int:
+    """Print a registered layout as the router's ``[layout]`` table: the engines' connector
+    registers it at start, and the router must hash with exactly it (its extras included)."""
+    layouts = c.stats()["layouts_detail"]
+    lid = args.layout_id
+    if not lid:
+        if len(layouts) != 1:
+            named = "; ".join(f"{k} ({_layout_name(v)})" for k, v in sorted(layouts.items())) or "none yet"
+            raise SystemExit(f"kvcachectl layout: {len(layouts)} layouts are registered; pick one with --layout-id: "
+                             f"{named}")
+        lid = next(iter(layouts))
+    if lid not in layouts:
+        raise SystemExit(f"kvcachectl layout: unknown layout id {lid} (see `kvcachectl stats`)")
+    lines = [f"[layout]  # {lid}"]
+    for k, v in layouts[lid].items():
+        lines.append(f"{k} = {json.dumps(v)}")  # JSON strings, numbers and arrays are TOML too
+    print("\n".join(lines))
+    return 0
 
 
 def _evict(c: Any, args: argparse.Namespace) -> int:
@@ -478,7 +500,7 @@ def print_checks(checks: list[dict], as_json: bool, dig: Callable[[str], str] = 
 
 
 _COMMANDS = {"doctor": _doctor, "status": _status, "stats": _stats, "lookup": _lookup, "evict": _evict, "flush": _flush,
-             "drain": _drain, "report": _report}
+             "drain": _drain, "report": _report, "layout": _layout}
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -357,5 +357,9 @@ def test_readme_blocks_run_as_printed(doc_env):
     hits = re.search(r"^vllm:external_prefix_cache_hits_total\S*\s+([\d.e+]+)", out, re.M)
     assert hits and float(hits.group(1)) >= 512, out[-3000:]
     assert "connected to the daemon at" in out, out[-3000:]
+    router = by[next(b for b, _ in results if "kvcached-router --config" in b.code).line]
+    turns = re.findall(r"^cached (\d+) X-Kvcached-Host: (\S+) X-Kvcached-Route: (\S+)$", router, re.M)
+    assert len(turns) == 2, router[-3000:]
+    assert turns[1][2] == "cache" and turns[1][1] == turns[0][1] and int(turns[1][0]) >= 512, turns
     remote = next(b for b, _ in results if "redis-server" in b.code)
     assert "host B served 64 tokens; 4 chunks came from Redis" in by[remote.line], by[remote.line][-3000:]

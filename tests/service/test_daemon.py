@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import tomllib
 import os
 import signal
 import stat
@@ -238,6 +239,11 @@ def test_kvcachectl_against_a_daemon(daemon):
     assert len(json.loads(r.stdout)["layouts"]) == 2
     r = ctl("lookup", "--layout-id", "nope", stdin="1 2 3")
     assert r.returncode != 0 and "unknown layout id nope" in r.stderr
+    r = ctl("layout")  # the router's [layout] table: which one, when there are two
+    assert r.returncode != 0 and "2 layouts are registered" in r.stderr and "(other-model@rev, tp 1/2)" in r.stderr
+    r = ctl("layout", "--layout-id", lid)
+    assert r.returncode == 0, r.stderr
+    assert KVLayout.from_dict(tomllib.loads(r.stdout)["layout"]) == LAYOUT  # exactly what the router needs
     r = ctl("evict", "--layout-id", lid, "--prefix", "-", "--json", stdin=" ".join(map(str, range(2 * CT))))
     assert json.loads(r.stdout)["chunks"] == 2  # chunks 1 and 2 (prompts starting with the first two chunks)
     assert json.loads(ctl("flush", "--json").stdout) == {"chunks": 1}
