@@ -46,6 +46,12 @@ from kvcached.tiers.packed import PackedPool
 log = logging.getLogger(__name__)
 
 
+#: How many chunks of other pool slabs an eviction in one slab passes over in eviction order before
+#: it stops and takes the cheapest window of its own slab instead (:meth:`Mover.pool_room`), and
+#: write-back before it ends a batch: bounds the work per reserve on a multi-GPU pool.
+OTHER_SLAB_SCAN = 256
+
+
 class Mover:
     def __init__(
         self,
@@ -91,6 +97,8 @@ class Mover:
     # -- pool ----------------------------------------------------------------------
 
     def pool_room(self, nbytes: int, slab: int = 0) -> bool:
+        # (OTHER_SLAB_SCAN bounds the walk past other slabs' chunks: without it a slab whose own
+        # chunks are all newer than another slab's would pop the whole order on every reserve.)
         """Evict unpinned pool copies until a run of ``nbytes`` fits in ``slab``: in eviction
         order first until that many bytes are free there, then the cheapest contiguous window.
         False if it cannot (everything in the way is pinned, reserved, or cannot leave the pool).
@@ -105,6 +113,7 @@ class Mover:
         lru = self.index.pool_lru
         skipped: list[Node] = []
         several = pool.slabs > 1
+        passed = 0  # chunks of other slabs passed over
         try:
             while pool.slab_free_bytes(slab) < nbytes:
                 victim = lru.pop()
@@ -112,6 +121,9 @@ class Mover:
                     break
                 skipped.append(victim)  # until evicted: an I/O check may raise in between
                 if several and pool.slab_of(victim.pool_offset) != slab:
+                    passed += 1
+                    if passed >= OTHER_SLAB_SCAN:
+                        break  # this slab's chunks are far down the order: the window below finds them
                     continue
                 if self.evict_pool_copy(victim):
                     skipped.pop()
@@ -122,7 +134,7 @@ class Mover:
                 return False
             self.counters.pool_window_evictions += 1
             for h in hashes:
-                victim = get(h)
+                victim = self.index.get(h)
                 assert victim is not None
                 lru.discard(victim)
                 skipped.append(victim)

@@ -49,7 +49,7 @@ from kvcached.config import StoreConfig
 from kvcached.index import Node, PrefixIndex
 from kvcached.keys import ChunkHash, KVLayout, LayoutId
 from kvcached.locations import NVME, POOL
-from kvcached.movement import Mover
+from kvcached.movement import OTHER_SLAB_SCAN, Mover
 from kvcached.stats import Counters
 from kvcached.tiers.base import ChunkMeta, Slot
 from kvcached.tiers.nvme import BatchResult, NvmeTier
@@ -309,6 +309,8 @@ class WriteBack:
             if only and pool.slab_of(node.pool_offset) != slab:
                 if node.refcount == 0 and not node.pool_children:
                     elsewhere.append(node)
+                if len(elsewhere) >= OTHER_SLAB_SCAN:
+                    break  # this slab's chunks are far down the order; reservations evict by window
                 continue
             if not self._dirty(node) and not node.pool_children:
                 if evict_clean:  # a clean leaf: no I/O, evict it now (its parent may join the queue)

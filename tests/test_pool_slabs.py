@@ -199,3 +199,63 @@ def test_a_placement_that_is_not_a_device_is_invalid_argument(make_daemon):
     req = pb.ReserveRequest(placement="host:\x00")
     with pytest.raises(Exception, match="placement"):
         convert.placement_from_proto(req.placement)
+
+
+def test_room_in_one_slab_does_not_walk_the_whole_order_past_the_others(make_store, monkeypatch):
+    """Slab 1 holds 400 chunks older than any of slab 0's: in eviction order they all come first.
+    A reserve in a full slab 0 passes over at most OTHER_SLAB_SCAN of them, then evicts slab 0's
+    own (the cheapest window), instead of popping all 400 on every reserve."""
+    from kvcached.movement import OTHER_SLAB_SCAN
+
+    store = make_store(pool_blocks=400, nvme_chunks=None, pool_slabs=2)
+    lid = store.register_layout(TINY)
+    for k in range(400):
+        store.put(lid, prompt(1, 10_000 + 10 * k), [payload(0, k)], placement="host:1")
+    for k in range(400):
+        store.put(lid, prompt(1, 50_000 + 10 * k), [payload(1, k)], placement="host:0")
+    lru = store.index.pool_lru
+    pops = 0
+    real_pop = type(lru).pop
+
+    def counting_pop(self):
+        nonlocal pops
+        pops += 1
+        return real_pop(self)
+
+    monkeypatch.setattr(type(lru), "pop", counting_pop)
+    c = store.put(lid, prompt(1, 90_000), [payload(2)], placement="host:0")
+    assert c.committed_chunks == 1
+    assert pops <= OTHER_SLAB_SCAN + 1, pops
+    assert store.pool.slab_used_bytes(1) == 400 * CB  # slab 1 untouched
+    assert store.pool.slab_used_bytes(0) == 400 * CB  # one of slab 0's chunks made room
+    store.pool.check()
+    store.index.check_invariants()
+
+
+def test_a_fragmented_pool_makes_room_by_the_cheapest_window(make_store, clock):
+    """Free bytes enough but no run long enough: the store evicts a contiguous window. Chunks A B
+    C D fill the pool in that order of addresses; A and C are used again, so eviction order is B,
+    D, A, C. A chunk twice as large needs two adjacent units: evicting B and D frees enough bytes
+    but not next to each other, so one more chunk goes by the window rule (this path had no test,
+    and a name error in it)."""
+    import dataclasses
+
+    store = make_store(pool_blocks=4, nvme_chunks=None)
+    lid = store.register_layout(TINY)
+    big = dataclasses.replace(TINY, model="test/big@1", num_kv_heads=4)
+    assert big.chunk_bytes == 2 * TINY.chunk_bytes
+    bid = store.register_layout(big)
+    prompts = [prompt(1, 100 * k) for k in range(4)]
+    for k, toks in enumerate(prompts):
+        clock.advance(1)
+        store.put(lid, toks, [payload(k)])
+    for k in (0, 2):  # A and C used again
+        clock.advance(1)
+        store.release(store.acquire(lid, prompts[k]).lease_id)
+    clock.advance(1)
+    c = store.put(bid, prompt(1, 9_000, big), [payload(9, layout=big)])
+    assert c.committed_chunks == 1
+    assert store.stats().counters.pool_window_evictions == 1
+    assert [store.lookup(lid, t) > 0 for t in prompts].count(True) == 1  # B, D and one neighbour gone
+    store.pool.check()
+    store.index.check_invariants()
