@@ -97,12 +97,12 @@ class Mover:
     # -- pool ----------------------------------------------------------------------
 
     def pool_room(self, nbytes: int, slab: int = 0) -> bool:
-        # (OTHER_SLAB_SCAN bounds the walk past other slabs' chunks: without it a slab whose own
-        # chunks are all newer than another slab's would pop the whole order on every reserve.)
         """Evict unpinned pool copies until a run of ``nbytes`` fits in ``slab``: in eviction
         order first until that many bytes are free there, then the cheapest contiguous window.
         False if it cannot (everything in the way is pinned, reserved, or cannot leave the pool).
-        Chunks of other slabs are passed over (and put back): room on GPU 1 does not help GPU 0.
+        Chunks of other slabs are passed over (and put back): room on GPU 1 does not help GPU 0;
+        after :data:`OTHER_SLAB_SCAN` of them the window takes over, so a slab whose chunks are
+        all newer than another slab's does not walk the whole order on every reserve.
 
         On the inline path a dirty victim (no NVMe copy yet) raises WouldBlock; whatever was
         evicted before stays evicted (clean copies only, so nothing is lost) and the caller

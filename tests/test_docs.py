@@ -100,7 +100,13 @@ def broken_links(path: Path) -> list[str]:
         if re.match(r"^[a-z]+:", target):
             continue  # http(s), mailto: not ours to check offline
         file, _, anchor = target.partition("#")
-        dest = (path.parent / file).resolve() if file else path
+        if file.startswith("/"):  # from the repository's root, as GitHub renders it
+            dest = ROOT / file.lstrip("/")
+        elif file.startswith("../") and not (path.parent / file).resolve().is_relative_to(ROOT):
+            bad.append(f"{target}: outside the repository")
+            continue
+        else:
+            dest = (path.parent / file).resolve() if file else path
         if not dest.exists():
             bad.append(f"{target}: no such file")
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
@@ -117,8 +123,9 @@ def test_the_link_checker_sees_a_broken_link(tmp_path):
     """Positive control: a link to a missing file and one to a missing heading are reported."""
     doc = tmp_path / "x.md"
     (tmp_path / "y.md").write_text("# Real heading\n")
-    doc.write_text("[a](y.md#real-heading) [b](nope.md) [c](y.md#not-there) [d](https://example.com/x)\n")
-    assert broken_links(doc) == ["nope.md: no such file", "y.md#not-there: no such heading"]
+    doc.write_text("[a](y.md#real-heading) [b](nope.md) [c](y.md#not-there) [d](https://example.com/x) "
+                   "[e](/README.md#the-two-commands) [f](/no/such.md)\n")
+    assert broken_links(doc) == ["nope.md: no such file", "y.md#not-there: no such heading", "/no/such.md: no such file"]
 
 
 # -- commands ------------------------------------------------------------------------------------

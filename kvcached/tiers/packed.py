@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import abc
 import bisect
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -119,7 +120,6 @@ class PackedPool(Tier):
         for sp in self._spaces:
             self._bases.append(base)
             base += sp.capacity
-        self._ends = self._bases[1:] + [base]
         self.size_bytes = base
         self.placements = list(placements) if placements else [f"host:{k}" for k in range(len(sizes))]
         if len(self.placements) != len(sizes):
@@ -228,6 +228,11 @@ class PackedPool(Tier):
         """The slab a global offset lies in."""
         return bisect.bisect_right(self._bases, offset) - 1
 
+    def local(self, offset: int) -> tuple[int, int]:
+        """(slab, offset within it) of a global offset: what a backend's byte movers use."""
+        k = self.slab_of(offset)
+        return k, offset - self._bases[k]
+
     def slab_for(self, placement: str) -> int:
         """The slab for a chunk whose writer (or reader, for a promotion) runs on ``placement``:
         that device's slab; for an empty or unknown placement (a host-memory client, a GPU the
@@ -239,10 +244,6 @@ class PackedPool(Tier):
             return k
         return max(range(len(self._spaces)), key=lambda i: self._spaces[i].free_bytes)
 
-    def local_base(self, slab: int) -> int:
-        """The global offset of the slab's first byte."""
-        return self._bases[slab]
-
     def slab_capacity(self, slab: int) -> int:
         return self._spaces[slab].capacity
 
@@ -252,14 +253,17 @@ class PackedPool(Tier):
     def slab_used_bytes(self, slab: int) -> int:
         return self._spaces[slab].used_bytes
 
-    def local(self, offset: int) -> tuple[int, int]:
-        """(slab, offset within it) of a global offset: what a backend's byte movers use."""
-        k = bisect.bisect_right(self._bases, offset) - 1
-        return k, offset - self._bases[k]
-
     def _free(self, offset: int) -> None:
-        k = bisect.bisect_right(self._bases, offset) - 1
-        self._spaces[k].free(offset - self._bases[k])
+        k, local = self.local(offset)
+        self._spaces[k].free(local)
+
+    def _handle_of(self, slabs: list[PoolHandle]) -> PoolHandle:
+        """The pool's handle from each slab's own (one-slab) handle: slab 0's, listing every slab
+        with its base and device when there are several (what ``handle`` returns)."""
+        if len(slabs) == 1:
+            return slabs[0]
+        return dataclasses.replace(slabs[0], slabs=tuple(
+            PoolSlab(self._bases[k], self.placements[k], h) for k, h in enumerate(slabs)))
 
     # -- pool specifics ------------------------------------------------------------------------
 

@@ -26,7 +26,6 @@ writes are synchronised by the client before it commits (see
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import secrets
@@ -34,7 +33,7 @@ from typing import TYPE_CHECKING, Callable
 
 from kvcached.config import BLOCK_ALIGN
 from kvcached.errors import InvalidArgument, TierFull, Unavailable
-from kvcached.tiers.packed import CudaIpc, PackedPool, PoolHandle, PoolSlab
+from kvcached.tiers.packed import CudaIpc, PackedPool, PoolHandle
 
 if TYPE_CHECKING:
     import torch
@@ -177,12 +176,8 @@ class CudaPool(PackedPool):
         torch.cuda.synchronize(slab.device)
 
     def handle(self) -> PoolHandle:
-        one = [PoolHandle("cuda", s.name, self.slab_capacity(k), BLOCK_ALIGN, self.generation, s.ipc)
-               for k, s in enumerate(self._slabs)]
-        if len(one) == 1:
-            return one[0]
-        return dataclasses.replace(one[0], slabs=tuple(
-            PoolSlab(self.local_base(k), self.placements[k], h) for k, h in enumerate(one)))
+        return self._handle_of([PoolHandle("cuda", s.name, self.slab_capacity(k), BLOCK_ALIGN, self.generation, s.ipc)
+                                for k, s in enumerate(self._slabs)])
 
     def close(self) -> None:
         self._slabs = []

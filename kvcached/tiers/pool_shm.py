@@ -23,7 +23,6 @@ delivering SIGBUS to a client later.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import mmap
 import os
@@ -35,7 +34,7 @@ from kvcached.errors import TierFull
 from kvcached.config import FileAccess
 from kvcached.tiers.base import Slot
 from kvcached.config import BLOCK_ALIGN
-from kvcached.tiers.packed import PackedPool, PoolHandle, PoolSlab
+from kvcached.tiers.packed import PackedPool, PoolHandle
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +97,8 @@ class HostPool(PackedPool):
         return self._span(slot.offset, slot.nbytes)
 
     def handle(self) -> PoolHandle:
-        one = [PoolHandle("shm", name, self.slab_capacity(k), BLOCK_ALIGN, self.generation)
-               for k, name in enumerate(self._names)]
-        if len(one) == 1:
-            return one[0]
-        slabs = tuple(PoolSlab(self.local_base(k), self.placements[k], h) for k, h in enumerate(one))
-        return dataclasses.replace(one[0], slabs=slabs)
+        return self._handle_of([PoolHandle("shm", name, self.slab_capacity(k), BLOCK_ALIGN, self.generation)
+                                for k, name in enumerate(self._names)])
 
     def close(self) -> None:
         if self._closed:
