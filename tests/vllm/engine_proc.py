@@ -48,6 +48,8 @@ def main() -> None:
     p.add_argument("--kv-bytes", type=int, default=64 << 20, help="vLLM's KV cache (small: requests get preempted)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests running at once (1: the rest queue)")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (> 1: one worker process per rank)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="per step (small: chunked prefill)")
+    p.add_argument("--kv-cache-dtype", default=None, help="e.g. fp8")
     a = p.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -67,7 +69,9 @@ def main() -> None:
             kv_connector_extra_config={"socket": a.socket, "retry_s": 0.2, **json.loads(a.extra)})
     llm = LLM(model=a.model, dtype="float32", enforce_eager=True, max_model_len=a.max_model_len,
               kv_cache_memory_bytes=a.kv_bytes, enable_prefix_caching=True, seed=0,
-              **({"max_num_seqs": a.max_num_seqs} if a.max_num_seqs else {}), **kw)
+              **({"max_num_seqs": a.max_num_seqs} if a.max_num_seqs else {}),
+              **({"max_num_batched_tokens": a.max_num_batched_tokens} if a.max_num_batched_tokens else {}),
+              **({"kv_cache_dtype": a.kv_cache_dtype} if a.kv_cache_dtype else {}), **kw)
     engine = llm.llm_engine
     finished: dict[str, dict] = {}
     print("KVJSON " + json.dumps({"ready": True}), flush=True)

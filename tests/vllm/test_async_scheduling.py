@@ -216,8 +216,8 @@ class Engine:
         if self.hold:
             out = KVConnectorOutput(invalid_block_ids=w.take_failed_blocks())
         else:
-            recving = w.get_finished()
-            out = KVConnectorOutput(finished_recving=recving or None, invalid_block_ids=w.take_failed_blocks(),
+            sending, recving = w.get_finished()
+            out = KVConnectorOutput(finished_sending=sending or None, finished_recving=recving or None, invalid_block_ids=w.take_failed_blocks(),
                                     kv_connector_worker_meta=w.take_report())
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled, kv_connector_output=out)
@@ -319,7 +319,7 @@ def test_an_abort_racing_its_load_keeps_the_lease_until_the_copy_is_reported(eng
 
     e.hold = late
     e.process()  # the worker runs N (its copy), then vLLM processes N's output
-    assert torch.equal(e.blocks_as_kv(list(lp.block_ids)), kv[:, :, :, :512])  # the load did read the chunks
+    assert torch.equal(e.blocks_as_kv(list(lp.block_ids[0])), kv[:, :, :, :512])  # the load did read the chunks
     if late:
         for _ in range(3):
             assert e.sched.has_requests() and e.side.live_attempts == 1
@@ -375,7 +375,7 @@ def one_token_request(e: Engine, seed: int) -> tuple[Any, list[int], torch.Tenso
     step_n = e.until_scheduled("one")
     assert step_n.num_scheduled_tokens["one"] == 600
     [sp] = step_n.kv_connector_metadata.saves
-    assert (sp.req_id, sp.from_chunk, sp.to_chunk) == ("one", 0, 4)
+    assert (sp.req_id, sp.from_block // sp.blocks_per_chunk, sp.to_chunk) == ("one", 0, 4)
     step_n1 = e.schedule()
     assert "one" not in step_n1.num_scheduled_tokens  # its one token is sampled in N
     return step_n, p, kv

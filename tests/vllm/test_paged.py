@@ -58,9 +58,46 @@ def test_scatter_then_gather_is_bit_exact_and_touches_only_its_blocks(paged, nam
     assert not chunk[:, 0].any() and not chunk[:, 1, :, :N].any()
 
 
+@pytest.mark.parametrize("name", ["channel-split", "cpu"])
+def test_fp8_caches_move_as_bytes(paged, name):
+    """An fp8 KV cache is a uint8 tensor: the converters move its bytes unchanged."""
+    conv = {c.name: c for c in paged.REGISTRY.values()}[name]
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randint(0, 256, (NB, H, N, 2 * D), generator=g, dtype=torch.uint8)
+    ids = torch.tensor([4, 8])
+    out = torch.empty(2, H, 2 * N, D, dtype=torch.uint8)
+    conv.gather(cache, ids, out)
+    fresh = torch.zeros_like(cache)
+    conv.scatter(fresh, ids, out)
+    assert torch.equal(fresh[ids], cache[ids]) and not fresh[[0, 1, 2]].any()
+
+
+@pytest.mark.parametrize("cpu_shape", [False, True])
+def test_mla_latent_round_trips_as_one_head(paged, cpu_shape):
+    """MLA: per layer [blocks, block_size, D] (GPU backends) or [blocks, 1, block_size, D] (the CPU
+    one), D = kv_lora_rank + rope; a chunk holds channels [:D/2] as K and [D/2:] as V of one head,
+    so every latent byte of a token comes back in place."""
+    conv = paged.converter_for("CPU_MLA")
+    latent = 2 * D
+    g = torch.Generator().manual_seed(4)
+    cache = torch.randn(NB, N, latent, generator=g)
+    if cpu_shape:
+        cache = cache.unsqueeze(1)
+    ids = torch.tensor([6, 1, 3])
+    out = torch.empty(2, 1, 3 * N, latent // 2)
+    conv.gather(cache, ids, out)
+    flat = cache.view(NB, N, latent)
+    for j, b in enumerate(ids.tolist()):
+        assert torch.equal(torch.cat([out[0, 0, j * N : (j + 1) * N], out[1, 0, j * N : (j + 1) * N]], -1), flat[b])
+    fresh = torch.zeros_like(cache)
+    conv.scatter(fresh, ids, out)
+    assert torch.equal(fresh[ids], cache[ids]) and not fresh[[0, 2, 4, 5, 7, 8]].any()
+
+
 def test_every_registered_backend_has_a_tested_converter(paged):
-    assert {c.name for c in paged.REGISTRY.values()} == {"channel-split", "cpu"}
+    assert {c.name for c in paged.REGISTRY.values()} == {"channel-split", "cpu", "mla"}
     assert paged.converter_for("CPU_ATTN").name == "cpu"
+    assert paged.converter_for("FLASHMLA").name == "mla"
     with pytest.raises(ValueError, match="no KV layout converter"):
         paged.converter_for("NO_SUCH_BACKEND")
 

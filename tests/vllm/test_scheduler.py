@@ -202,7 +202,7 @@ def test_a_miss_is_stored_with_one_more_call(side, vdaemon):
     new = SimpleNamespace(req_id="a", block_ids=([1, 2, 3, 4, 5],), num_computed_tokens=0)
     meta = s.build_connector_meta(empty_step(scheduled_new_reqs=[new], num_scheduled_tokens={"a": 600}))
     (save,) = meta.saves
-    assert (save.from_chunk, save.to_chunk, save.block_ids) == (0, 4, (1, 2, 3, 4))
+    assert (save.from_block, save.to_block, save.to_chunk, save.block_ids) == (0, 4, 4, ((1, 2, 3, 4),))
     with Client(vdaemon.socket) as w:  # the worker's own client writes the slots through the ticket
         view = w.open_reservation(save.tickets[0])
         assert [slot.position for slot in view.slots] == [0, 1, 2, 3]
@@ -245,10 +245,10 @@ def test_plan_loads_then_saves_only_new_chunks(side, vdaemon):
     new = SimpleNamespace(req_id="a", block_ids=([20, 21, 22, 23, 24],), num_computed_tokens=256)
     meta = s.build_connector_meta(empty_step(scheduled_new_reqs=[new], num_scheduled_tokens={"a": 344}))
     (load,) = meta.loads
-    assert (load.first_block, load.block_ids, load.loadable_blocks) == (0, (20, 21), (1 * 2,))
+    assert (load.first_block, load.block_ids, load.loadable_blocks) == (0, ((20, 21),), (1 * 2,))
     assert load.load_before > time.monotonic() + 10  # the daemon's lease TTL (30 s) less the margin
     (save,) = meta.saves  # chunks 2 and 3 become whole this step; 0 and 1 were loaded
-    assert (save.from_chunk, save.to_chunk, save.block_ids) == (2, 4, (20, 21, 22, 23))
+    assert (save.from_block, save.to_block, save.block_ids) == (2, 4, ((22, 23),))
     assert save.tickets[0] is not None
     s.request_finished(r)
 

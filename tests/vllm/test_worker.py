@@ -15,6 +15,7 @@ from tests.requirements import require
 from tests.vllm.conftest import have_vllm, prompt
 
 L, H, D, BLOCK, CHUNK = 2, 2, 32, 64, 128  # a chunk is 2 blocks here
+BPC = CHUNK // BLOCK
 LAYOUT = KVLayout(model="tiny@worker-test", num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32",
                   chunk_tokens=CHUNK, extra=(("engine", "vllm"), ("tp", "0/1")))
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
@@ -49,7 +50,7 @@ def plan(lease, first_block: int, block_ids: list[int], loadable: int, *, load_b
     from kvcached_client.vllm.plan import KvcachedMetadata, LoadPlan
 
     before = time.monotonic() + 60 if load_before is None else load_before
-    return KvcachedMetadata(loads=[LoadPlan("r", 7, first_block, tuple(block_ids), (lease.ticket(),), (loadable,),
+    return KvcachedMetadata(loads=[LoadPlan("r", 7, first_block, (tuple(block_ids),), (lease.ticket(),), (loadable,),
                                             before, async_load)])
 
 
@@ -61,7 +62,7 @@ def step(w, meta=None):
     w.begin_step(meta)
     w.start_load(meta)
     w.finish_step()
-    return w.take_report(), w.get_finished()
+    return w.take_report(), w.get_finished()[1]
 
 
 def test_load_puts_the_chunks_into_the_blocks(worker, vdaemon):
@@ -133,7 +134,7 @@ def test_store_writes_the_reserved_blocks_and_reports_them(worker, vdaemon):
         holder.put(LAYOUT, p[:128], kv[:, :, :, :128])  # the daemon has chunk 0 already
         req = holder.acquire_reserve(LAYOUT, p)
         assert [slot.position for slot in req.reservation.slots] == [1, 2, 3]
-        out, _ = step(worker, KvcachedMetadata(saves=[SavePlan("r", 7, (req.reservation.ticket(),), 0, 4, tuple(ids))]))
+        out, _ = step(worker, KvcachedMetadata(saves=[SavePlan("r", 7, (req.reservation.ticket(),), 0, 4 * BPC, (tuple(ids),), BPC)]))
         assert out.saved == {(7, 0): [4]} and worker.stats["stored_chunks"] == 3
         assert req.finish().stored_chunks == 3
     with Client(vdaemon.socket) as c, c.acquire(LAYOUT, p) as lease:

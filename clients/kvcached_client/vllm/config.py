@@ -61,6 +61,10 @@ class ConnectorConfig:
     #: UUID of the GPU its KV cache is on (a CPU engine: none, the daemon picks); "{rank}" becomes the
     #: worker's TP rank, e.g. "host:{rank}" for a host pool with pool_slabs
     placement: str | None = None
+    #: store a finished request's answer too (its generated tokens' whole chunks), so the next turn of a
+    #: conversation hits it; vLLM keeps the request's blocks until they are copied (one round trip).
+    #: Per request ``no_store`` and the long-generation bypass apply as to prompts
+    store_answers: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> "ConnectorConfig":

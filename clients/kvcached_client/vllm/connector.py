@@ -24,7 +24,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvcached_client.client import Client
@@ -32,13 +32,7 @@ from kvcached_client.vllm.config import ConnectorConfig, async_loads
 from kvcached_client.vllm.paged import converter_for, verify_cpu_layout
 from kvcached_client.vllm.plan import KvcachedHandshake, KvcachedMetadata, KvcachedWorkerMetadata
 from kvcached_client.vllm.scheduler import SchedulerSide
-from kvcached_client.vllm.spec import (
-    UnsupportedEngineError,
-    attention_spec,
-    chunk_tokens_for,
-    engine_layouts,
-    model_id,
-)
+from kvcached_client.vllm.spec import UnsupportedEngineError, check, chunk_tokens_for, engine_layouts, model_id
 from kvcached_client.vllm import stats
 from kvcached_client.vllm.stats import SCHEDULER_KEYS, KvcachedConnectorStats, KvcachedPromMetrics, StatsDelta
 from kvcached_client.vllm.worker import WorkerSide
@@ -50,7 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.kvcached")  # under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL
 
 
-class KvcachedConnector(KVConnectorBase_V1):
+class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
@@ -58,13 +52,13 @@ class KvcachedConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
         self.config = cfg = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
-        spec = attention_spec(vllm_config, kv_cache_config)
-        block_size = vllm_config.cache_config.block_size
+        self.shape = shape = check(vllm_config, kv_cache_config)
+        block_size = shape.groups[0].block_size
         chunk = chunk_tokens_for(block_size, cfg.chunk_tokens)
-        assert kv_cache_config is not None  # attention_spec refused None
-        self.layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
-        self.layouts = engine_layouts(vllm_config, spec, len(self.layer_names), chunk,
-                                      model=model_id(vllm_config, cfg.model_id))
+        self.layer_names = list(shape.layer_names)
+        group_of = {name: g for g, group in enumerate(shape.groups) for name in group.layer_names}
+        self.layer_groups = [group_of[name] for name in self.layer_names]
+        self.layouts = engine_layouts(vllm_config, shape, chunk, model=model_id(vllm_config, cfg.model_id))
         if cfg.set_recompute_policy and ktc.kv_load_failure_policy != "recompute":
             log.info("kvcached connector: setting kv_load_failure_policy='recompute' (was %r): a chunk that "
                      "cannot be loaded is recomputed instead of failing the request", ktc.kv_load_failure_policy)
@@ -74,7 +68,7 @@ class KvcachedConnector(KVConnectorBase_V1):
         name = f"vllm {role.name.lower()} pid {os.getpid()}"
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(cfg, self.layouts, block_size, lambda: self._client(name),
-                                           async_load=async_loads(cfg, vllm_config))
+                                           async_load=async_loads(cfg, vllm_config), window=shape.window)
             self.scheduler.check_daemon()
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -83,11 +77,12 @@ class KvcachedConnector(KVConnectorBase_V1):
             backend = self._backend_name(vllm_config)
             self.worker = WorkerSide(self.layer_names, block_size, chunk, rank, converter_for(backend),
                                      lambda where: self._client(f"{name} rank {rank}", where),
-                                     placement=cfg.placement)
+                                     placement=cfg.placement, layer_groups=self.layer_groups)
             self._backend = backend
         self._delta = self._stats_delta()
-        log.info("kvcached connector (%s): layout %s, %d layers, %d KV heads, head dim %d, %s, chunk %d tokens "
+        log.info("kvcached connector (%s): layout %s, %d layers (%s), %d KV heads, head dim %d, %s, chunk %d tokens "
                  "(%d vLLM blocks), socket %s", role.name.lower(), self.layouts[0].model, self.layouts[0].num_layers,
+                 ", ".join(f"{g.kind}{g.window or ''} x{len(g.layer_names)}" for g in shape.groups),
                  self.layouts[0].num_kv_heads, self.layouts[0].head_dim, self.layouts[0].dtype, chunk,
                  chunk // block_size, cfg.socket or "default")
 
@@ -138,11 +133,19 @@ class KvcachedConnector(KVConnectorBase_V1):
         assert self.worker is not None
         self.worker.register(kv_caches)
         cache = self.worker.caches[0]
-        if cache.ndim != 4 or cache.shape[1] != self.layouts[0].num_kv_heads or cache.shape[3] != 2 * self.layouts[0].head_dim:
+        lay = self.layouts[0]
+        if self.shape.mla:
+            ok, want, block_dim = (cache.ndim in (3, 4) and cache.shape[-1] == 2 * lay.head_dim
+                                   and (cache.ndim == 3 or cache.shape[1] == 1),
+                                   "[blocks, (1,) block_size, kv_lora_rank + rope_dim]", cache.ndim - 2)
+        else:
+            ok, want, block_dim = (cache.ndim == 4 and cache.shape[1] == lay.num_kv_heads
+                                   and cache.shape[3] == 2 * lay.head_dim, "[blocks, kv_heads, block_size, 2 * head_dim]", 2)
+        if not ok:
             raise UnsupportedEngineError(
                 f"kvcached connector: the {self._backend} KV cache has shape {tuple(cache.shape)}, not the "
-                "[blocks, kv_heads, block_size, 2 * head_dim] view of vLLM 0.32")
-        if cache.shape[2] != self.worker.block_size:
+                f"{want} view of vLLM 0.32")
+        if cache.shape[block_dim] != self.worker.block_size:
             raise UnsupportedEngineError(
                 f"kvcached connector: the attention kernel's block size {cache.shape[2]} differs from the "
                 f"scheduler's {self.worker.block_size}; set --block-size to a size the kernel supports")
@@ -153,7 +156,8 @@ class KvcachedConnector(KVConnectorBase_V1):
             layer = next(iter(get_layers_from_vllm_config(self._vllm_config, AttentionLayerBase,
                                                           self.layer_names[:1]).values()))
             isa = getattr(layer, "isa", "vec")
-            why = verify_cpu_layout(cache.dtype, cache.shape[1], cache.shape[2], self.layouts[0].head_dim, isa)
+            why = verify_cpu_layout(cache.dtype, cache.shape[1], cache.shape[2], self.layouts[0].head_dim, isa,
+                                    kv_cache_dtype=self.shape.kv_cache_dtype)
             if why:
                 raise UnsupportedEngineError(f"kvcached connector: {why}; not supported yet")
 
@@ -180,10 +184,13 @@ class KvcachedConnector(KVConnectorBase_V1):
             self.worker.finish_step()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Asynchronous loads whose copies completed on this rank (vLLM waits for every rank)."""
+        """Finished requests whose answer's copies completed on this rank (vLLM frees their blocks
+        once every rank said so), and asynchronous loads whose copies completed (vLLM schedules the
+        request once every rank said so)."""
         if self.worker is None:
             return None, None
-        return None, self.worker.get_finished() or None
+        sent, received = self.worker.get_finished()
+        return sent or None, received or None
 
     def get_handshake_metadata(self) -> KvcachedHandshake | None:
         """What this worker tells the scheduler side once, at start (vLLM's connector handshake,
@@ -231,12 +238,18 @@ class KvcachedConnector(KVConnectorBase_V1):
             self.scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self.scheduler is not None:
-            self.scheduler.request_finished(request)
-        # vLLM may free the blocks now: a store's copies are ordered before any later step's
-        # writes to them (on CUDA the compute stream waits for the store's event), and an
-        # asynchronous load's blocks are held by vLLM itself until the load is reported.
-        return False, None
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM may free the blocks at once, unless the request's answer is being stored (True: it
+        keeps them until every worker reports the request in ``get_finished``). A prompt store's
+        copies are ordered before any later step's writes to its blocks (on CUDA the compute
+        stream waits for the store's event), and an asynchronous load's blocks are held by vLLM
+        itself until the load is reported."""
+        if self.scheduler is None:
+            return False, None
+        return self.scheduler.request_finished(request, block_ids), None
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_push_work()

@@ -15,6 +15,13 @@ behind that view is the attention backend's business:
   :func:`verify_cpu_layout` checks the layout against vLLM's own cache-write kernel when the
   engine starts and refuses what does not match.
 
+* ``mla`` (every MLA backend): one latent tensor per layer, ``[num_blocks, block_size, D]`` on
+  GPU backends, ``[num_blocks, 1, block_size, D]`` on the CPU one (``D = kv_lora_rank +
+  rope_dim``); a chunk keeps it as one head, K = channels ``[:D/2]`` and V = ``[D/2:]``, i.e.
+  channel-split on the view ``[num_blocks, 1, block_size, D]``.
+
+fp8 KV caches (``uint8`` tensors) are moved as bytes by the same converters.
+
 Each converter moves whole blocks: ``gather`` copies blocks into a chunk's token range,
 ``scatter`` copies a chunk's token range into blocks. ``block_ids`` is a 1-D int64 tensor on
 the cache's device; ``kv`` is ``[2, kv_heads, n_blocks * block_size, head_dim]`` (a layer of a
@@ -92,6 +99,14 @@ def _cpu_scatter(cache: torch.Tensor, block_ids: torch.Tensor, kv: torch.Tensor)
 
 CHANNEL_SPLIT = PagedLayout("channel-split", _cs_gather, _cs_scatter)
 CPU = PagedLayout("cpu", _cpu_gather, _cpu_scatter)
+def _one_head(cache: torch.Tensor) -> torch.Tensor:
+    """An MLA cache as ``[num_blocks, 1, block_size, D]`` (the CPU backend's shape already; GPU
+    backends' ``[num_blocks, block_size, D]`` gets the head axis as a view)."""
+    return cache.unsqueeze(1) if cache.ndim == 3 else cache
+
+
+MLA = PagedLayout("mla", lambda cache, ids, out: _cs_gather(_one_head(cache), ids, out),
+                  lambda cache, ids, kv: _cs_scatter(_one_head(cache), ids, kv))
 
 #: vLLM attention backend name (``AttentionBackend.get_name()``) -> its converter.
 REGISTRY: dict[str, PagedLayout] = {
@@ -102,6 +117,13 @@ REGISTRY: dict[str, PagedLayout] = {
     "ROCM_ATTN": CHANNEL_SPLIT,
     "ROCM_AITER_FA": CHANNEL_SPLIT,
     "ROCM_AITER_UNIFIED_ATTN": CHANNEL_SPLIT,
+    "CPU_MLA": MLA,
+    "FLASHMLA": MLA,
+    "FLASH_ATTN_MLA": MLA,
+    "TRITON_MLA": MLA,
+    "CUTLASS_MLA": MLA,
+    "FLASHINFER_MLA": MLA,
+    "ROCM_AITER_MLA": MLA,
 }
 
 
@@ -113,24 +135,33 @@ def converter_for(backend: str) -> PagedLayout:
                          f"(known: {', '.join(sorted(REGISTRY))})") from None
 
 
-def verify_cpu_layout(dtype: torch.dtype, num_kv_heads: int, block_size: int, head_dim: int, isa: str) -> str | None:
+def verify_cpu_layout(dtype: torch.dtype, num_kv_heads: int, block_size: int, head_dim: int, isa: str,
+                      *, kv_cache_dtype: str = "auto") -> str | None:
     """Write random K/V into a scratch cache with vLLM's own CPU cache-write kernel for ``isa``
-    and read them back through :data:`CPU`; None if they round-trip exactly, else why not."""
+    and read them back through :data:`CPU`; None if they round-trip (exactly; for an fp8 cache
+    within fp8's rounding, which a wrong layout exceeds by far), else why not."""
     from vllm import _custom_ops as ops
 
+    fp8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(kv_cache_dtype)
     nb, tokens = 3, 2 * block_size
     g = torch.Generator().manual_seed(0)
     key = torch.randn(tokens, num_kv_heads, head_dim, generator=g).to(dtype)
     value = torch.randn(tokens, num_kv_heads, head_dim, generator=g).to(dtype)
-    cache = torch.zeros(nb, num_kv_heads, block_size, 2 * head_dim, dtype=dtype)
+    cache = torch.zeros(nb, num_kv_heads, block_size, 2 * head_dim, dtype=torch.uint8 if fp8 else dtype)
     kc, vc = cache.view(nb, num_kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
     try:
-        ops.cpu_attn_reshape_and_cache(key, value, kc, vc, torch.arange(tokens) + block_size, isa)
+        ops.cpu_attn_reshape_and_cache(key, value, kc, vc, torch.arange(tokens) + block_size, isa,
+                                       kv_cache_dtype=kv_cache_dtype)
     except RuntimeError as e:
         return f"vLLM's CPU cache-write kernel '{isa}' failed on a probe: {e}"
-    out = torch.empty(2, num_kv_heads, tokens, head_dim, dtype=dtype)
+    out = torch.empty(2, num_kv_heads, tokens, head_dim, dtype=cache.dtype)
     CPU.gather(cache, torch.tensor([1, 2]), out)
     want = torch.stack([key.transpose(0, 1), value.transpose(0, 1)])
-    if not torch.equal(out, want):
+    if fp8 is None:
+        same = torch.equal(out, want)
+    else:
+        got = out.view(fp8).float()
+        same = bool(torch.allclose(got, want.float(), rtol=0.15, atol=0.02))
+    if not same:
         return f"the CPU attention kernel '{isa}' does not store K as [head_dim, block_size] per block and head"
     return None

@@ -39,10 +39,13 @@ except ImportError:  # the worker's data path runs without vLLM too (bench/gpu_c
 class LoadPlan:
     """Copy cached chunks into a request's blocks.
 
-    Block ``block_ids[j]`` receives the tokens ``[(first_block + j) * block_size, ...)`` of the
-    prompt. ``tickets[r]`` is tensor-parallel rank r's lease (None: its acquire failed), and
-    ``loadable_blocks[r]`` how many of the blocks that lease covers; the blocks past it are
-    reported to vLLM as failed loads, so vLLM recomputes them.
+    Block ``block_ids[g][j]`` of KV-cache group ``g`` receives the tokens ``[(first_block + j) *
+    block_size, ...)`` of the prompt for that group's layers (one group unless the model mixes
+    attention kinds). Block id 0 is vLLM's null block: a sliding-window group gets it for the
+    blocks before its window, and nothing is copied there. ``tickets[r]`` is tensor-parallel rank
+    r's lease (None: its acquire failed), and ``loadable_blocks[r]`` how many of the blocks that
+    lease covers; the blocks past it are reported to vLLM as failed loads, so vLLM recomputes
+    them.
 
     ``load_before`` is when the daemon may end the leases, less a margin for the copies
     (``time.monotonic()``, one clock for every process of a Linux host): a worker that would copy
@@ -54,26 +57,47 @@ class LoadPlan:
     req_id: str
     key: int  # the attempt
     first_block: int
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]  # per KV-cache group
     tickets: tuple[LeaseTicket | None, ...]
     loadable_blocks: tuple[int, ...]
     load_before: float
     async_load: bool = False
 
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids[0])
+
+    def failed_block_ids(self, done: int) -> list[int]:
+        """Every group's (real) blocks from the ``done``-th on: what vLLM must recompute."""
+        return [b for ids in self.block_ids for b in ids[done:] if b != NULL_BLOCK]
+
+
+#: vLLM's null block (``BlockPool.null_block``): stands for blocks a request does not hold.
+NULL_BLOCK = 0
+
 
 @dataclass(frozen=True)
 class SavePlan:
-    """Write the request's reserved chunks ``from_chunk <= position < to_chunk`` (whole now)
-    into their pool room. ``tickets[r]`` is rank r's reservation (None: nothing to write for
-    it); ``block_ids`` the blocks of the prompt's first ``to_chunk`` chunks, in order. The
-    scheduler side commits once every rank reports them written."""
+    """Write the request's blocks ``from_block <= b < to_block`` into the reserved chunks they
+    belong to (reserved positions only). ``block_ids[g]`` are group ``g``'s ids of those blocks, in
+    order. After it the reserved chunks before ``to_chunk`` are whole: that is what a worker reports
+    as written. Without sliding-window layers the range is whole chunks,
+    written once they are whole; with them, each step's computed blocks (the last one may be
+    partial, and is written again with the next step's), since vLLM frees windowed blocks as the
+    request advances. ``tickets[r]`` is rank r's reservation (None: nothing to write for it).
+    ``finish``: the request has finished and vLLM keeps its blocks until this plan is reported
+    (its answer's chunks; :meth:`~kvcached_client.vllm.scheduler.SchedulerSide.request_finished`):
+    every rank reports it in ``get_finished``'s "finished sending" once its copies are done."""
 
     req_id: str
     key: int  # the attempt
     tickets: tuple[ReservationTicket | None, ...]  # per tensor-parallel rank
-    from_chunk: int
-    to_chunk: int
-    block_ids: tuple[int, ...]
+    from_block: int
+    to_block: int
+    block_ids: tuple[tuple[int, ...], ...]  # per KV-cache group, blocks from_block .. to_block - 1
+    blocks_per_chunk: int
+    to_chunk: int  # the reserved chunks before it are whole once this plan is written
+    finish: bool = False
 
 
 @dataclass(frozen=True)

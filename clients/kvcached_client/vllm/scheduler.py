@@ -107,6 +107,7 @@ class _Attempt:
     loads_out: list[int] = field(default_factory=list)  # per rank: load plans handed out, not reported
     saves_out: list[int] = field(default_factory=list)  # per rank: save plans handed out, not reported
     load_done: bool = False  # its load (if any) is reported by every rank: the leases may go
+    commits: "list[concurrent.futures.Future[None]]" = field(default_factory=list)  # its Commits in flight
     retired: bool = False  # its request finished or was preempted
 
     @property
@@ -129,8 +130,9 @@ class _Req:
     no_more_loads: bool = False  # a load failed: ask for none again
     local_computed: int = 0  # vLLM's own (block-aligned) prefix-cache hit at the last ask
     pending: LoadPlan | None = None  # planned, not yet handed to the worker
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV-cache group
     saved_chunks: int = 0  # chunks already handed to the worker to write
+    saved_blocks: int = 0  # whole blocks already handed to the worker to write (sliding-window engines)
     sched_s: float = 0.0  # time spent for it on the scheduler thread
     hit_tokens: int = 0  # tokens loaded from kvcached (for the counters)
     store: "_Attempt | None" = None  # a later reservation for its chunks (see _reserve_again), else attempt's
@@ -149,6 +151,19 @@ class _Req:
             return True
         att = self.store or self.attempt
         return self.matched is not None and (att is None or att.retired or not att.save_tickets)
+
+
+@dataclass(eq=False)
+class _Finishing:
+    """A finished request whose answer's chunks are being stored: vLLM keeps its blocks until
+    every rank reported the plan (``finish``) that copies them."""
+
+    st: _Req
+    block_ids: tuple[tuple[int, ...], ...]  # per group, the blocks of its whole chunks
+    tokens: list[int]  # the sequence whose whole chunks are stored
+    held: "list[_Attempt]"  # the prompt's attempts: the Reserve waits for their Commits
+    since: float
+    reserve: "list[concurrent.futures.Future[Reservation]] | None" = None  # per rank
 
 
 class _NoLease:
@@ -174,13 +189,21 @@ def _abort_late(fut: "concurrent.futures.Future[Reservation]") -> None:
 class SchedulerSide:
     def __init__(self, cfg: ConnectorConfig, layouts: tuple[KVLayout, ...], block_size: int,
                  client_factory: Callable[[], Client], clock: Callable[[], float] = time.monotonic,
-                 *, async_load: bool = False) -> None:
+                 *, async_load: bool = False, window: int = 0) -> None:
         self.cfg = cfg
         self.layouts = layouts
         self.block_size = block_size
         self.chunk_tokens = layouts[0].chunk_tokens
         self.blocks_per_chunk = self.chunk_tokens // block_size
         self.async_load = async_load
+        #: the smallest sliding window of the engine's layers (0: none). Such layers lose blocks as a
+        #: request advances: each step's computed blocks are stored as they are computed, and a
+        #: finished request's answer is not stored
+        self.window = window
+        self.windowed = window > 0
+        #: every rank has the same layout (an MLA latent): one rank's reservation gets the chunks
+        self.replicated = len(layouts) > 1 and len(set(layouts)) == 1
+        self._finishing: dict[str, _Finishing] = {}
         self._placements = [""] * len(layouts)  # each rank's device (set_placements)
         self._client_factory = client_factory
         self._client: Client | None = None
@@ -390,7 +413,7 @@ class SchedulerSide:
         assert att is not None, "vLLM allocated for external tokens the connector did not promise"
         start, end = st.local_computed, st.local_computed + num_external_tokens
         first, last = start // self.block_size, end // self.block_size
-        block_ids = tuple(blocks.get_block_ids()[0][first:last])
+        block_ids = tuple(tuple(ids[first:last]) for ids in blocks.get_block_ids())
         tickets: list[Any] = []
         loadable: list[int] = []
         for r in att.cache:
@@ -401,7 +424,7 @@ class SchedulerSide:
                 continue
             tickets.append(lease.ticket())
             loadable.append(max(0, min(lease.matched_tokens, end) // self.block_size - first))
-        if min(loadable) < len(block_ids):
+        if min(loadable) < last - first:
             self.stats["short_acquires"] += 1
         margin = min(self.cfg.load_margin_s, att.lease_ttl / 4)
         st.pending = LoadPlan(st.req_id, att.key, first, block_ids, tuple(tickets), tuple(loadable),
@@ -422,18 +445,20 @@ class SchedulerSide:
         for st in self._pending:
             self._hand_out_load(meta, st)
         self._pending.clear()
+        if self._finishing:
+            self._plan_answers(meta)
         for rid in so.preempted_req_ids or ():
             st = self._reqs.get(rid)
             if st is not None:  # its blocks are gone; it starts over (and may load again) when resumed
                 self.stats["preemptions"] += 1
                 self._retire(st)
-                st.block_ids, st.saved_chunks, st.matched, st.lookup = [], 0, None, None
+                st.block_ids, st.saved_chunks, st.saved_blocks, st.matched, st.lookup = [], 0, 0, None, None
         for nr in so.scheduled_new_reqs:
             st = self._reqs.get(nr.req_id)
             if st is not None:
                 t0 = time.perf_counter()
-                st.block_ids = list(nr.block_ids[0])
-                self._plan_save(meta, st, nr.num_computed_tokens + so.num_scheduled_tokens.get(nr.req_id, 0))
+                st.block_ids = [list(ids) for ids in nr.block_ids]
+                self._plan_save(meta, st, nr.num_computed_tokens, so.num_scheduled_tokens.get(nr.req_id, 0))
                 st.sched_s += time.perf_counter() - t0
         cached = so.scheduled_cached_reqs
         resumed = cached.resumed_req_ids
@@ -444,10 +469,13 @@ class SchedulerSide:
             t0 = time.perf_counter()
             new_ids = cached.new_block_ids[i]
             if rid in resumed:
-                st.block_ids = list(new_ids[0]) if new_ids else []
+                st.block_ids = [list(ids) for ids in new_ids] if new_ids else []
             elif new_ids:
-                st.block_ids.extend(new_ids[0])
-            self._plan_save(meta, st, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0))
+                if not st.block_ids:
+                    st.block_ids = [[] for _ in new_ids]
+                for mine, ids in zip(st.block_ids, new_ids):
+                    mine.extend(ids)
+            self._plan_save(meta, st, cached.num_computed_tokens[i], so.num_scheduled_tokens.get(rid, 0))
             st.sched_s += time.perf_counter() - t0
         # Take the lookups that have landed for requests vLLM has not asked about yet (they wait
         # in its queue): their leases run from now, and only a taken lease is renewed.
@@ -491,18 +519,36 @@ class SchedulerSide:
             att.loads_out[rank] += 1
         if st.attempt is att:  # chunks loaded from the daemon are there already: no need to store them
             st.saved_chunks = max(st.saved_chunks, (lp.first_block + min(lp.loadable_blocks)) // self.blocks_per_chunk)
+            st.saved_blocks = max(st.saved_blocks, st.saved_chunks * self.blocks_per_chunk)
 
-    def _plan_save(self, meta: KvcachedMetadata, st: _Req, computed_after_step: int) -> None:
+    def _plan_save(self, meta: KvcachedMetadata, st: _Req, computed: int, scheduled: int) -> None:
+        computed_after_step = computed + scheduled
         if st.skip or not st.policy.should_store(st.n_prompt) or not self._landed(st):
             return
         self._take_rereserve(st)
         att = st.store or st.attempt
         if att is None or att.retired:
             return
+        k, bs = self.blocks_per_chunk, self.block_size
         ready = min(computed_after_step, st.n_prompt) // self.chunk_tokens
-        if ready > st.saved_chunks and st.store is None and st.rereserve is None:
-            self._reserve_again(st, att, ready)
-        if ready <= st.saved_chunks or att.save_tickets is None or not any(att.save_tickets):
+        if self.windowed:
+            # Every block computed so far (the last one possibly partial, written again next step):
+            # vLLM may free a windowed layer's blocks before their chunk is whole.
+            upto = min(computed_after_step, st.n_whole_chunks * self.chunk_tokens)
+            reserved = [r.reservation.slots[0].position * k for r in att.cache if r.reservation.slots]
+            from_block, to_block = max(st.saved_blocks, min(reserved, default=0)), -(-upto // bs)
+            if att.save_tickets and from_block < max(0, computed - self.window + 1) // bs:
+                # Blocks computed in an earlier step that was not planned (a store-only request that
+                # vLLM ran before its AcquireReserve landed) may be freed by now: those chunks are lost.
+                self.stats["saves_lost_window"] += 1
+                att.save_tickets = None
+                self._settle(att, close_reservations=True)
+                return
+        else:
+            from_block, to_block = st.saved_chunks * k, ready * k
+            if ready > st.saved_chunks and st.store is None and st.rereserve is None:
+                self._reserve_again(st, att, ready)
+        if to_block <= from_block or att.save_tickets is None or not any(att.save_tickets):
             return
         if self._clock() - att.reserved_at > self.cfg.reservation_ttl_s / 2:
             # The room may be gone by the time the worker writes (the daemon frees an expired
@@ -511,15 +557,16 @@ class SchedulerSide:
             att.save_tickets = None
             self._settle(att, close_reservations=True)
             return
-        n_blocks = ready * self.blocks_per_chunk
-        if len(st.block_ids) < n_blocks:  # should not happen: computed tokens have blocks
+        if not st.block_ids or len(st.block_ids[0]) < to_block:  # should not happen: computed tokens have blocks
             return
-        meta.saves.append(SavePlan(st.req_id, att.key, att.save_tickets, st.saved_chunks, ready,
-                                   tuple(st.block_ids[:n_blocks])))
+        whole = (upto // self.chunk_tokens) if self.windowed else ready  # chunks complete once it is done
+        meta.saves.append(SavePlan(st.req_id, att.key, att.save_tickets, from_block, to_block,
+                                   tuple(tuple(ids[from_block:to_block]) for ids in st.block_ids), k, whole))
         for rank, ticket in enumerate(att.save_tickets):
             if ticket is not None:
                 att.saves_out[rank] += 1
-        st.saved_chunks = ready
+        st.saved_chunks = whole
+        st.saved_blocks = (upto // bs) if self.windowed else to_block
         self.stats["saves"] += 1
 
     def _reserve_again(self, st: _Req, att: _Attempt, ready: int) -> None:
@@ -532,10 +579,12 @@ class SchedulerSide:
         times); by then the other writer has usually committed."""
         if st.rereserves >= 3:
             return
-        for r in att.cache:
-            res = r.reservation
-            covered = res.slots[-1].position + 1 if res.slots else res.cached_tokens // self.chunk_tokens
-            if res.in_flight_tokens and covered < ready:
+        covers = [r.reservation.slots[-1].position + 1 if r.reservation.slots
+                  else r.reservation.cached_tokens // self.chunk_tokens for r in att.cache]
+        for r, covered in zip(att.cache, covers):
+            if self.replicated:  # the ranks share chunks: another rank's reservation may hold them
+                covered = max(covers)
+            if r.reservation.in_flight_tokens and covered < ready:
                 break
         else:
             return
@@ -612,21 +661,98 @@ class SchedulerSide:
             if st is not None:
                 st.sched_s += time.perf_counter() - t0
 
-    def request_finished(self, request: Any) -> None:
+    def request_finished(self, request: Any, block_ids: "Sequence[Sequence[int]] | None" = None) -> bool:
+        """The request is done. True if vLLM must keep its blocks until the workers report it
+        (its answer's chunks are being stored: :meth:`_store_answer`)."""
         st = self._reqs.pop(request.request_id, None)
         if st is None:
-            return
+            return False
         t0 = time.perf_counter()
-        self._retire(st)
+        held = [att for att in (st.attempt, st.store) if att is not None]
+        self._retire(st)  # may send the prompt's Commits (which the answer's Reserve waits for)
+        delay = self._store_answer(st, request, block_ids, held)
         st.sched_s += time.perf_counter() - t0
         self.request_seconds.append(st.sched_s)
         self.unreported_seconds.append(st.sched_s)
         self.stats["requests"] += 1
         self.stats["hit_requests" if st.hit_tokens else "miss_requests"] += 1
+        return delay
 
     def has_pending_push_work(self) -> bool:
-        """Reports still owed by the workers: keep vLLM stepping until they come."""
-        return any(att.in_flight for att in self._attempts.values())
+        """Reports still owed by the workers, or answers being stored: keep vLLM stepping until they come."""
+        return bool(self._finishing) or any(att.in_flight for att in self._attempts.values())
+
+    # -- the answer's chunks --------------------------------------------------------------
+
+    def _store_answer(self, st: _Req, request: Any, block_ids: "Sequence[Sequence[int]] | None",
+                      held: list[_Attempt]) -> bool:
+        """Store the whole chunks past the prompt that the request computed (its answer), so the
+        next turn of a conversation, whose prompt is this prompt, the answer and a new question,
+        hits them too. One Reserve per rank for the sequence, on the connector's thread, after the
+        prompt's own commits have landed (else the daemon sees the prompt's chunks in flight and
+        reserves nothing after them); then a ``finish`` save plan, and vLLM frees the blocks once
+        every rank reported it. Not for sliding-window engines: vLLM has freed most of a windowed
+        layer's blocks of the answer by now."""
+        if (not self.cfg.store_answers or self.windowed or st.skip or block_ids is None
+                or not st.policy.should_store(st.n_prompt + len(getattr(request, "output_token_ids", ()) or ()))
+                or self._daemon_down()):
+            return False
+        computed = int(getattr(request, "num_computed_tokens", 0) or 0)
+        n_chunks = computed // self.chunk_tokens
+        n_blocks = n_chunks * self.blocks_per_chunk
+        if n_chunks <= st.n_prompt // self.chunk_tokens or any(len(ids) < n_blocks for ids in block_ids):
+            return False
+        tokens = list(request.all_token_ids[: n_chunks * self.chunk_tokens])
+        self._finishing[st.req_id] = _Finishing(st, tuple(tuple(ids[:n_blocks]) for ids in block_ids), tokens,
+                                                held, self._clock())
+        self.stats["answer_stores"] += 1
+        return True
+
+    def _plan_answers(self, meta: KvcachedMetadata) -> None:
+        """Start the Reserves of finished requests whose prompt Commits have landed (or waited
+        ``rpc_timeout_s``), and hand out the save plan of each whose Reserves have landed. Never waits."""
+        for rid, fin in list(self._finishing.items()):
+            if fin.reserve is None:
+                landed = all(all(att.committed) and all(f.done() for f in att.commits) for att in fin.held)
+                if not landed and self._clock() - fin.since < self.cfg.rpc_timeout_s:
+                    continue
+                fin.reserve = [self._bg.submit(self.client.reserve, lay, fin.tokens, skip_empty=True,
+                                               ttl=self.cfg.reservation_ttl_s, map_pool=False,
+                                               placement=self.placement(rank))
+                               for rank, lay in enumerate(fin.st.layouts)]
+            if not all(f.done() for f in fin.reserve):
+                continue
+            del self._finishing[rid]
+            got = [f.result() for f in fin.reserve if f.exception() is None]
+            error = next((f.exception() for f in fin.reserve if f.exception() is not None), None)
+            n = len(self.layouts)
+            k = self.blocks_per_chunk
+            to_block = len(fin.block_ids[0])
+            tickets: tuple = (None,) * n  # nothing to write: the plan only tells the workers it is done
+            key, first = 0, to_block
+            if error is not None:
+                self._failed("store", error)
+                for res in got:
+                    res.abort()
+            elif not any(res.slots for res in got):
+                for res in got:
+                    res.abort()
+            else:
+                att = _Attempt(next(self._keys), rid, [CacheRequest(self.client, _NO_LEASE, res) for res in got],
+                               0, 0.0, float("inf"), leases_held=False, written=[0] * n,
+                               committed=[not res.opened for res in got],
+                               save_tickets=tuple(res.ticket() if res.slots else None for res in got),
+                               reserved_at=self._clock(), loads_out=[0] * n, saves_out=[0] * n, load_done=True,
+                               retired=True)
+                self._attempts[att.key] = att
+                tickets, key = att.save_tickets, att.key
+                for rank, ticket in enumerate(tickets):
+                    if ticket is not None:
+                        att.saves_out[rank] += 1
+                first = min(res.slots[0].position for res in got if res.slots) * k
+                self.stats["answer_chunks"] += max(len(res.slots) for res in got)
+            meta.saves.append(SavePlan(rid, key, tickets, first, to_block,
+                                       tuple(ids[first:to_block] for ids in fin.block_ids), k, to_block // k, finish=True))
 
     # -- the end of an attempt --------------------------------------------------------------
 
@@ -693,7 +819,7 @@ class SchedulerSide:
         if n <= 0:
             res.abort()
             return
-        self._bg.submit(self._commit_now, res, n)
+        att.commits.append(self._bg.submit(self._commit_now, res, n))
 
     def _commit_now(self, res: Any, n: int) -> None:
         try:
@@ -741,6 +867,11 @@ class SchedulerSide:
         self._reqs.clear()
         self._pending.clear()
         self._bg.shutdown(wait=True)
+        for fin in self._finishing.values():  # nothing will copy them now: give the room back
+            for f in fin.reserve or ():
+                if f.exception() is None:
+                    f.result().abort()
+        self._finishing.clear()
         if self._client is not None:
             self._client.close()
             self._client = None

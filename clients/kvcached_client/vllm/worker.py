@@ -45,20 +45,38 @@ from kvcached_client.client import Client, LeaseView
 from kvcached_client.errors import KvcachedError
 from kvcached_client.failopen import FailOpen
 from kvcached_client.vllm.paged import PagedLayout
-from kvcached_client.vllm.plan import KvcachedMetadata, KvcachedWorkerMetadata, LoadPlan, SavePlan
+from kvcached_client.vllm.plan import NULL_BLOCK, KvcachedMetadata, KvcachedWorkerMetadata, LoadPlan, SavePlan
 
 log = logging.getLogger("vllm.kvcached")  # under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL
 
 
 @dataclass
 class _Copy:
-    """Blocks of one chunk to load: ``take`` blocks from block ``sub`` of ``chunk``."""
+    """Blocks of one chunk to load into one KV-cache group's blocks: ``take`` blocks from block
+    ``sub`` of ``chunk``."""
 
     chunk: torch.Tensor  # [2, layers, kv_heads, chunk_tokens, head_dim]
     sub: int
     take: int
     lo: int  # the block ids are index[lo : lo + take] of the step's index tensor
     plan: int  # which of the step's plans
+    group: int = 0
+
+
+def real_runs(ids: "list[int] | tuple[int, ...]") -> list[tuple[int, int]]:
+    """``(offset, length)`` of each run of real (non-null) block ids: a sliding-window group's
+    blocks before its window are vLLM's null block, and are neither loaded nor stored."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for j, b in enumerate(ids):
+        if b != NULL_BLOCK and start is None:
+            start = j
+        elif b == NULL_BLOCK and start is not None:
+            runs.append((start, j - start))
+            start = None
+    if start is not None:
+        runs.append((start, len(ids) - start))
+    return runs
 
 
 @dataclass
@@ -70,6 +88,7 @@ class _InFlight:
     views: list[LeaseView] = field(default_factory=list)
     loads: list[LoadPlan] = field(default_factory=list)
     saves: list[tuple[SavePlan, int]] = field(default_factory=list)  # (plan, written up to or -1)
+    finishes: list[str] = field(default_factory=list)  # finished requests whose blocks vLLM keeps until done
 
     def done(self) -> bool:
         return self.event is None or self.event.query()
@@ -78,8 +97,11 @@ class _InFlight:
 class WorkerSide:
     def __init__(self, layer_names: list[str], block_size: int, chunk_tokens: int, tp_rank: int,
                  converter: PagedLayout, client_factory: Callable[[str], Client], *,
-                 clock: Callable[[], float] = time.monotonic, placement: str | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, placement: str | None = None,
+                 layer_groups: "list[int] | None" = None) -> None:
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
+        #: the KV-cache group of each layer (chunk order); plans carry block ids per group
+        self.layer_groups = list(layer_groups) if layer_groups is not None else [0] * len(layer_names)
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens
         self.blocks_per_chunk = chunk_tokens // block_size
@@ -100,6 +122,7 @@ class WorkerSide:
         self._layer_events: dict[int, "torch.cuda.Event"] = {}
         self._in_flight: list[_InFlight] = []
         self._recving: set[str] = set()  # asynchronous loads done, for get_finished
+        self._sent: set[str] = set()  # finished requests whose answer's copies are done, for get_finished
         self._report = KvcachedWorkerMetadata()
         self.stats: dict[str, int] = {"loaded_blocks": 0, "failed_blocks": 0, "stored_chunks": 0, "store_failures": 0,
                                       "expired_leases": 0}
@@ -203,8 +226,10 @@ class WorkerSide:
             torch.cuda.current_stream(self.caches[0].device).wait_event(ev)  # the GPU waits; the host does not
 
     def _copy_layer(self, items: list[_Copy], index: torch.Tensor, layer: int) -> None:
-        cache, n = self.caches[layer], self.block_size
+        cache, n, group = self.caches[layer], self.block_size, self.layer_groups[layer]
         for it in items:
+            if it.group != group:
+                continue
             self.converter.scatter(cache, index[it.lo : it.lo + it.take],
                                    it.chunk[:, layer, :, it.sub * n : (it.sub + it.take) * n])
 
@@ -233,19 +258,21 @@ class WorkerSide:
                     chunk = view.chunk(chunk_i - first_pos)
                     if chunk.device != device:
                         chunk = chunk.to(device, non_blocking=True)
-                    items.append(_Copy(chunk, sub, take, len(ids), j))
-                    ids += lp.block_ids[done : done + take]
+                    for g, group_ids in enumerate(lp.block_ids):
+                        for off, n in real_runs(group_ids[done : done + take]):
+                            items.append(_Copy(chunk, sub + off, n, len(ids), j, g))
+                            ids += group_ids[done + off : done + off + n]
                     done += take
                 self.fail.ok("load")
             except (KvcachedError, OSError, RuntimeError, ValueError) as e:
                 self.fail.failed("load", e)
                 del ids[len(ids) - sum(it.take for it in items):]
                 items, done = [], 0
-        failed = lp.block_ids[done:]
-        if failed:
+        failed = lp.failed_block_ids(done)
+        if done < lp.num_blocks:
             self._failed_blocks.update(failed)
             self._report.load_failed.add(lp.key)
-        self.stats["loaded_blocks"] += done
+        self.stats["loaded_blocks"] += sum(it.take for it in items)
         self.stats["failed_blocks"] += len(failed)
         return items
 
@@ -253,12 +280,14 @@ class WorkerSide:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
-    def get_finished(self) -> set[str]:
-        """Asynchronous loads whose copies completed since the last call (vLLM's "finished
-        receiving"; it counts every rank's answer before it schedules the request)."""
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """Finished requests whose answer's copies completed ("finished sending": vLLM frees their
+        blocks once every rank said so) and asynchronous loads whose copies completed ("finished
+        receiving"; vLLM schedules the request once every rank said so), since the last call."""
         self._poll()
+        sent, self._sent = self._sent, set()
         done, self._recving = self._recving, set()
-        return done
+        return sent, done
 
     # -- saves ---------------------------------------------------------------------------
 
@@ -273,26 +302,37 @@ class WorkerSide:
         self._poll()
 
     def _store(self, plans: list[SavePlan]) -> None:
-        """Copy this rank's reserved chunks ``from_chunk .. to_chunk - 1`` of each plan into their
-        pool room; each plan is reported, once the copies are done, as written up to
-        ``to_chunk`` (-1 on failure: the scheduler commits what was written before and gives
-        the rest back)."""
+        """Copy each plan's blocks ``from_block .. to_block - 1`` that belong to this rank's
+        reserved chunks into their pool room; each plan is reported, once the copies are done,
+        as written up to ``to_chunk`` (-1 on failure: the scheduler commits what was written
+        before and gives the rest back)."""
         batch = _InFlight(None)
-        work: list[tuple[Any, Any, int]] = []  # (reservation view, slot, first index)
+        work: list[tuple[Any, Any, int, int, int, int]] = []  # (reservation, slot, first block in it, blocks, group, index lo)
         ids: list[int] = []
         k = self.blocks_per_chunk
-        ok: list[tuple[SavePlan, bool, int]] = []  # (plan, opened, chunks to write)
+        ok: list[tuple[SavePlan, bool, int]] = []  # (plan, opened, chunks it completes)
         for sp in plans:
             ticket = sp.tickets[self.rank] if self.rank < len(sp.tickets) else None
+            if sp.finish:  # vLLM frees its blocks once every rank reported it (after this batch's copies)
+                batch.finishes.append(sp.req_id)
             if ticket is None:
                 continue
             try:
                 res = self.client.open_reservation(ticket)
-                slots = [slot for slot in res.slots if sp.from_chunk <= slot.position < sp.to_chunk]
-                for slot in slots:
-                    work.append((res, slot, len(ids)))
-                    ids += sp.block_ids[slot.position * k : (slot.position + 1) * k]
-                ok.append((sp, True, len(slots)))
+                whole = 0
+                for slot in res.slots:
+                    lo = max(sp.from_block, slot.position * k)
+                    hi = min(sp.to_block, (slot.position + 1) * k)
+                    if lo >= hi:
+                        continue
+                    whole += slot.position < sp.to_chunk and hi == (slot.position + 1) * k
+                    for g, group_ids in enumerate(sp.block_ids):
+                        part = group_ids[lo - sp.from_block : hi - sp.from_block]
+                        if NULL_BLOCK in part:  # a block vLLM no longer holds: this chunk cannot be whole
+                            raise ValueError(f"block {lo + part.index(NULL_BLOCK)} of group {g} is not held any more")
+                        work.append((res, slot, lo - slot.position * k, hi - lo, g, len(ids)))
+                        ids += part
+                ok.append((sp, True, whole))
             except (KvcachedError, RuntimeError, ValueError) as e:
                 self.fail.failed("store", e)
                 ok.append((sp, False, 0))
@@ -329,10 +369,12 @@ class WorkerSide:
         self._in_flight.append(batch)
 
     def _copy_out(self, work: list, index: torch.Tensor, layer: int, cache: torch.Tensor, batch: _InFlight) -> None:
-        k = self.blocks_per_chunk
-        for res, slot, lo in work:
-            dst = res.view(slot)[:, layer]
-            block_ids = index[lo : lo + k]
+        n, group = self.block_size, self.layer_groups[layer]
+        for res, slot, first, count, g, lo in work:
+            if g != group:
+                continue
+            dst = res.view(slot)[:, layer, :, first * n : (first + count) * n]
+            block_ids = index[lo : lo + count]
             if dst.device == cache.device:
                 self.converter.gather(cache, block_ids, dst)
             else:  # a host pool for a GPU engine: gather on the GPU, then one copy
@@ -359,6 +401,7 @@ class WorkerSide:
                     self._recving.add(lp.req_id)
             for sp, upto in batch.saves:
                 r.saved.setdefault((sp.key, self.rank), []).append(upto)
+            self._sent.update(batch.finishes)
         self._in_flight = still
 
     def take_report(self) -> KvcachedWorkerMetadata | None:

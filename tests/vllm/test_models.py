@@ -1,0 +1,71 @@
+"""The connector on the model families people deploy now, in real vLLM CPU engines: exact greedy
+tokens from a fresh engine that loads what another one stored.
+
+* Gemma-3 style (windowed and global layers interleaved: two KV-cache groups, vLLM's hybrid
+  allocator on) and Mistral style (every layer windowed, the window shorter than a chunk), with
+  chunked prefill (200 tokens a step), so that vLLM frees windowed blocks before their chunk is
+  whole: the connector must copy each step's blocks as they are computed. A one-line mutation
+  (counting a chunk as written once its last block is copied, partial or not) fails these tests.
+* DeepSeek-V2 style MLA on vLLM's CPU MLA backend (the latent: kv_lora_rank 512 + rope 64).
+* The answer's KV: a finished request's generated whole chunks are stored, so the next turn of a
+  conversation hits them.
+
+Each family: engine A computes (a miss: its tokens are a run without the cache), vLLM's own
+prefix cache is reset, A computes a prompt sharing a prefix (a kvcached hit, then a store after
+it), then a fresh engine C loads both: its tokens must equal A's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcached_client import Client
+from tests.vllm.conftest import Engine, prompt
+
+pytestmark = pytest.mark.slow
+
+CHUNK = 128
+
+
+@pytest.fixture(scope="module")
+def family_model(tmp_path_factory):
+    built: dict[str, str] = {}
+
+    def get(family: str) -> str:
+        if family not in built:
+            from kvcached_client.vllm.random_model import build
+
+            layers = 4 if family == "gemma3" else 2
+            built[family] = build(str(tmp_path_factory.mktemp(family)), family=family, layers=layers, window=64)
+        return built[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family,args", [
+    ("gemma3", ["--max-num-batched-tokens", "200"]),
+    ("mistral", ["--max-num-batched-tokens", "200"]),
+    ("deepseek_v2", []),
+])
+def test_fresh_engine_loads_exactly(family, args, family_model, vdaemon, tmp_path, tiny_model):
+    model = family_model(family)
+    p = prompt(600, 1)
+    half = p[:300] + prompt(300, 2)  # 2 whole chunks in common with p
+    a = Engine(model, str(tmp_path), vdaemon.socket, args=args)
+    ra = a.generate([p])
+    assert ra["num_cached"] == [0] and ra["worker"]["loaded_blocks"] == 0  # computed: the reference
+    a.call(op="reset")  # half's common prefix can only come from kvcached now
+    rh = a.generate([half])
+    assert rh["num_cached"] == [2 * CHUNK], rh  # loaded, then its own chunks 2..3 stored after the hit
+    a.close()
+    with Client(vdaemon.socket, session=False) as c:
+        layouts = c.stats()
+    c_ = Engine(model, str(tmp_path), vdaemon.socket, args=args)  # fresh: nothing in vLLM's own cache
+    r = c_.generate([half])
+    assert r["num_cached"] == [4 * CHUNK] and r["worker"]["failed_blocks"] == 0, r
+    assert r["tokens"] == rh["tokens"]
+    c_.call(op="reset")
+    r = c_.generate([p])
+    assert r["num_cached"] == [4 * CHUNK] and r["tokens"] == ra["tokens"]
+    assert r["fail_open"] == {}, r
+    assert layouts["indexed_chunks"] == 6  # p's 4 and half's 2 after the shared ones: nothing twice
