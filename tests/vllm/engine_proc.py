@@ -119,6 +119,13 @@ def main() -> None:
             prompts = [TokensPrompt(prompt_token_ids=ids, **({"cache_salt": s} if s else {}))
                        for ids, s in zip(cmd["prompts"], salts)]
             res = llm.generate(prompts, sps, use_tqdm=False)
+            # As `vllm serve`'s busy loop does (LLM.generate stops with its requests): step while
+            # the connector still works for finished ones (an answer being stored, reports owed).
+            core = engine.engine_core.engine_core.scheduler
+            for _ in range(10_000):
+                if not core.has_requests():
+                    break
+                engine.step()
             out = {"tokens": [list(r.outputs[0].token_ids) for r in res],
                    "num_cached": [r.num_cached_tokens for r in res]}
         else:

@@ -69,3 +69,40 @@ def test_fresh_engine_loads_exactly(family, args, family_model, vdaemon, tmp_pat
     assert r["num_cached"] == [4 * CHUNK] and r["tokens"] == ra["tokens"]
     assert r["fail_open"] == {}, r
     assert layouts["indexed_chunks"] == 6  # p's 4 and half's 2 after the shared ones: nothing twice
+
+
+def test_the_answer_is_stored_for_the_next_turn(vdaemon, engines, reference):
+    """Turn 1 (600 prompt tokens, 200 generated) stores its answer's whole chunks when it finishes:
+    a fresh engine serving turn 2 (turn 1's prompt, the answer, a new question) loads 6 chunks,
+    not only the prompt's 4, and its tokens are a run without the cache's. With
+    ``store_answers: false`` (the control) the same turn 2 hits the prompt's 4 only."""
+    p = prompt(600, 7)
+    a = engines(vdaemon.socket)
+    r1 = a.generate([p], max_tokens=200, ignore_eos=True)
+    assert r1["num_cached"] == [0] and r1["scheduler"]["answer_stores"] == 1, r1["scheduler"]
+    answer = r1["tokens"][0]
+    assert answer == reference([p], max_tokens=200)[0]
+    turn2 = p + answer + prompt(40, 8)
+    want = reference([turn2])
+    b = engines(vdaemon.socket)
+    r2 = b.generate([turn2])
+    assert r2["num_cached"] == [6 * CHUNK], r2  # (600 + 199 computed) // 128: the answer's 2 chunks too
+    assert r2["tokens"] == want and r2["worker"]["failed_blocks"] == 0
+    with Client(vdaemon.socket, session=False) as c:
+        s = c.stats()
+    assert (s["leases_active"], s["reservations_active"]) == (0, 0)
+
+    q = prompt(600, 9)
+    off = engines(vdaemon.socket, extra={"store_answers": False})
+    r1 = off.generate([q], max_tokens=200, ignore_eos=True)
+    r2 = engines(vdaemon.socket).generate([q + r1["tokens"][0] + prompt(40, 10)])
+    assert r2["num_cached"] == [4 * CHUNK]  # the prompt's chunks only
+
+
+def test_no_store_stores_no_answer(vdaemon, engines):
+    p = prompt(600, 11)
+    a = engines(vdaemon.socket)
+    r1 = a.generate([p], max_tokens=200, ignore_eos=True, kv={"kvcached": {"no_store": True}})
+    assert r1["scheduler"].get("answer_stores", 0) == 0
+    with Client(vdaemon.socket, session=False) as c:
+        assert c.stats()["indexed_chunks"] == 0
