@@ -613,7 +613,7 @@ def _wait_report(w, watch: SyncWatch, done: Callable, what: str, timeout: float)
         r = watch.call(w.take_report)
         if r is not None:
             report = report.aggregate(r)
-        finished |= watch.call(w.get_finished)
+        finished |= watch.call(w.get_finished)[1]
         if done(report, finished):
             return report, finished
         if time.monotonic() > deadline:
@@ -667,7 +667,7 @@ def worker_check(c, client_factory: Callable, layout, lease, kv, order: str, sto
     clock = Clock(device)
 
     def load_plan(async_load: bool):
-        return KvcachedMetadata(loads=[LoadPlan(req_id="r", key=1, first_block=0, block_ids=tuple(ids),
+        return KvcachedMetadata(loads=[LoadPlan(req_id="r", key=1, first_block=0, block_ids=(tuple(ids),),
                                                 tickets=(lease.ticket(),), loadable_blocks=(n_blocks,),
                                                 load_before=time.monotonic() + 60, async_load=async_load)])
 
@@ -758,7 +758,8 @@ def worker_check(c, client_factory: Callable, layout, lease, kv, order: str, sto
                   f"{order}: the store prompt's reservation: {req.matched_tokens} tokens cached, slots {slots}; "
                   f"expected none cached and slots 0..{n_chunks - 1}")
             meta = KvcachedMetadata(saves=[SavePlan(req_id="s", key=2, tickets=(req.reservation.ticket(),),
-                                                    from_chunk=0, to_chunk=n_chunks, block_ids=tuple(ids_s))])
+                                                    from_block=0, to_block=n_blocks, block_ids=(tuple(ids_s),),
+                                                    blocks_per_chunk=n_blocks // n_chunks, to_chunk=n_chunks)])
             clock.start()
             watch.call(w.begin_step, meta)
             watch.call(w.start_load, meta)

@@ -142,24 +142,15 @@ def test_daemon_killed_between_lookup_and_load(vdaemon, engines, reference, tmp_
     assert_nothing_pinned(vdaemon)
 
 
-def test_sliding_window_model_is_refused_at_start(tiny_model, vdaemon, tmp_path):
-    """A model whose KV for a prefix is not every token's K and V (here Mistral with a window)
-    stops the engine at start with a clear message; it never gets to fail a request."""
-    import shutil
-
-    from transformers import MistralConfig, MistralForCausalLM
-
+def test_a_configuration_the_connector_cannot_serve_stops_the_engine_at_start(tiny_model, vdaemon, tmp_path):
+    """A set-up the connector cannot serve exactly stops the engine at start with a clear
+    message; it never gets to fail a request. Here a chunk that is not whole vLLM blocks; the
+    model kinds refused the same way (state-space layers, chunked-local attention, ...) are
+    tests/vllm/test_spec.py's, through the same check."""
     from tests.vllm.conftest import Engine
 
-    path = tmp_path / "mistral-window"
-    cfg = MistralConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, sliding_window=64, max_position_embeddings=2048,
-                        bos_token_id=1, eos_token_id=2)
-    MistralForCausalLM(cfg).save_pretrained(path)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(tiny_model, f), path / f)
     with pytest.raises(AssertionError, match="engine exited") as refused:  # it never became ready
-        Engine(str(path), str(tmp_path), vdaemon.socket)
+        Engine(tiny_model, str(tmp_path), vdaemon.socket, extra={"chunk_tokens": 100})
     out = str(refused.value)
     assert "engine exited (0)" not in out  # a failure's exit code
-    assert "kvcached connector" in out and "sliding-window" in out, out[-3000:]
+    assert "kvcached connector" in out and "chunk_tokens=100" in out, out[-3000:]
