@@ -134,7 +134,7 @@ def test_store_writes_the_reserved_blocks_and_reports_them(worker, vdaemon):
         holder.put(LAYOUT, p[:128], kv[:, :, :, :128])  # the daemon has chunk 0 already
         req = holder.acquire_reserve(LAYOUT, p)
         assert [slot.position for slot in req.reservation.slots] == [1, 2, 3]
-        out, _ = step(worker, KvcachedMetadata(saves=[SavePlan("r", 7, (req.reservation.ticket(),), 0, 4 * BPC, (tuple(ids),), BPC)]))
+        out, _ = step(worker, KvcachedMetadata(saves=[SavePlan("r", 7, (req.reservation.ticket(),), 0, 4 * BPC, (tuple(ids),), BPC, 4)]))
         assert out.saved == {(7, 0): [4]} and worker.stats["stored_chunks"] == 3
         assert req.finish().stored_chunks == 3
     with Client(vdaemon.socket) as c, c.acquire(LAYOUT, p) as lease:
