@@ -41,20 +41,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "clients")]
 
 from bench._common import Daemon  # noqa: E402
-from bench.vllm_ttft import Engine  # noqa: E402
+from bench.vllm_ttft import Engine, kv_transfer, worker_channel  # noqa: E402
 
 FAMILIES = ("llama", "gemma3", "mistral", "deepseek_v2")
 
 
 def worker_main(args: argparse.Namespace) -> int:
     """One vLLM engine; one JSON command a line on stdin, one JSON answer a line."""
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-
-    def send(obj: dict) -> None:
-        proto.write(json.dumps(obj) + "\n")
-        proto.flush()
+    send = worker_channel()
 
     try:
         from vllm import LLM, SamplingParams
@@ -62,11 +56,7 @@ def worker_main(args: argparse.Namespace) -> int:
 
         kw = {}
         if args.socket:
-            from vllm.config import KVTransferConfig
-
-            kw["kv_transfer_config"] = KVTransferConfig(
-                kv_connector="KvcachedConnector", kv_connector_module_path="kvcached_client.vllm", kv_role="kv_both",
-                kv_connector_extra_config={"socket": args.socket, **json.loads(args.extra)})
+            kw["kv_transfer_config"] = kv_transfer(args.socket, **json.loads(args.extra))
         llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=args.max_model_len,
                   kv_cache_memory_bytes=args.kv_cache_bytes, enable_prefix_caching=True,
                   max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=4, seed=0, **kw)

@@ -49,19 +49,13 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 from _common import Daemon, percentile, write_json  # noqa: E402
-from vllm_ttft import SCHEDULER_HOOKS, Engine, _HookTimer  # noqa: E402
+from vllm_ttft import SCHEDULER_HOOKS, Engine, _HookTimer, kv_transfer, worker_channel  # noqa: E402
 
 BLOCK = 128
 
 
 def worker_main(args: argparse.Namespace) -> int:
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-
-    def send(obj: dict) -> None:
-        proto.write(json.dumps(obj) + "\n")
-        proto.flush()
+    send = worker_channel()
 
     try:
         from vllm import LLM, SamplingParams
@@ -69,11 +63,7 @@ def worker_main(args: argparse.Namespace) -> int:
 
         kw = {}
         if args.socket:
-            from vllm.config import KVTransferConfig
-
-            kw["kv_transfer_config"] = KVTransferConfig(
-                kv_connector="KvcachedConnector", kv_connector_module_path="kvcached_client.vllm", kv_role="kv_both",
-                kv_connector_extra_config={"socket": args.socket})
+            kw["kv_transfer_config"] = kv_transfer(args.socket)
         llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=args.max_model_len,
                   kv_cache_memory_bytes=args.kv_cache_bytes, enable_prefix_caching=True,
                   max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=64, seed=0, **kw)

@@ -94,15 +94,31 @@ def model_shape(quick: bool) -> dict:
 # -- the engine process ------------------------------------------------------------------------
 
 
-def worker_main(args: argparse.Namespace) -> int:
-    """One vLLM engine; reads one JSON command a line on stdin, answers one JSON line."""
+def worker_channel():
+    """An engine worker's side of the protocol: vLLM's logs and prints go to stderr, and the
+    returned ``send(obj)`` writes one JSON line to the real stdout, which the driver reads."""
     proto = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # vLLM's logs and prints go to stderr; stdout is the protocol's
+    os.dup2(2, 1)
     sys.stdout = sys.stderr
 
     def send(obj: dict) -> None:
         proto.write(json.dumps(obj) + "\n")
         proto.flush()
+
+    return send
+
+
+def kv_transfer(socket: str, **extra):
+    """vLLM's KVTransferConfig for ``KvcachedConnector`` on ``socket`` (``extra``: its extra config)."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(kv_connector="KvcachedConnector", kv_connector_module_path="kvcached_client.vllm",
+                            kv_role="kv_both", kv_connector_extra_config={"socket": socket, **extra})
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    """One vLLM engine; reads one JSON command a line on stdin, answers one JSON line."""
+    send = worker_channel()
 
     try:
         llm, info, conn_sched, worker_timer, sched_timer = _engine(args)
@@ -200,11 +216,7 @@ def _engine(args: argparse.Namespace):
 
     kw = {}
     if args.socket:
-        from vllm.config import KVTransferConfig
-
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KvcachedConnector", kv_connector_module_path="kvcached_client.vllm", kv_role="kv_both",
-            kv_connector_extra_config={"socket": args.socket, **({"load_mode": args.load_mode} if args.load_mode else {})})
+        kw["kv_transfer_config"] = kv_transfer(args.socket, **({"load_mode": args.load_mode} if args.load_mode else {}))
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=args.max_model_len,
               kv_cache_memory_bytes=args.kv_cache_bytes, enable_prefix_caching=True,

@@ -106,3 +106,22 @@ def test_no_store_stores_no_answer(vdaemon, engines):
     assert r1["scheduler"].get("answer_stores", 0) == 0
     with Client(vdaemon.socket, session=False) as c:
         assert c.stats()["indexed_chunks"] == 0
+
+
+def test_mla_with_tensor_parallelism_stores_each_chunk_once(family_model, vdaemon, tmp_path):
+    """An MLA latent is the same on every TP rank: both ranks share one layout, so a 600-token
+    prompt is 4 chunks in the daemon (not 4 per rank), and a fresh TP = 2 engine loads them on
+    both ranks with the tokens of the engine that computed them."""
+    model = family_model("deepseek_v2")
+    p = prompt(600, 12)
+    a = Engine(model, str(tmp_path), vdaemon.socket, tp=2)
+    ra = a.generate([p])
+    assert ra["num_cached"] == [0]
+    a.close()
+    with Client(vdaemon.socket, session=False) as c:
+        s = c.stats()
+    tps = sorted(dict(map(tuple, spec["extra"])).get("tp") for spec in s["layouts_detail"].values())
+    assert tps == ["replicated/2"] and s["indexed_chunks"] == 4, (tps, s["indexed_chunks"])
+    b = Engine(model, str(tmp_path), vdaemon.socket, tp=2)
+    rb = b.generate([p])
+    assert rb["num_cached"] == [4 * CHUNK] and rb["tokens"] == ra["tokens"], rb
