@@ -74,8 +74,9 @@ def test_fresh_engine_loads_exactly(family, args, family_model, vdaemon, tmp_pat
 def test_the_answer_is_stored_for_the_next_turn(vdaemon, engines, reference):
     """Turn 1 (600 prompt tokens, 200 generated) stores its answer's whole chunks when it finishes:
     a fresh engine serving turn 2 (turn 1's prompt, the answer, a new question) loads 6 chunks,
-    not only the prompt's 4, and its tokens are a run without the cache's. With
-    ``store_answers: false`` (the control) the same turn 2 hits the prompt's 4 only."""
+    not only the prompt's 4, and its tokens are a run without the cache's. Controls: with
+    ``store_answers: false`` the same kind of turn 2 hits the prompt's 4 chunks only, and a turn 1
+    sent with ``no_store`` stores nothing at all."""
     p = prompt(600, 7)
     a = engines(vdaemon.socket)
     r1 = a.generate([p], max_tokens=200, ignore_eos=True)
@@ -90,22 +91,20 @@ def test_the_answer_is_stored_for_the_next_turn(vdaemon, engines, reference):
     assert r2["tokens"] == want and r2["worker"]["failed_blocks"] == 0
     with Client(vdaemon.socket, session=False) as c:
         s = c.stats()
-    assert (s["leases_active"], s["reservations_active"]) == (0, 0)
+    assert (s["leases_active"], s["reservations_active"], s["indexed_chunks"]) == (0, 0, 6)
 
     q = prompt(600, 9)
     off = engines(vdaemon.socket, extra={"store_answers": False})
     r1 = off.generate([q], max_tokens=200, ignore_eos=True)
-    r2 = engines(vdaemon.socket).generate([q + r1["tokens"][0] + prompt(40, 10)])
+    off.call(op="reset")  # turn 2's hits can only come from kvcached
+    r2 = off.generate([q + r1["tokens"][0] + prompt(40, 10)])
     assert r2["num_cached"] == [4 * CHUNK]  # the prompt's chunks only
 
-
-def test_no_store_stores_no_answer(vdaemon, engines):
-    p = prompt(600, 11)
-    a = engines(vdaemon.socket)
-    r1 = a.generate([p], max_tokens=200, ignore_eos=True, kv={"kvcached": {"no_store": True}})
+    r1 = b.generate([prompt(600, 11)], max_tokens=200, ignore_eos=True, kv={"kvcached": {"no_store": True}})
     assert r1["scheduler"].get("answer_stores", 0) == 0
     with Client(vdaemon.socket, session=False) as c:
-        assert c.stats()["indexed_chunks"] == 0
+        # p and its answer (6), q's prompt (4) and turn 2's own prompt chunks past them (2): nothing of no_store
+        assert c.stats()["indexed_chunks"] == 6 + 4 + 2
 
 
 def test_mla_with_tensor_parallelism_stores_each_chunk_once(family_model, vdaemon, tmp_path):

@@ -20,6 +20,11 @@ Two round trips per request:
   completed. A lease is released (on the session stream: no round trip) once its loads are
   reported; once a rank's reserved chunks are all written, one **Commit** publishes them.
 
+When a request finishes, the whole chunks it computed past its prompt (its answer) are stored
+too, so the next turn of a conversation hits them (:meth:`SchedulerSide._store_answer`): one
+**Reserve** per rank once the prompt's Commit has landed, a ``finish`` save plan, and a Commit;
+vLLM keeps the request's blocks until every rank reports the plan in ``get_finished``.
+
 Loads are asynchronous by default on CUDA engines (``(n, True)``: vLLM parks the request in
 WAITING_FOR_REMOTE_KVS, the worker copies on a side stream after the step's forward is
 launched and reports the request in ``get_finished``), synchronous on CPU engines, where the
@@ -483,12 +488,13 @@ class SchedulerSide:
             if st.lookup is None or self._landed(st):
                 self._looking.discard(st)
         self._renew_leases()
-        if not getattr(so, "total_num_scheduled_tokens", 1) and self._looking:
+        if not getattr(so, "total_num_scheduled_tokens", 1) and (self._looking or self._finishing):
             self._wait_idle()
         return meta
 
     def _wait_idle(self) -> None:
-        """vLLM scheduled nothing this step and lookups are in flight: the step would be empty, and
+        """vLLM scheduled nothing this step and lookups (or a finished request's answer store, whose
+        blocks vLLM keeps until it is done) are in flight: the step would be empty, and
         the next one too, for as long as the answers take. An engine that spins empty steps holds
         the GIL in pure Python, so the connector's threads, which need it to send and read each
         call, get it once per switch interval (5 ms) and the answers take far longer (measured: a
@@ -500,6 +506,8 @@ class SchedulerSide:
         if self.cfg.idle_wait_s <= 0:
             return
         futs = [f for st in self._looking if st.lookup is not None for f in st.lookup if not f.done()]
+        for fin in self._finishing.values():  # an answer being stored: its Reserves, or the Commits before them
+            futs += [f for f in fin.reserve or [c for att in fin.held for c in att.commits] if not f.done()]
         if not futs:
             return
         t0 = time.perf_counter()
