@@ -29,6 +29,9 @@ last step, which is what travels. Prometheus names (per engine: labels ``model_n
 ``kvcached_vllm_renew_failures_total``         lease renewals that failed
 ``kvcached_vllm_lookup_not_yet_total``         "not yet" answers (lookup still in flight)
 ``kvcached_vllm_lease_renewals_total``         leases renewed
+``kvcached_vllm_answer_stores_total``          finished requests whose answer's chunks it set out to store
+``kvcached_vllm_answer_chunks_total``          answer chunks reserved for storing
+``kvcached_vllm_saves_lost_window_total``      sliding-window requests whose chunks were given up
 ``kvcached_vllm_loaded_blocks_total``          vLLM blocks the workers filled from kvcached
 ``kvcached_vllm_failed_blocks_total``          blocks reported to vLLM as load errors (recomputed)
 ``kvcached_vllm_expired_leases_total``         loads skipped because the lease was running out
@@ -56,7 +59,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 SCHEDULER_KEYS = ("requests", "hit_requests", "miss_requests", "load_tokens", "stored_chunks", "lookup_failures",
-                  "store_failures", "renew_failures", "lookup_not_yet", "lease_renewals")
+                  "store_failures", "renew_failures", "lookup_not_yet", "lease_renewals", "answer_stores",
+                  "answer_chunks", "saves_lost_window")
 WORKER_KEYS = ("loaded_blocks", "failed_blocks", "expired_leases", "store_failures_worker")
 COUNTER_KEYS = SCHEDULER_KEYS + WORKER_KEYS + ("fail_open_events",)
 
@@ -71,6 +75,9 @@ DOCS = {
     "renew_failures": "kvcached lease renewals that failed",
     "lookup_not_yet": "Scheduler steps that found a kvcached lookup still in flight",
     "lease_renewals": "kvcached leases renewed",
+    "answer_stores": "Finished requests whose answer (generated whole chunks) the connector set out to store",
+    "answer_chunks": "Answer chunks reserved in kvcached for storing (committed ones also count in stored_chunks)",
+    "saves_lost_window": "Sliding-window requests whose chunks were given up (blocks vLLM may have freed)",
     "loaded_blocks": "vLLM KV blocks the workers filled from kvcached",
     "failed_blocks": "vLLM KV blocks whose kvcached load failed (recomputed)",
     "expired_leases": "kvcached loads skipped because the lease was running out",
