@@ -137,7 +137,7 @@ def refusal(shape: EngineShape) -> str | None:
         return "the engine has no KV-cache groups"
     for g in shape.groups:
         if g.kind == "mamba":
-            return _STATE_REASON.format(what="State-space (Mamba) and linear-attention")
+            return _STATE_REASON.format(what="state-space (Mamba) and linear-attention")
         if g.kind == "chunked_local":
             return ("chunked-local attention (Llama-4 style) is not supported yet: its blocks are freed per "
                     "attention chunk, and no test engine verifies a layout for it")
