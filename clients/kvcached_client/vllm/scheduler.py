@@ -598,9 +598,23 @@ class SchedulerSide:
             return
         st.rereserves += 1
         self.stats["rereserves"] += 1
-        st.rereserve = [self._bg.submit(self.client.reserve, lay, st.tokens, skip_empty=True,
-                                        ttl=self.cfg.reservation_ttl_s, map_pool=False,
-                                        placement=self.placement(rank)) for rank, lay in enumerate(st.layouts)]
+        st.rereserve = self._reserve(st.layouts, st.tokens)
+
+    def _reserve(self, layouts: tuple[KVLayout, ...], tokens: Sequence[int]) -> "list[concurrent.futures.Future[Reservation]]":
+        """A store-only Reserve per rank (in that rank's slab), on the connector's threads."""
+        return [self._bg.submit(self.client.reserve, lay, tokens, skip_empty=True, ttl=self.cfg.reservation_ttl_s,
+                                map_pool=False, placement=self.placement(rank)) for rank, lay in enumerate(layouts)]
+
+    def _store_attempt(self, req_id: str, got: list[Reservation], *, retired: bool = False) -> _Attempt:
+        """A store-only attempt (nothing leased) for the reservations ``got``, one per rank; live
+        until what it writes is committed."""
+        n = len(got)
+        att = _Attempt(next(self._keys), req_id, [CacheRequest(self.client, _NO_LEASE, res) for res in got], 0, 0.0,
+                       float("inf"), leases_held=False, written=[0] * n, committed=[not res.opened for res in got],
+                       save_tickets=tuple(res.ticket() if res.slots else None for res in got),
+                       reserved_at=self._clock(), loads_out=[0] * n, saves_out=[0] * n, load_done=True, retired=retired)
+        self._attempts[att.key] = att
+        return att
 
     def _take_rereserve(self, st: _Req) -> None:
         futs = st.rereserve
@@ -618,14 +632,7 @@ class SchedulerSide:
                 res.abort()
             return
         old = st.store or st.attempt
-        n = len(got)
-        now = self._clock()
-        store = _Attempt(next(self._keys), st.req_id, [CacheRequest(self.client, _NO_LEASE, res) for res in got], 0,
-                         0.0, float("inf"), leases_held=False, written=[0] * n,
-                         committed=[not res.opened for res in got],
-                         save_tickets=tuple(res.ticket() if res.slots else None for res in got),
-                         reserved_at=now, loads_out=[0] * n, saves_out=[0] * n, load_done=True)
-        self._attempts[store.key] = store
+        store = self._store_attempt(st.req_id, got)
         if old is not None and old is not st.attempt:
             old.retired = True
         if old is not None:
@@ -724,10 +731,7 @@ class SchedulerSide:
                 landed = all(all(att.committed) and all(f.done() for f in att.commits) for att in fin.held)
                 if not landed and self._clock() - fin.since < self.cfg.rpc_timeout_s:
                     continue
-                fin.reserve = [self._bg.submit(self.client.reserve, lay, fin.tokens, skip_empty=True,
-                                               ttl=self.cfg.reservation_ttl_s, map_pool=False,
-                                               placement=self.placement(rank))
-                               for rank, lay in enumerate(fin.st.layouts)]
+                fin.reserve = self._reserve(fin.st.layouts, fin.tokens)
             if not all(f.done() for f in fin.reserve):
                 continue
             del self._finishing[rid]
@@ -746,13 +750,7 @@ class SchedulerSide:
                 for res in got:
                     res.abort()
             else:
-                att = _Attempt(next(self._keys), rid, [CacheRequest(self.client, _NO_LEASE, res) for res in got],
-                               0, 0.0, float("inf"), leases_held=False, written=[0] * n,
-                               committed=[not res.opened for res in got],
-                               save_tickets=tuple(res.ticket() if res.slots else None for res in got),
-                               reserved_at=self._clock(), loads_out=[0] * n, saves_out=[0] * n, load_done=True,
-                               retired=True)
-                self._attempts[att.key] = att
+                att = self._store_attempt(rid, got, retired=True)
                 tickets, key = att.save_tickets, att.key
                 for rank, ticket in enumerate(tickets):
                     if ticket is not None:
