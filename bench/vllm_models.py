@@ -57,6 +57,8 @@ def worker_main(args: argparse.Namespace) -> int:
         kw = {}
         if args.socket:
             kw["kv_transfer_config"] = kv_transfer(args.socket, **json.loads(args.extra))
+        if "deepseek" in json.load(open(f"{args.model}/config.json")).get("model_type", ""):
+            kw["attention_backend"] = "CPU_MLA"  # on a CPU with AMX vLLM picks AMX_MLA, which needs bf16 weights
         llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=args.max_model_len,
                   kv_cache_memory_bytes=args.kv_cache_bytes, enable_prefix_caching=True,
                   max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=4, seed=0, **kw)

@@ -50,6 +50,7 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (> 1: one worker process per rank)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="per step (small: chunked prefill)")
     p.add_argument("--kv-cache-dtype", default=None, help="e.g. fp8")
+    p.add_argument("--attention-backend", default=None, help="e.g. CPU_MLA (vLLM picks AMX_MLA on a CPU with AMX)")
     a = p.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -71,7 +72,8 @@ def main() -> None:
               kv_cache_memory_bytes=a.kv_bytes, enable_prefix_caching=True, seed=0,
               **({"max_num_seqs": a.max_num_seqs} if a.max_num_seqs else {}),
               **({"max_num_batched_tokens": a.max_num_batched_tokens} if a.max_num_batched_tokens else {}),
-              **({"kv_cache_dtype": a.kv_cache_dtype} if a.kv_cache_dtype else {}), **kw)
+              **({"kv_cache_dtype": a.kv_cache_dtype} if a.kv_cache_dtype else {}),
+              **({"attention_backend": a.attention_backend} if a.attention_backend else {}), **kw)
     engine = llm.llm_engine
     finished: dict[str, dict] = {}
     print("KVJSON " + json.dumps({"ready": True}), flush=True)

@@ -47,7 +47,8 @@ def family_model(tmp_path_factory):
 @pytest.mark.parametrize("family,args", [
     ("gemma3", ["--max-num-batched-tokens", "200"]),
     ("mistral", ["--max-num-batched-tokens", "200"]),
-    ("deepseek_v2", []),
+    # CPU_MLA: on a CPU with AMX vLLM would pick AMX_MLA, which needs bf16 weights (these are float32)
+    ("deepseek_v2", ["--attention-backend", "CPU_MLA"]),
 ])
 def test_fresh_engine_loads_exactly(family, args, family_model, vdaemon, tmp_path, tiny_model):
     model = family_model(family)
@@ -119,7 +120,7 @@ def test_mla_with_tensor_parallelism_stores_each_chunk_once(family_model, vdaemo
     engine loads them on both ranks with the tokens it computed."""
     model = family_model("deepseek_v2")
     p = prompt(600, 12)
-    a = Engine(model, str(tmp_path), vdaemon.socket, tp=2)
+    a = Engine(model, str(tmp_path), vdaemon.socket, tp=2, args=["--attention-backend", "CPU_MLA"])
     ra = a.generate([p])
     assert ra["num_cached"] == [0]
     with Client(vdaemon.socket, session=False) as c:
