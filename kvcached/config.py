@@ -112,6 +112,9 @@ class StoreConfig:
     write_through: bool = False
     prefetch_distance: int = 8
     max_prompt_tokens: int = 1 << 20
+    #: Accept layouts whose clients send their own keys in place of token ids (``KVLayout.client_keys``,
+    #: SGLang's HiCache backend). Off: such a layout is refused with FAILED_PRECONDITION.
+    trust_client_keys: bool = False
     #: Memory for remembered chunk-hash runs (kvcached.hashmemo); 0 hashes every request afresh.
     hash_memo_bytes: int = 32 * MiB
     #: Caps per session, so one client (buggy or hostile) cannot pin the whole pool or grow

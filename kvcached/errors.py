@@ -95,6 +95,11 @@ class LeaseExpired(FailedPrecondition):
     """Keep-alive of a lease whose TTL already ran out (its pins are gone)."""
 
 
+class ClientKeysNotTrusted(FailedPrecondition):
+    """A layout whose "token ids" are keys the client computed (``KVLayout.client_keys``), on a
+    domain that does not trust its clients' keys (``trust_client_keys``)."""
+
+
 class SessionNotOpen(FailedPrecondition):
     """A call names a session that ended (or one of a daemon that has since restarted)."""
 

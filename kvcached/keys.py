@@ -104,6 +104,14 @@ def _lp_int(v: int) -> bytes:
     return _lp(v.to_bytes(max(1, (v.bit_length() + 8) // 8), "little", signed=True))
 
 
+#: The ``extra`` entry of a layout whose clients send, in place of token ids, keys they computed
+#: themselves, encoded as uint32 words (e.g. SGLang's SHA-256 page chain: its HiCache storage
+#: backends are given page keys, never token ids). The daemon still derives its own keyed chunk
+#: hashes from those words, and the entry is part of the layout's identity, so such chunks never
+#: meet chunks keyed by token ids. A domain accepts these layouts only with ``trust_client_keys``.
+CLIENT_KEYS = "client_keys"
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """One model's KV geometry. Every field is part of the cache identity.
@@ -148,6 +156,12 @@ class KVLayout:
             raise InvalidLayout("layout.extra must be a tuple of (str, str) pairs")
         # Canonical order, so the same extras given in another order are the same layout.
         object.__setattr__(self, "extra", tuple(sorted(self.extra)))
+
+    @property
+    def client_keys(self) -> str:
+        """The scheme of the keys this layout's clients send in place of token ids ("" for a
+        layout keyed by token ids, the normal case). See :data:`CLIENT_KEYS`."""
+        return dict(self.extra).get(CLIENT_KEYS, "")
 
     @property
     def token_bytes(self) -> int:

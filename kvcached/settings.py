@@ -132,6 +132,9 @@ class DaemonSettings:
     reservation_ttl: float = 30.0
     prefetch_distance: int = 8
     max_prompt_tokens: int = 1 << 20
+    #: Accept layouts keyed by keys the clients computed (SGLang's HiCache backend sends SGLang's
+    #: page keys, never token ids); off, they are refused. See docs/sglang.md.
+    trust_client_keys: bool = False
     hash_memo_bytes: int = 32 * MiB  # remembered chunk-hash runs; 0 disables
     bypass_generation_tokens: int = 8192  # requests expecting more output tokens are not stored
     max_sessions: int = 1024  # open Session streams per domain
@@ -271,6 +274,7 @@ class DaemonSettings:
             write_through=self.write_through,
             prefetch_distance=self.prefetch_distance,
             max_prompt_tokens=self.max_prompt_tokens,
+            trust_client_keys=self.trust_client_keys,
             hash_memo_bytes=self.hash_memo_bytes,
             max_leases_per_session=self.max_leases_per_session,
             max_reservations_per_session=self.max_reservations_per_session,
@@ -522,8 +526,8 @@ def load_settings(config_file: str | None = None, overrides: Mapping[str, Any] |
 DOMAIN_KEYS = frozenset({
     "socket", "socket_mode", "socket_owner", "socket_group", "pool_bytes", "pool_slabs", "pool_block_bytes", "nvme_bytes",
     "nvme_map_bytes", "cache_ttl", "lease_ttl", "reservation_ttl", "write_through", "prefetch_distance",
-    "max_prompt_tokens", "hash_memo_bytes", "bypass_generation_tokens", "max_sessions", "max_leases_per_session",
-    "max_reservations_per_session", "writeback", "writeback_low", "writeback_high", "writeback_batch_bytes",
+    "max_prompt_tokens", "trust_client_keys", "hash_memo_bytes", "bypass_generation_tokens", "max_sessions",
+    "max_leases_per_session", "max_reservations_per_session", "writeback", "writeback_low", "writeback_high", "writeback_batch_bytes",
     "writeback_wait", "eviction_policy", "eviction_weight", "eviction_memory_chunks", "eviction_admission",
     "remote_nodes", "remote_cluster", "remote_username", "remote_password_file", "remote_ttl", "remote_timeout",
     "remote_write", "remote_tls", "remote_tls_ca", "remote_queue_chunks", "remote_queue_bytes",

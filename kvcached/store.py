@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence, TypeVar
 from kvcached.config import MiB, StoreConfig
 from kvcached.errors import (
     ChunkNotCached,
+    ClientKeysNotTrusted,
     InvalidKV,
     InvalidLayout,
     InvalidTokens,
@@ -54,7 +55,7 @@ from kvcached.errors import (
 from kvcached.index import FrequencyPolicy, Node, PrefixIndex, make_policy
 from kvcached.events import MEDIUM_CPU, MEDIUM_GPU, KvEventLog, KVCacheEvent, snapshot_events
 from kvcached.hashmemo import HashMemo
-from kvcached.keys import (ChunkHash, ChunkHasher, KVLayout, LayoutId, Namespace, TokenInput, load_or_create_key,
+from kvcached.keys import (CLIENT_KEYS, ChunkHash, ChunkHasher, KVLayout, LayoutId, Namespace, TokenInput, load_or_create_key,
                            load_shared_key, normalize_tokens)
 from kvcached.leases import Entry, LeaseId, ReservationId, SessionId, TimedTable
 from kvcached.locations import NVME, POOL
@@ -194,6 +195,12 @@ class Store:
         """Make a layout usable; idempotent. Persisted so the NVMe tier survives restarts."""
         with self._lock:
             self._check_open()
+            if layout.client_keys and not self.config.trust_client_keys:
+                raise ClientKeysNotTrusted(
+                    f"domain {self.config.domain!r} does not accept keys computed by clients "
+                    f"({CLIENT_KEYS} = {layout.client_keys!r}); set trust_client_keys = true for this domain "
+                    "if every client that can reach its socket is trusted to key chunks (see docs/sglang.md)"
+                )
             if layout.chunk_bytes > self.pool.capacity_bytes:
                 raise InvalidLayout(
                     f"a chunk of {layout.model} is {layout.chunk_bytes} bytes, larger than the whole pool "

@@ -36,6 +36,7 @@ BAD: dict[str, list[object] | None] = {
     "nvme_bytes": [[], "big", -5],
     "nvme_map_bytes": [[], "huge"],
     "write_through": [1, "yes"],
+    "trust_client_keys": [1, "yes"],
     "cache_ttl": ["soon", -5, 0],
     "lease_ttl": ["x", 0, -1.5],
     "reservation_ttl": [[], 0],
