@@ -22,6 +22,8 @@ replica, so every cached token came through kvcached. Reported: the hit rate of 
 (cached prompt tokens / prompt tokens) for both, and the ratio. Target: >= 1.3x.
 
 Run:   .venv/bin/python bench/vllm_models.py              (~10 min on a busy 2-core box)
+       .venv/bin/python bench/vllm_models.py --families llama_fp8 --parts ttft
+                                    (fp8 KV; needs AVX-512 or AMX; writes vllm_models.llama_fp8.json)
        .venv/bin/python bench/vllm_models.py --quick      (smaller, 1k tokens, 1 rep: a smoke run)
 Output: bench/results/vllm_models.json (``vllm_models.quick.json`` for --quick)
 """
@@ -44,6 +46,9 @@ from bench._common import Daemon  # noqa: E402
 from bench.vllm_ttft import Engine, kv_transfer, worker_channel  # noqa: E402
 
 FAMILIES = ("llama", "gemma3", "mistral", "deepseek_v2")
+#: Not in the default run: ``llama_fp8`` (the llama model, every engine with an fp8 KV cache),
+#: which vLLM's CPU build runs only on a CPU with AVX-512 or AMX.
+KV_DTYPE = {"llama_fp8": ("llama", "fp8")}
 
 
 def worker_main(args: argparse.Namespace) -> int:
@@ -59,6 +64,8 @@ def worker_main(args: argparse.Namespace) -> int:
             kw["kv_transfer_config"] = kv_transfer(args.socket, **json.loads(args.extra))
         if "deepseek" in json.load(open(f"{args.model}/config.json")).get("model_type", ""):
             kw["attention_backend"] = "CPU_MLA"  # on a CPU with AMX vLLM picks AMX_MLA, which needs bf16 weights
+        if args.kv_cache_dtype:
+            kw["kv_cache_dtype"] = args.kv_cache_dtype
         llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=args.max_model_len,
                   kv_cache_memory_bytes=args.kv_cache_bytes, enable_prefix_caching=True,
                   max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=4, seed=0, **kw)
@@ -93,7 +100,8 @@ def build(family: str, quick: bool, tmp: str) -> str:
     from kvcached_client.vllm.random_model import build as build_model
 
     hidden, layers = (256, 2) if quick else (512, 4)
-    return build_model(os.path.join(tmp, family), family=family, layers=layers, hidden=hidden, heads=8, kv_heads=4,
+    base = KV_DTYPE.get(family, (family,))[0]
+    return build_model(os.path.join(tmp, family), family=base, layers=layers, hidden=hidden, heads=8, kv_heads=4,
                        vocab=4096, intermediate=3 * hidden, window=256 if quick else 1024, max_positions=8192)
 
 
@@ -105,8 +113,9 @@ def prompt(n: int, seed: int, vocab: int = 4096) -> list[int]:
 
 
 def start(name: str, model: str, socket: str | None, cfg: dict, log_dir: str, extra: dict | None = None) -> Engine:
+    kv = ("--kv-cache-dtype", cfg["kv_cache_dtype"]) if cfg.get("kv_cache_dtype") else ()
     e = Engine(name, model, socket, cfg, log_dir, script=os.path.abspath(__file__),
-               extra_args=("--extra", json.dumps(extra or {})))
+               extra_args=("--extra", json.dumps(extra or {}), *kv))
     e.wait_ready()
     return e
 
@@ -116,6 +125,7 @@ def part_ttft(quick: bool, reps: int, length: int, tmp: str, families: tuple[str
     cfg = {"max_model_len": length + 256, "kv_cache_bytes": 512 << 20, "max_batched_tokens": length + 256}
     for family in families:
         model = build(family, quick, tmp)
+        cfg = {**cfg, "kv_cache_dtype": KV_DTYPE.get(family, ("", ""))[1]}
         with Daemon({"pool_bytes": "1G", "nvme_bytes": "2G"}) as d:
             engines = {}
             try:
@@ -192,7 +202,7 @@ def main() -> int:
     ap.add_argument("--parts", default="ttft,chat")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    for flag in ("--model", "--socket", "--extra"):
+    for flag in ("--model", "--socket", "--extra", "--kv-cache-dtype"):
         ap.add_argument(flag, help=argparse.SUPPRESS)
     for flag in ("--max-model-len", "--kv-cache-bytes", "--max-batched-tokens"):
         ap.add_argument(flag, type=int, help=argparse.SUPPRESS)
@@ -217,7 +227,8 @@ def main() -> int:
     }
     out["seconds"] = time.perf_counter() - t0
     os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, "vllm_models.quick.json" if a.quick else "vllm_models.json")
+    name = "vllm_models" if a.families == ",".join(FAMILIES) else "vllm_models." + a.families.replace(",", "+")
+    path = os.path.join(a.out, f"{name}.quick.json" if a.quick else f"{name}.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=2)
     print(f"targets: {out['targets']}\nwrote {path}")

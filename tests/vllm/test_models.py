@@ -114,6 +114,43 @@ def test_the_answer_is_stored_for_the_next_turn(vdaemon, engines, reference):
         assert c.stats()["indexed_chunks"] == 6 + 4 + 2
 
 
+def fp8_refusal() -> str | None:
+    """Why vLLM's CPU build cannot run an fp8 KV cache here (None if it can)."""
+    import torch
+
+    if torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported():
+        return None
+    return "vLLM's CPU build refuses fp8 KV caches without AVX-512 or AMX, and this CPU has neither"
+
+
+def test_an_fp8_kv_cache_loads_exactly_in_a_fresh_engine(vdaemon, tmp_path, tiny_model):
+    """fp8 KV (vLLM's per-tensor scale 1.0 on CPU): the chunks hold the cache's bytes under a
+    uint8 layout that says fp8; a fresh engine loads them and generates what the engine that
+    computed them did (its attention read the same fp8 bytes)."""
+    why = fp8_refusal()
+    if why:
+        pytest.skip(why)
+    args = ["--kv-cache-dtype", "fp8"]
+    p = prompt(600, 21)
+    a = Engine(tiny_model, str(tmp_path), vdaemon.socket, args=args)
+    ra = a.generate([p])
+    assert ra["num_cached"] == [0] and ra["fail_open"] == {}, ra
+    a.close()
+    with Client(vdaemon.socket, session=False) as c:
+        s = c.stats()
+    (spec,) = s["layouts_detail"].values()
+    assert spec["dtype"] == "uint8" and dict(map(tuple, spec["extra"]))["kv_cache_dtype"] == "fp8", spec
+    assert s["indexed_chunks"] == 4
+    b = Engine(tiny_model, str(tmp_path), vdaemon.socket, args=args)
+    rb = b.generate([p])
+    assert rb["num_cached"] == [4 * CHUNK] and rb["worker"]["failed_blocks"] == 0, rb
+    assert rb["tokens"] == ra["tokens"]
+    # control: an engine with the model's own (float32) KV cache is another layout
+    plain = Engine(tiny_model, str(tmp_path), vdaemon.socket)
+    rp = plain.generate([p])
+    assert rp["num_cached"] == [0], rp  # fp8 chunks never serve a float32 cache
+
+
 def test_mla_with_tensor_parallelism_stores_each_chunk_once(family_model, vdaemon, tmp_path):
     """An MLA latent is the same on every TP rank: both ranks share one layout, so a 600-token
     prompt is 4 chunks in the daemon (not 4 per rank), and once vLLM's own cache is emptied the

@@ -156,7 +156,9 @@ class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
             layer = next(iter(get_layers_from_vllm_config(self._vllm_config, AttentionLayerBase,
                                                           self.layer_names[:1]).values()))
             isa = getattr(layer, "isa", "vec")
-            why = verify_cpu_layout(cache.dtype, cache.shape[1], cache.shape[2], self.layouts[0].head_dim, isa,
+            # An fp8 cache is uint8; the K and V its kernel quantises are in the model's dtype.
+            act = self._vllm_config.model_config.dtype if cache.dtype == torch.uint8 else cache.dtype
+            why = verify_cpu_layout(act, cache.shape[1], cache.shape[2], self.layouts[0].head_dim, isa,
                                     kv_cache_dtype=self.shape.kv_cache_dtype)
             if why:
                 raise UnsupportedEngineError(f"kvcached connector: {why}; not supported yet")
