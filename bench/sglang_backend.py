@@ -41,8 +41,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "clients")]
 
 from bench._common import Daemon  # noqa: E402
-from kvcached_client import Client  # noqa: E402
-from tests.sglang.conftest import SGLANG_PY, Server, file_storage, kvcached_storage  # noqa: E402
+from tests.sglang.conftest import (SGLANG_PY, Server, file_storage, kvcached_storage, metric,  # noqa: E402
+                                   storage_tokens, wait_chunks)
 
 PAGE = 64
 
@@ -56,24 +56,6 @@ def ttft(server: Server, text: str) -> tuple[float, dict]:
     out = server.post("/generate", {"text": text, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
     assert isinstance(out, dict) and "output_ids" in out, out
     return time.perf_counter() - t, out
-
-
-def storage_tokens(out: dict) -> int:
-    return int((out["meta_info"].get("cached_tokens_details") or {}).get("storage", 0))
-
-
-def metric(server: Server, name: str, label: str) -> float:
-    text = server.metrics()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") and label in line)
-
-
-def wait_chunks(socket: str, n: int, timeout: float = 120.0) -> int:
-    end = time.monotonic() + timeout
-    with Client(socket) as c:
-        while (got := c.stats()["indexed_chunks"]) < n and time.monotonic() < end:
-            time.sleep(0.1)
-    return got
 
 
 def run(quick: bool, reps: int, length: int, tmp: str) -> dict:

@@ -151,6 +151,28 @@ class Server:
                 self.proc.wait()
 
 
+def storage_tokens(out: dict) -> int:
+    """Prompt tokens SGLang loaded from its storage tier for this response (its own count)."""
+    return int((out["meta_info"].get("cached_tokens_details") or {}).get("storage", 0))
+
+
+def metric(server: "Server", name: str, label: str) -> float:
+    """The sum of ``name``'s samples with ``label`` on the server's /metrics."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in server.metrics().splitlines()
+               if line.startswith(name + "{") and label in line)
+
+
+def wait_chunks(socket: str, n: int, timeout: float = 120.0) -> int:
+    """Until the daemon indexes ``n`` chunks (SGLang writes to storage in the background)."""
+    from kvcached_client import Client
+
+    end = time.monotonic() + timeout
+    with Client(socket) as c:
+        while (got := c.stats()["indexed_chunks"]) < n and time.monotonic() < end:
+            time.sleep(0.1)
+    return got
+
+
 @pytest.fixture
 def sglang_server(sglang_python, tiny_model, tmp_path) -> Iterator:
     servers: list[Server] = []

@@ -10,31 +10,11 @@ from __future__ import annotations
 
 import time
 
-from kvcached_client import Client
 from tests.daemon import Daemon
-from tests.sglang.conftest import PAGE
+from tests.sglang.conftest import PAGE, metric, storage_tokens, wait_chunks
 
 PROMPT = " ".join(f"w{(i * 37) % 1000 + 3}" for i in range(200))  # 200 tokens: 12 full pages
 PAGES = 200 // PAGE
-
-
-def storage_tokens(out: dict) -> int:
-    return int((out["meta_info"].get("cached_tokens_details") or {}).get("storage", 0))
-
-
-def metric(server, name: str, label: str) -> float:
-    """The sum of ``name``'s samples with ``label`` on the server's /metrics."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in server.metrics().splitlines()
-               if line.startswith(name + "{") and label in line)
-
-
-def wait_chunks(socket: str, n: int, timeout: float = 60.0) -> int:
-    """Until the daemon indexes ``n`` chunks (SGLang writes to storage in the background)."""
-    end = time.monotonic() + timeout
-    with Client(socket) as c:
-        while (got := c.stats()["indexed_chunks"]) < n and time.monotonic() < end:
-            time.sleep(0.1)
-    return got
 
 
 def test_engines_share_prompts_through_kvcached_and_serve_without_it(sglang_server, tmp_path):
