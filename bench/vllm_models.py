@@ -24,6 +24,8 @@ replica, so every cached token came through kvcached. Reported: the hit rate of 
 Run:   .venv/bin/python bench/vllm_models.py              (~10 min on a busy 2-core box)
        .venv/bin/python bench/vllm_models.py --families llama_fp8 --parts ttft
                                     (fp8 KV; needs AVX-512 or AMX; writes vllm_models.llama_fp8.json)
+       .venv/bin/python bench/vllm_models.py --families llama_tp2,deepseek_v2_tp2 --parts ttft
+                                    (tensor parallelism 2; writes vllm_models.llama_tp2+deepseek_v2_tp2.json)
        .venv/bin/python bench/vllm_models.py --quick      (smaller, 1k tokens, 1 rep: a smoke run)
 Output: bench/results/vllm_models.json (``vllm_models.quick.json`` for --quick)
 """
@@ -46,9 +48,11 @@ from bench._common import Daemon  # noqa: E402
 from bench.vllm_ttft import Engine, kv_transfer, worker_channel  # noqa: E402
 
 FAMILIES = ("llama", "gemma3", "mistral", "deepseek_v2")
-#: Not in the default run: ``llama_fp8`` (the llama model, every engine with an fp8 KV cache),
-#: which vLLM's CPU build runs only on a CPU with AVX-512 or AMX.
-KV_DTYPE = {"llama_fp8": ("llama", "fp8")}
+#: Variants, not in the default run: (the model family, engine settings). ``llama_fp8``: every
+#: engine with an fp8 KV cache (vLLM's CPU build runs it only on a CPU with AVX-512 or AMX);
+#: ``*_tp2``: every engine with tensor parallelism 2 (a worker process per rank).
+VARIANTS = {"llama_fp8": ("llama", {"kv_cache_dtype": "fp8"}), "llama_tp2": ("llama", {"tp": 2}),
+            "deepseek_v2_tp2": ("deepseek_v2", {"tp": 2})}
 
 
 def worker_main(args: argparse.Namespace) -> int:
@@ -66,6 +70,9 @@ def worker_main(args: argparse.Namespace) -> int:
             kw["attention_backend"] = "CPU_MLA"  # on a CPU with AMX vLLM picks AMX_MLA, which needs bf16 weights
         if args.kv_cache_dtype:
             kw["kv_cache_dtype"] = args.kv_cache_dtype
+        if args.tp and args.tp > 1:  # as tests/vllm/engine_proc.py: one worker process per rank, unbound threads
+            kw.update(tensor_parallel_size=args.tp, distributed_executor_backend="mp")
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=args.max_model_len,
                   kv_cache_memory_bytes=args.kv_cache_bytes, enable_prefix_caching=True,
                   max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=4, seed=0, **kw)
@@ -100,7 +107,7 @@ def build(family: str, quick: bool, tmp: str) -> str:
     from kvcached_client.vllm.random_model import build as build_model
 
     hidden, layers = (256, 2) if quick else (512, 4)
-    base = KV_DTYPE.get(family, (family,))[0]
+    base = VARIANTS.get(family, (family, {}))[0]
     return build_model(os.path.join(tmp, family), family=base, layers=layers, hidden=hidden, heads=8, kv_heads=4,
                        vocab=4096, intermediate=3 * hidden, window=256 if quick else 1024, max_positions=8192)
 
@@ -114,6 +121,7 @@ def prompt(n: int, seed: int, vocab: int = 4096) -> list[int]:
 
 def start(name: str, model: str, socket: str | None, cfg: dict, log_dir: str, extra: dict | None = None) -> Engine:
     kv = ("--kv-cache-dtype", cfg["kv_cache_dtype"]) if cfg.get("kv_cache_dtype") else ()
+    kv += ("--tp", str(cfg["tp"])) if cfg.get("tp") else ()
     e = Engine(name, model, socket, cfg, log_dir, script=os.path.abspath(__file__),
                extra_args=("--extra", json.dumps(extra or {}), *kv))
     e.wait_ready()
@@ -122,10 +130,10 @@ def start(name: str, model: str, socket: str | None, cfg: dict, log_dir: str, ex
 
 def part_ttft(quick: bool, reps: int, length: int, tmp: str, families: tuple[str, ...]) -> list[dict]:
     rows = []
-    cfg = {"max_model_len": length + 256, "kv_cache_bytes": 512 << 20, "max_batched_tokens": length + 256}
+    base_cfg = {"max_model_len": length + 256, "kv_cache_bytes": 512 << 20, "max_batched_tokens": length + 256}
     for family in families:
         model = build(family, quick, tmp)
-        cfg = {**cfg, "kv_cache_dtype": KV_DTYPE.get(family, ("", ""))[1]}
+        cfg = {**base_cfg, **VARIANTS.get(family, (family, {}))[1]}
         with Daemon({"pool_bytes": "1G", "nvme_bytes": "2G"}) as d:
             engines = {}
             try:
@@ -204,7 +212,7 @@ def main() -> int:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for flag in ("--model", "--socket", "--extra", "--kv-cache-dtype"):
         ap.add_argument(flag, help=argparse.SUPPRESS)
-    for flag in ("--max-model-len", "--kv-cache-bytes", "--max-batched-tokens"):
+    for flag in ("--max-model-len", "--kv-cache-bytes", "--max-batched-tokens", "--tp"):
         ap.add_argument(flag, type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
