@@ -139,8 +139,7 @@ def test_an_fp8_kv_cache_loads_exactly_in_a_fresh_engine(vdaemon, tmp_path, tiny
     assert s["indexed_chunks"] == 4
     b = Engine(tiny_model, str(tmp_path), vdaemon.socket, args=args)
     rb = b.generate([p])
-    assert rb["num_cached"] == [4 * CHUNK] and rb["worker"]["failed_blocks"] == 0, rb
-    assert rb["tokens"] == ra["tokens"]
+    assert rb["num_cached"] == [4 * CHUNK] and rb["tokens"] == ra["tokens"], rb
     # control: an engine with the model's own (float32) KV cache is another layout
     plain = Engine(tiny_model, str(tmp_path), vdaemon.socket)
     rp = plain.generate([p])
@@ -163,5 +162,4 @@ def test_mla_with_tensor_parallelism_stores_each_chunk_once(family_model, vdaemo
     a.close()
     b = Engine(model, str(tmp_path), vdaemon.socket, tp=2, args=["--attention-backend", "CPU_MLA"])
     rb = b.generate([p])
-    assert rb["num_cached"] == [4 * CHUNK] and rb["worker"]["failed_blocks"] == 0, rb
-    assert rb["tokens"] == ra["tokens"]
+    assert rb["num_cached"] == [4 * CHUNK] and rb["tokens"] == ra["tokens"], rb
