@@ -135,6 +135,10 @@ def u8(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1).view(torch.uint8)
 
 
+class MissingRecords(RuntimeError):
+    """Chunks the daemon counts on NVMe whose LMDB records this reader does not see (yet)."""
+
+
 class Setup:
     """The daemon, the client, the chunks and every handle the contenders need."""
 
@@ -190,7 +194,18 @@ class Setup:
         self.stats_after_build = {k: st.get(k) for k in ("pool", "nvme", "counters")}
         if st["nvme"]["chunks"] < CYCLE:
             raise RuntimeError(f"only {st['nvme']['chunks']} chunks reached NVMe; expected >= {CYCLE}")
-        self.open_lmdb()
+        # Write-back commits its LMDB batches in the background: a record counted above may not be
+        # visible yet (seen once in CI, under load). Wait for every cycling chunk's record.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.open_lmdb()
+                break
+            except MissingRecords:
+                self.env.close()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
         self.open_redis()
         try:
             self.cd = Client(self.d.socket, nvme_read="direct")
@@ -231,7 +246,7 @@ class Setup:
             raise RuntimeError(f"the daemon wrote NVMe records of formats {self.record_formats}; expected only 2")
         missing = [j for j in self.cycle if j not in self.key_of]
         if missing:
-            raise RuntimeError(f"cycling chunks {missing} have no LMDB record")
+            raise MissingRecords(f"cycling chunks {missing} have no LMDB record")
         self.cycle_keys = [self.key_of[j] for j in self.cycle]
 
     def open_redis(self) -> None:
