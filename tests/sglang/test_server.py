@@ -35,7 +35,7 @@ def test_engines_share_prompts_through_kvcached_and_serve_without_it(sglang_serv
         a.flush()
         again = a.generate(PROMPT)
         assert again["output_ids"] == cold["output_ids"]
-        assert wait_chunks(daemon.socket, PAGES) == PAGES
+        assert wait_chunks(daemon.socket, PAGES) == PAGES, a.tail()
         # Flushed again, A loads the whole prompt from kvcached: the same tokens.
         a.flush()
         hit = a.generate(PROMPT)
