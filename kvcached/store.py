@@ -169,7 +169,10 @@ class Store:
             raise
         self._closed = False
         self._draining = False
-        self._inline = False  # True while run_inline() holds the lock: disk I/O must not start
+        # The thread running run_inline() (None otherwise): while it holds the lock, disk and
+        # network I/O must not start on it. Per thread, not a flag: _remote_first reads it
+        # before taking the lock, and a worker thread must not see the event loop's state.
+        self._inline_thread: int | None = None
         if self.writeback is not None and config.writeback:
             self.writeback.start()
         if self.publisher is not None:
@@ -383,11 +386,16 @@ class Store:
         if not self._lock.acquire(blocking=False):
             raise WouldBlock
         try:
-            self._inline = True
+            self._inline_thread = threading.get_ident()
             return fn(*args, **kw)
         finally:
-            self._inline = False
+            self._inline_thread = None
             self._lock.release()
+
+    @property
+    def _inline(self) -> bool:
+        """Whether the calling thread is inside :meth:`run_inline` (safe to read without the lock)."""
+        return self._inline_thread == threading.get_ident()
 
     def _io_check(self) -> None:
         if self._inline:

@@ -305,3 +305,50 @@ def test_a_long_prompt_is_fetched_in_windows(tmp_path, server, monkeypatch):
         assert calls == [3, 3, 3]  # the third window found 2 of its 3 (chunk 8 is not there): no fourth
     finally:
         a.close(), b.close()
+
+
+def test_a_worker_threads_acquire_is_not_refused_while_the_event_loop_runs_inline(tmp_path, server):
+    """The remote fill is decided before the store lock is taken. While another thread (the
+    event loop) sits inside run_inline, a worker thread's acquire must still fetch from the
+    remote, not raise WouldBlock (which only the inline caller can handle: seen once in CI as
+    an 'Unexpected WouldBlock' error answered to a client while Redis came back)."""
+    import threading
+
+    a = host(tmp_path, "a", server)
+    b = host(tmp_path, "b", server, key_from=a.config.state_dir)
+    try:
+        lid = a.register_layout(TINY)
+        b.register_layout(TINY)
+        a.put(lid, prompt(3), [payload(i) for i in range(3)])
+        a.publisher.drain()
+        inside, leave = threading.Event(), threading.Event()
+
+        def inline_work() -> None:
+            inside.set()
+            leave.wait(10)
+
+        loop = threading.Thread(target=b.run_inline, args=(inline_work,))
+        loop.start()
+        try:
+            assert inside.wait(10)
+            result: dict = {}
+
+            def worker() -> None:
+                try:
+                    result["lease"] = b.acquire(lid, prompt(3))
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    result["error"] = e
+
+            w = threading.Thread(target=worker)
+            w.start()
+            time.sleep(0.3)  # the worker's remote fill runs now, before it waits for the lock
+            leave.set()
+            w.join(10)
+        finally:
+            leave.set()
+            loop.join(10)
+        assert "error" not in result, repr(result.get("error"))
+        assert result["lease"].matched_tokens == 3 * CT
+        assert b.stats().counters.remote_filled_chunks == 3
+    finally:
+        a.close(), b.close()
