@@ -211,33 +211,49 @@ def fail_open_count(op: str, reason: str) -> float:
 def test_a_domain_that_does_not_trust_client_keys_is_a_miss_not_an_error(make_daemon, caplog):
     d = make_daemon()  # trust_client_keys off (the default)
     keys = page_keys(list(range(2 * P)))
-    a, pool = backend(d.socket)
-    before = fail_open_count("set", "FAILED_PRECONDITION")
+    before = fail_open_count("start", "FAILED_PRECONDITION"), fail_open_count("set", "FAILED_PRECONDITION")
     with caplog.at_level(logging.WARNING, logger="kvcached_client"):
+        a, pool = backend(d.socket, retry_s=0)  # the engine starts; the reason is logged at once
+        assert fail_open_count("start", "FAILED_PRECONDITION") == before[0] + 1
+        assert "trust_client_keys" in caplog.text
         assert a.batch_set_v1(keys, slots([0, 1])) == [False, False]
-    assert fail_open_count("set", "FAILED_PRECONDITION") == before + 1
-    assert "trust_client_keys" in caplog.text
+    assert fail_open_count("set", "FAILED_PRECONDITION") == before[1] + 1
 
 
 def test_no_daemon_means_misses_one_warning_and_a_metric(tmp_path, caplog):
     keys = page_keys(list(range(3 * P)))
-    a, pool = backend(str(tmp_path / "nobody.sock"), retry_s=0)
-    before = fail_open_count("exists", "UNAVAILABLE")
+    before = fail_open_count("start", "UNAVAILABLE"), fail_open_count("exists", "UNAVAILABLE")
     with caplog.at_level(logging.WARNING, logger="kvcached_client"):
+        a, pool = backend(str(tmp_path / "nobody.sock"), retry_s=0)
         for _ in range(3):
             assert a.batch_exists(keys) == 0
             assert a.batch_get_v1(keys, slots([0, 1, 2])) == [False] * 3
             assert a.batch_set_v1(keys, slots([0, 1, 2])) == [False] * 3
-    assert fail_open_count("exists", "UNAVAILABLE") == before + 3
+    assert fail_open_count("start", "UNAVAILABLE") == before[0] + 1
+    assert fail_open_count("exists", "UNAVAILABLE") == before[1] + 3
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 3, [r.getMessage() for r in warnings]  # one per operation, not one per call
+    assert len(warnings) == 4, [r.getMessage() for r in warnings]  # one per operation (start included), not per call
     assert torch.count_nonzero(pool.kv_buffer) == 0
 
 
 def test_after_a_failure_calls_skip_the_daemon_for_retry_s(tmp_path):
     keys = page_keys(list(range(P)))
-    a, _ = backend(str(tmp_path / "nobody.sock"), retry_s=60)
-    before = fail_open_count("exists", "UNAVAILABLE")
+    before = fail_open_count("start", "UNAVAILABLE"), fail_open_count("exists", "UNAVAILABLE")
+    a, _ = backend(str(tmp_path / "nobody.sock"), retry_s=60)  # the start's warm-up fails: the first failure
     for _ in range(5):
         assert a.batch_exists(keys) == 0
-    assert fail_open_count("exists", "UNAVAILABLE") == before + 1
+    assert fail_open_count("start", "UNAVAILABLE") == before[0] + 1
+    assert fail_open_count("exists", "UNAVAILABLE") == before[1]  # no call tried the daemon within retry_s
+
+
+def test_the_engine_start_maps_the_pool_so_the_first_hit_does_not(make_daemon):
+    """register_mem_pool_host (engine start) opens the session, registers the layout and maps
+    the pool: the first hit then finds the mapping made (its page-table fill started long before)."""
+    d = make_daemon(trust_client_keys=True)
+    a, _ = backend(d.socket)
+    client = a._client
+    assert client is not None and client._pool.maps == 1 and client._layouts
+    keys = page_keys(list(range(2 * P)))
+    assert a.batch_set_v1(keys, slots([0, 1])) == [True, True]
+    assert a.batch_get_v1(keys, slots([2, 3])) == [True, True]
+    assert a._client is client and client._pool.maps == 1  # nothing mapped again
