@@ -63,8 +63,9 @@ class SemanticConfig:
     """``[semantic]``: the response cache in front of the engines."""
 
     enabled: bool = False
-    match: bool = True  # the semantic path (MiniLM embeddings); false: the exact path only
-    calibration: str = ""  # `kvcached-router calibrate` output: thresholds, reference histogram
+    match: bool = True  # the semantic path (sentence embeddings); false: the exact path only
+    embedder: str = "auto"  # "auto" (USE for Chinese/Japanese text, MiniLM for the rest), "use" or "minilm"
+    calibration: str = ""  # `kvcached-router calibrate` output; "": the shipped one for the embedder, if any
     max_entries: int = 10_000
     max_bytes: int = 256 << 20  # responses, query texts and embeddings
     ttl: float = 3600.0  # s an answer is served after it was stored
@@ -89,6 +90,8 @@ class SemanticConfig:
             raise RouterConfigError("[semantic] max_queued_lookups must be >= 0")
         if not 0 <= self.shadow_rate <= 1:
             raise RouterConfigError("[semantic] shadow_rate must be in [0, 1]")
+        if self.embedder not in ("auto", "use", "minilm"):
+            raise RouterConfigError('[semantic] embedder must be "auto", "use" or "minilm"')
         if self.drift_reference not in ("calibration", "live"):
             raise RouterConfigError('[semantic] drift_reference must be "calibration" or "live"')
         if self.drift_window < self.drift_min_samples:

@@ -10,7 +10,16 @@ from kvcached_client.text import NORMALIZATION_VERSION, normalize, normalize_mes
     ("（注意）：ｏｋ？", "(注意):ok?"),
     # Runs of whitespace (tabs, newlines, the ideographic space) collapse; ends are stripped.
     ("  hello \t\n  world  ", "hello world"),
-    ("你好\u3000世界", "你好 世界"),
+    ("你好\u3000世界", "你好世界"),
+    # No space next to Chinese or Japanese characters (writers add them inconsistently) ...
+    ("5G 套餐 怎么 办理", "5G套餐怎么办理"),
+    ("收不到 ， 怎么办", "收不到,怎么办"),
+    ("《 红楼梦 》 的 作者", '"红楼梦"的作者'),
+    ("MySQL 怎么 备份", "MySQL怎么备份"),
+    ("こんにちは 世界", "こんにちは世界"),
+    # ... but between Latin words, and in Korean (spaces separate its words), they stay.
+    ("HTTP 404 错误", "HTTP 404错误"),
+    ("안녕하세요 세계", "안녕하세요 세계"),
     # CJK punctuation and typographic quotes map to one form.
     ("如何关闭深色模式。", "如何关闭深色模式."),
     ("苹果、香蕉、橙子", "苹果,香蕉,橙子"),

@@ -37,8 +37,8 @@ import numpy as np
 
 from kvcached_client.text import NORMALIZATION_VERSION, normalize
 
-from .embed import Embedder
-from .features import analyse
+from .embed import EMBEDDERS, Embedder
+from .features import LANGUAGE_GROUPS, analyse, language_group
 from .guards import GUARDS_VERSION, TIERS, compare
 from .thresholds import (  # noqa: F401 - re-exported: the calibration's vocabulary
     DEFAULT_CONFIDENCE,
@@ -70,6 +70,7 @@ class Scored:
     similarity: float
     tier: str
     refusal: str | None  # the guard's reason, or None
+    group: str = "en"  # the query's language group (features.LANGUAGE_GROUPS)
 
 
 @dataclass(frozen=True)
@@ -124,13 +125,19 @@ class Calibration:
     expected: dict[str, float] = field(default_factory=dict)  # recall, false_hit_rate on the pairs
     table: tuple[TableRow, ...] = ()
     reference_similarities: tuple[float, ...] = ()
+    #: Per language group (features.LANGUAGE_GROUPS), its own per-tier thresholds, chosen on that
+    #: group's pairs alone; a group not here uses ``thresholds`` (chosen on all pairs).
+    languages: dict[str, dict[str, float]] = field(default_factory=dict)
 
-    def threshold(self, tier: str) -> float:
+    def threshold(self, tier: str, group: str = "") -> float:
+        own = self.languages.get(group)
+        if own is not None and tier in own:
+            return own[tier]
         return self.thresholds.get(tier, DEFAULT_THRESHOLDS.get(tier, NEVER))
 
     @property
     def lowest_threshold(self) -> float:
-        return min(self.threshold(t) for t in TIERS)
+        return min(self.threshold(t, g) for t in TIERS for g in ("", *self.languages))
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -160,6 +167,20 @@ class Calibration:
             return cls.from_dict(json.load(f))
 
 
+#: The calibration shipped in the package, for the default embedder (auto): chosen by
+#: ``kvcached-router calibrate`` on the project's own calibration pairs and fow-cache's (see the README).
+SHIPPED = os.path.join(os.path.dirname(__file__), "data", "calibration-auto.json")
+
+
+def shipped_calibration(model: str) -> Calibration | None:
+    """The shipped calibration when it was made for ``model`` (None otherwise: the defaults)."""
+    try:
+        cal = Calibration.load(SHIPPED)
+    except (OSError, ValueError):
+        return None
+    return cal if cal.model == model else None
+
+
 # -- pairs and scores ---------------------------------------------------------------------------
 
 
@@ -183,15 +204,32 @@ def score(pairs: Sequence[Pair], embedder: Embedder) -> list[Scored]:
     b = [normalize(p.b) for p in pairs]
     vectors = embedder.encode(a + b)
     sims = np.einsum("ij,ij->i", vectors[: len(a)], vectors[len(a):])
+    readable = getattr(embedder, "scripts", None) or frozenset({"LATIN", "GREEK", "CYRILLIC"})
     out = []
     for p, qa, qb, s in zip(pairs, a, b, sims):
-        c = compare(analyse(qb), analyse(qa))
-        out.append(Scored(p, round(float(s), 6), c.tier, c.refusal.reason if c.refusal else None))
+        fb = analyse(qb)
+        c = compare(fb, analyse(qa), readable)
+        out.append(Scored(p, round(float(s), 6), c.tier, c.refusal.reason if c.refusal else None, language_group(fb)))
     return out
 
 
-def evaluate(thresholds: dict[str, float], scored: Iterable[Scored], guards: bool = True) -> Outcome:
-    """What a matcher with these thresholds serves of ``scored`` (``guards=False``: ignore them)."""
+def evaluate(thresholds: dict[str, float] | Calibration, scored: Iterable[Scored], guards: bool = True) -> Outcome:
+    """What a matcher with these thresholds (per tier, or a calibration's, per language group
+    and tier) serves of ``scored`` (``guards=False``: ignore them)."""
+    if isinstance(thresholds, Calibration):
+        cal = thresholds
+        thresholds = {}
+        scored = list(scored)
+        outs = [evaluate({t: cal.threshold(t, g) for t in TIERS}, [s for s in scored if s.group == g], guards)
+                for g in {s.group for s in scored}]
+        by_cat: dict[str, dict[str, int]] = {}
+        for o in outs:
+            for c, d in o.by_category.items():
+                e = by_cat.setdefault(c, {"pairs": 0, "served": 0})
+                e["pairs"] += d["pairs"]
+                e["served"] += d["served"]
+        return Outcome(sum(o.served for o in outs), sum(o.hits for o in outs), sum(o.false_hits for o in outs),
+                       sum(o.should_hit for o in outs), sum(o.traps for o in outs), by_cat)
     served = hits = false_hits = should_hit = traps = 0
     by_cat: dict[str, dict[str, int]] = {}
     for s in scored:
@@ -230,9 +268,17 @@ def table(scored: Sequence[Scored], thresholds: Iterable[float]) -> tuple[TableR
 
 def calibrate(scored: Sequence[Scored], target: float, *, model: str, dim: int,
               category_targets: dict[str, float] | None = None, min_threshold: float = DEFAULT_MIN_THRESHOLD,
-              smoothing: float = DEFAULT_SMOOTHING, confidence: float = DEFAULT_CONFIDENCE) -> Calibration:
+              smoothing: float = DEFAULT_SMOOTHING, confidence: float = DEFAULT_CONFIDENCE,
+              min_group_pairs: int = 60) -> Calibration:
+    """Thresholds for all pairs, and for each language group with ``min_group_pairs`` or more
+    pairs its own (chosen on that group's pairs alone, to the same targets)."""
     th = choose_thresholds(scored, target, category_targets, min_threshold, smoothing, confidence)
-    out = evaluate(th, scored)
+    languages = {}
+    for g in LANGUAGE_GROUPS:
+        mine = [s for s in scored if s.group == g]
+        if len(mine) >= min_group_pairs and len({s.group for s in scored}) > 1:
+            languages[g] = choose_thresholds(mine, target, category_targets, min_threshold, smoothing, confidence)
+    out = evaluate(Calibration(thresholds=th, languages=languages), scored)
     grid = [round(x, 2) for x in np.arange(0.5, 1.0001, 0.01)]
     used = effective_confidence(target, out.traps, confidence)
     return Calibration(thresholds=th, target=target, category_targets=dict(category_targets or {}), model=model,
@@ -240,7 +286,7 @@ def calibrate(scored: Sequence[Scored], target: float, *, model: str, dim: int,
                        expected={"recall": _finite(out.recall), "false_hit_rate": _finite(out.false_hit_rate),
                                  "served": out.served},
                        table=table(scored, grid),
-                       reference_similarities=tuple(round(s.similarity, 4) for s in scored))
+                       reference_similarities=tuple(round(s.similarity, 4) for s in scored), languages=languages)
 
 
 def _finite(x: float) -> float | None:
@@ -274,7 +320,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvcached-router calibrate",
                                  description="Pick the semantic cache's thresholds for a false-hit target from "
                                              "labelled pairs (JSONL: a, b, same_answer, category).")
-    ap.add_argument("pairs", help="labelled pairs, JSONL")
+    ap.add_argument("pairs", nargs="+", help="labelled pairs, JSONL (several files are read as one set)")
+    ap.add_argument("--embedder", default="auto", choices=EMBEDDERS,
+                    help="the router's [semantic] embedder (default auto: USE for Chinese, MiniLM for the rest)")
     ap.add_argument("--target", type=float, default=0.02, help="false hits / traps to hold (default 0.02)")
     ap.add_argument("--category-target", type=_category_target, action="append", default=[], metavar="CAT=RATE",
                     help="a stricter bound for one category, e.g. negation=0.01 (repeatable)")
@@ -290,10 +338,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 <= args.target < 1:
         ap.error("--target must be in [0, 1)")
 
-    from .embed import MiniLMEmbedder
+    from .embed import make_embedder
 
-    embedder = MiniLMEmbedder()
-    pairs = read_pairs(args.pairs)
+    embedder = make_embedder(args.embedder)
+    pairs = [p for path in args.pairs for p in read_pairs(path)]
     scored = score(pairs, embedder)
     cal = calibrate(scored, args.target, model=embedder.name, dim=embedder.dim,
                     category_targets=dict(args.category_target), min_threshold=args.min_threshold,
@@ -304,6 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\none threshold for every tier, guards on:")
     print(format_table(cal))
     print("\nchosen, per tier: " + ", ".join(f"{t} {cal.threshold(t):.3f}" for t in TIERS))
+    for g, th in cal.languages.items():
+        print(f"  {g} ({sum(s.group == g for s in scored)} pairs): " + ", ".join(f"{t} {th[t]:.3f}" for t in TIERS))
     if cal.confidence < args.confidence:
         print(f"note: {sum(not s.pair.same_answer for s in scored)} traps are too few to bound the false-hit rate "
               f"at {100 * args.target:.1f} % with {100 * args.confidence:.0f} % confidence: held on the pairs only")

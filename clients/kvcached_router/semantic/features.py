@@ -14,11 +14,17 @@ from dataclasses import dataclass
 
 from kvcached_client.text import normalize
 
+from . import chinese
 from . import lexicon as lx
+from .embed import MINILM_SCRIPTS
 
-#: Scripts whose words the English embedder reads (possibly badly); other letters it maps to
-#: [UNK] or to unrelated pieces, so texts in them are compared letter by letter.
-EMBEDDABLE_SCRIPTS = frozenset({"LATIN", "GREEK", "CYRILLIC"})
+#: Scripts whose words the English embedder (MiniLM) reads (possibly badly); other letters it
+#: maps to [UNK] or to unrelated pieces, so with it texts in them are compared letter by letter.
+#: A multilingual embedder declares its own (``Embedder.scripts``).
+EMBEDDABLE_SCRIPTS = MINILM_SCRIPTS
+#: Offset of the Chinese audience groups (lexicon_zh.AUDIENCES) in ``Features.audiences``.
+ZH_AUDIENCE = 1000
+_HAN_RUNS = re.compile(f"[{chinese.HAN}]+")
 
 _CONTACT = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+|https?://\S+|www\.\S+|(?<!\w)[@#]\w+")
 _QUOTED = re.compile(r'"([^"]+)"|`([^`]+)`|(?<!\w)\'([^\']+)\'(?!\w)')
@@ -50,10 +56,28 @@ class Features:
     prep_objects: frozenset[tuple[str, str]]  # ("from", "savings"): who is on which side
     scripts: frozenset[str]  # Unicode scripts of the letters (LATIN, CJK, HANGUL, ...)
     foreign_letters: str  # the letters outside EMBEDDABLE_SCRIPTS, in order
-    language: str | None  # "en", "es", ... when the stopwords say so clearly
+    language: str | None  # "zh" for Chinese; "en", "es", ... when the stopwords say so clearly
     label: str | None  # "label" of a "label: value" text
     value: str | None
     quoted: tuple[str, ...]  # quoted or back-ticked spans
+    letters_by_script: tuple[tuple[str, str], ...] = ()  # (script, its letters in order), every script
+    frequencies: frozenset[str] = frozenset()  # "daily", "monthly", ...: how often, not when
+
+    def letters_outside(self, readable: frozenset[str]) -> str:
+        """The letters of the scripts an embedder reading ``readable`` cannot read, in order."""
+        return "".join(letters for script, letters in self.letters_by_script if script not in readable)
+
+
+#: The language groups that get thresholds of their own: Chinese, Chinese with Latin words in it
+#: (names, code, units), and every other text (English, mostly).
+LANGUAGE_GROUPS = ("zh", "mixed", "en")
+
+
+def language_group(f: Features) -> str:
+    """Which of :data:`LANGUAGE_GROUPS` a text's thresholds come from."""
+    if f.language == "zh":
+        return "mixed" if "LATIN" in f.scripts else "zh"
+    return "en"
 
 
 def _fold(text: str) -> str:
@@ -66,16 +90,17 @@ def _script(ch: str) -> str:
     return "CJK" if first in ("CJK", "IDEOGRAPHIC") else (first or "UNKNOWN")
 
 
-def _scripts(text: str) -> tuple[frozenset[str], str]:
-    scripts: set[str] = set()
+def _scripts(text: str) -> tuple[frozenset[str], str, tuple[tuple[str, str], ...]]:
+    by_script: dict[str, list[str]] = {}
     foreign = []
     for ch in text:
         if unicodedata.category(ch).startswith("L"):
             s = _script(ch)
-            scripts.add(s)
+            by_script.setdefault(s, []).append(ch)
             if s not in EMBEDDABLE_SCRIPTS:
                 foreign.append(ch)
-    return frozenset(scripts), "".join(foreign)
+    letters = tuple(sorted((s, "".join(chs)) for s, chs in by_script.items()))
+    return frozenset(by_script), "".join(foreign), letters
 
 
 def _language(lower_tokens: list[str], text: str) -> str | None:
@@ -163,16 +188,24 @@ def _misspelt_date(low: str) -> str | None:
 
 
 def analyse(text: str) -> Features:
-    """Read ``text`` (normalised first with :func:`kvcached_client.text.normalize`)."""
+    """Read ``text`` (normalised first with :func:`kvcached_client.text.normalize`).
+
+    A text with Chinese in it is split at script boundaries: the Han runs are read by
+    :mod:`chinese` (words, negation cues, numerals, dates, names, audiences), the rest by the
+    English reader below, and both go into one :class:`Features`. Latin words inside Chinese
+    text are names, product ids or code (``MySQL``, ``iPhone``, ``list``): entities."""
     t = normalize(text)
-    scripts, foreign = _scripts(t)
+    scripts, foreign, letters = _scripts(t)
     m = _LABEL.match(t)
     label, value = (_fold(m.group(1)), _fold(m.group(2))) if m else (None, None)
     quoted = tuple(_fold(next(g for g in q.groups() if g is not None)) for q in _QUOTED.finditer(t))
+    han = chinese.has_han(t)
 
     reader = _Reader()
     reader.entities.update(c.lower() for c in _CONTACT.findall(t))
     body = _CONTACT.sub(" ", t)
+    if han:
+        body = _HAN_RUNS.sub(" . ", body)  # a boundary: no Latin word is glued to a Chinese one
     raw: list[tuple[str, bool]] = []  # (token, starts a sentence)
     for mt in _TOKEN.finditer(body):
         initial = _starts_sentence(body, mt.start())
@@ -184,13 +217,34 @@ def analyse(text: str) -> Features:
         reader.feed(tok, initial, raw[i + 1][0].lower() if i + 1 < len(raw) else "")
     reader.flush_number_words()
     r = reader
+    audiences = _audiences(r.lower_tokens)
+    language = _language(r.lower_tokens, t)
+    frequencies = r.dates & lx.FREQUENCY_WORDS
+    r.dates -= frequencies
+    if han:
+        zh = chinese.read(t)
+        # Names, not ordinary words: a capital or a digit (MySQL, iPhone, k8s); "log", "commit"
+        # are often the Chinese side's 日志, 提交 in the other text.
+        latin_names = {tok.lower() for tok, _ in raw if len(tok) >= 2 and tok.isascii() and tok.isalnum()
+                       and not tok.isdigit() and (any(ch.isupper() for ch in tok) or any(ch.isdigit() for ch in tok))
+                       and tok.lower() not in lx.FUNCTION_WORDS and tok.lower() not in lx.NUMBER_UNITS}
+        r.entities.update(latin_names | zh.entities)
+        r.words.update(zh.words)
+        r.stems.update(zh.words)
+        r.content.extend(zh.content)
+        r.cues.extend(zh.cues)
+        r.numbers.extend(zh.numbers)
+        r.dates.update(zh.dates)
+        frequencies |= zh.frequencies
+        audiences.update({ZH_AUDIENCE + g: w for g, w in zh.audiences.items()})
+        language = "ja" if scripts & {"HIRAGANA", "KATAKANA"} else "zh"
     return Features(
         text=t, words=frozenset(r.words), stems=frozenset(r.stems), content=tuple(r.content),
         negations=len(r.cues), negation_cues=tuple(r.cues), numbers=tuple(sorted(r.numbers)),
-        dates=frozenset(r.dates), entities=frozenset(r.entities), audiences=_audiences(r.lower_tokens),
+        dates=frozenset(r.dates), entities=frozenset(r.entities), audiences=audiences,
         prep_objects=frozenset(r.prep_objects),
-        scripts=scripts, foreign_letters=foreign, language=_language(r.lower_tokens, t),
-        label=label, value=value, quoted=quoted)
+        scripts=scripts, foreign_letters=foreign, language=language,
+        label=label, value=value, quoted=quoted, letters_by_script=letters, frequencies=frozenset(frequencies))
 
 
 class _Reader:
@@ -249,8 +303,9 @@ class _Reader:
             if mu.group(2) in ("am", "pm"):
                 self.dates.add(mu.group(2))
             return True
-        if any(ch.isdigit() for ch in tok):  # an id: "A123", "2FA", "B2B"
+        if any(ch.isdigit() for ch in tok):  # an id: "A123", "2FA", "B2B", "HTTP404": its numbers count too
             self.entities.add(low)
+            self.numbers.extend(_number_value(d) for d in re.findall(r"\d+", tok))
             self.content.append(low)
             self.words.add(low)
             self._leading = False

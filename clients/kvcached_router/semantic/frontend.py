@@ -320,14 +320,15 @@ def _nan_if_none(x: float | None) -> float:
 
 def build(config: SemanticConfig, registry: CollectorRegistry, shadow: ShadowForward | None = None,
           embedder: Any = None) -> SemanticFrontEnd:
-    """The router's front end from its ``[semantic]`` settings: MiniLM and the matcher with the
-    calibrated thresholds (``calibration``), or the exact path only (``match = false``)."""
+    """The router's front end from its ``[semantic]`` settings: the embedder and the matcher with
+    the calibrated thresholds (``calibration``, else the shipped one), or the exact path only
+    (``match = false``)."""
     reference = None
     factory = None
     if config.match:
-        from kvcached_router.semantic.embed import MiniLMEmbedder
+        from kvcached_router.semantic.embed import make_embedder
 
-        embedder = embedder if embedder is not None else MiniLMEmbedder()
+        embedder = embedder if embedder is not None else make_embedder(config.embedder)
         factory, calibration = matcher_factory(config, embedder)
         if calibration is not None and config.drift_reference == "calibration":
             reference = reference_counts(calibration)
@@ -345,11 +346,13 @@ def matcher_factory(config: SemanticConfig, embedder: Any) -> tuple[Callable[[],
     from kvcached_router.semantic.matcher import SemanticMatcher
     from kvcached_router.semantic.vectors import SearchConfig
 
+    from kvcached_router.semantic.calibrate import Calibration, shipped_calibration
+
     calibration = None
     if config.calibration:
-        from kvcached_router.semantic.calibrate import Calibration
-
         calibration = Calibration.load(config.calibration)
+    else:
+        calibration = shipped_calibration(getattr(embedder, "name", ""))
     search = SearchConfig(initial_capacity=16)
     return (lambda: SemanticMatcher(embedder, calibration, search=search)), calibration
 

@@ -7,23 +7,27 @@ compare what embeddings blur, and refuse when it differs:
 ============  =====================================================================================
 reason        refuses when
 ============  =====================================================================================
-language      the letters outside Latin/Greek/Cyrillic differ at all (CJK, Hangul, Arabic, ...: the
-              embedder cannot read them, so only the same letters match), the scripts differ, or
-              the two texts are clearly in two languages
+language      the two texts are in two languages (Chinese vs English: the answer is in the asker's
+              language), their main scripts differ, or the letters of a script the embedder cannot
+              read differ at all (with MiniLM: CJK, Hangul, Arabic, ... only match letter for letter)
 slot          both texts are ``label: value`` with the same label and another value (or the same
               value under another label), or their quoted spans differ
 number        the numbers differ (digits, number words: "two" = 2, "£50" is not "50 USD")
 date          weekdays, months, "tomorrow", "next week", am/pm differ
-negation      the count of negation cues differs ("don't", "never", "without", "stop", ...), or
-              a word on one side has its antonym on the other (open/closed, eat/avoid,
-              enable/disable, include/exclude), or its negated form (lock/unlock, refundable/
+negation      the count of negation cues differs ("don't", "never", "without", "stop", ...; 不, 没,
+              未, 别, 无, 非 outside fixed words like 不错, 未来), or a word on one side has its
+              antonym on the other (open/closed, eat/avoid, enable/disable, include/exclude;
+              开通/取消, 上传/下载, 冻结/解冻), or its negated form (lock/unlock, refundable/
               non-refundable)
-entity        a capitalised name, id, email or URL of one text is missing from the other, the
+entity        a capitalised name, id, email or URL of one text is missing from the other (in Chinese
+              text: any Latin word, and the places, organisations and brands the segmenter
+              names), the
               colours differ ("the red light" / "the blue light"), or the
               same words swap sides of a preposition ("from savings to current" vs "from current
               to savings")
 scope         they are about or for different people: adults / children, employees /
-              self-employed, tenants / landlords (:data:`lexicon.AUDIENCES`)
+              self-employed, tenants / landlords (:data:`lexicon.AUDIENCES`), 儿童 / 成人,
+              个人 / 企业, 国内 / 国外 (:data:`lexicon_zh.AUDIENCES`)
 ============  =====================================================================================
 
 The guards never say yes; :func:`compare` also says how far apart the two texts' words are
@@ -36,14 +40,15 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
+from . import chinese
 from . import lexicon as lx
-from .features import Features, analyse, typo_equal
+from .features import EMBEDDABLE_SCRIPTS, Features, analyse, typo_equal
 
 #: How much two texts' meaningful words differ: ``same`` (none, after fillers, function words
 #: and typing slips), ``edit`` (at least half of them shared), ``reworded`` (the rest).
 TIERS = ("same", "edit", "reworded")
 #: Bumped whenever a rule or word list changes what is refused: a calibration records it.
-GUARDS_VERSION = 1
+GUARDS_VERSION = 2
 EDIT_OVERLAP = 0.5
 REASONS = ("language", "slot", "number", "date", "negation", "entity", "scope")
 
@@ -61,12 +66,13 @@ class Comparison:
     overlap: float  # share of content words matched (Jaccard, typing slips forgiven)
 
 
-def check(query: str, candidate: str) -> Refusal | None:
-    """Why ``candidate``'s answer must not serve ``query``, or None when no guard objects."""
-    return refuse(analyse(query), analyse(candidate))
+def check(query: str, candidate: str, readable: frozenset[str] = EMBEDDABLE_SCRIPTS) -> Refusal | None:
+    """Why ``candidate``'s answer must not serve ``query``, or None when no guard objects.
+    ``readable``: the scripts the embedder reads (``Embedder.scripts``)."""
+    return refuse(analyse(query), analyse(candidate), readable)
 
 
-def compare(q: Features, c: Features) -> Comparison:
+def compare(q: Features, c: Features, readable: frozenset[str] = EMBEDDABLE_SCRIPTS) -> Comparison:
     shared, only_q, only_c = match_content(q.content, c.content)
     union = shared + only_q + only_c
     overlap = shared / union if union else 1.0
@@ -76,12 +82,15 @@ def compare(q: Features, c: Features) -> Comparison:
         tier = "edit"
     else:
         tier = "reworded"
-    return Comparison(refuse(q, c), tier, overlap)
+    return Comparison(refuse(q, c, readable), tier, overlap)
 
 
-def refuse(q: Features, c: Features) -> Refusal | None:
+def refuse(q: Features, c: Features, readable: frozenset[str] = EMBEDDABLE_SCRIPTS) -> Refusal | None:
     """The first guard (in :data:`REASONS` order) that objects, or None."""
-    for guard in (_language, _slot, _number, _date, _negation, _entity, _scope):
+    r = _language(q, c, readable)
+    if r is not None:
+        return r
+    for guard in (_slot, _number, _date, _negation, _entity, _scope):
         r = guard(q, c)
         if r is not None:
             return r
@@ -109,12 +118,20 @@ def content_overlap(a: tuple[str, ...], b: tuple[str, ...]) -> float:
     return shared / union if union else 1.0
 
 
-def _language(q: Features, c: Features) -> Refusal | None:
-    if q.foreign_letters != c.foreign_letters:
-        scripts = "/".join(sorted((q.scripts | c.scripts) - {"LATIN"})) or "non-Latin"
+def _main_scripts(f: Features) -> frozenset[str]:
+    """The scripts a text is written in, Latin left out when others are there (``MySQL 怎么备份``
+    is Chinese with a name in it, not a mix of two languages)."""
+    return (f.scripts - {"LATIN"}) or f.scripts
+
+
+def _language(q: Features, c: Features, readable: frozenset[str]) -> Refusal | None:
+    unread_q, unread_c = q.letters_outside(readable), c.letters_outside(readable)
+    if unread_q != unread_c:
+        scripts = "/".join(sorted((q.scripts | c.scripts) - readable)) or "non-Latin"
         return Refusal("language", f"{scripts} letters differ: the embedder cannot read them")
-    if q.scripts and c.scripts and q.scripts != c.scripts:
-        return Refusal("language", f"scripts differ: {'+'.join(sorted(q.scripts))} vs {'+'.join(sorted(c.scripts))}")
+    main_q, main_c = _main_scripts(q), _main_scripts(c)
+    if main_q and main_c and main_q != main_c:
+        return Refusal("language", f"scripts differ: {'+'.join(sorted(main_q))} vs {'+'.join(sorted(main_c))}")
     if q.language and c.language and q.language != c.language:
         return Refusal("language", f"{q.language} vs {c.language}")
     return None
@@ -147,6 +164,8 @@ def _date(q: Features, c: Features) -> Refusal | None:
                 theirs -= inside
     if only_q or only_c:
         return Refusal("date", f"{sorted(only_q)} vs {sorted(only_c)}")
+    if q.frequencies and c.frequencies and q.frequencies != c.frequencies:
+        return Refusal("date", f"{sorted(q.frequencies)} vs {sorted(c.frequencies)}")
     return None
 
 
@@ -159,6 +178,10 @@ def _antonym_stems() -> tuple[tuple[frozenset[str], frozenset[str]], ...]:
 def _negation(q: Features, c: Features) -> Refusal | None:
     if q.negations != c.negations:
         return Refusal("negation", f"negation cues {list(q.negation_cues)} vs {list(c.negation_cues)}")
+    if q.language == "zh" and c.language == "zh":
+        pair = chinese.antonym_refusal(q.words, q.text, c.words, c.text)
+        if pair is not None:
+            return Refusal("negation", f"antonyms {pair}")
     only_q, only_c = q.stems - c.stems, c.stems - q.stems
     if not only_q or not only_c:
         return None
@@ -175,9 +198,18 @@ def _negation(q: Features, c: Features) -> Refusal | None:
     return None
 
 
+def _named(entity: str, f: Features) -> bool:
+    """Whether ``f`` names ``entity``: as a word, or (a Chinese name, which a segmenter may cut
+    differently on each side) anywhere in its text."""
+    if entity in f.words or (not entity.isascii() and entity in f.text):
+        return True
+    squeezed = f.text.lower().replace(" ", "")  # "HTTP 404" names "http404"
+    return (f.language == "zh" or any(ch.isdigit() for ch in entity)) and entity in squeezed
+
+
 def _entity(q: Features, c: Features) -> Refusal | None:
-    missing_q = sorted(e for e in q.entities if e not in c.words)
-    missing_c = sorted(e for e in c.entities if e not in q.words)
+    missing_q = sorted(e for e in q.entities if not _named(e, c))
+    missing_c = sorted(e for e in c.entities if not _named(e, q))
     if missing_q or missing_c:
         return Refusal("entity", f"{missing_q} vs {missing_c}")
     colours_q, colours_c = q.words & lx.COLOURS, c.words & lx.COLOURS

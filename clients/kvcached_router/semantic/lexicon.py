@@ -66,7 +66,7 @@ LEADING_GREETINGS = frozenset({"morning", "afternoon", "evening", "good", "team"
 
 #: Words that negate what follows (contractions are expanded to "not" before counting).
 NEGATION_CUES = frozenset("""
-not no never none nothing nobody nowhere neither nor without cannot stop avoid non
+not no never none nothing nobody nowhere neither nor without cannot avoid non
 """.split())
 
 #: Prefixes that negate the word they are attached to: w vs un+w is a negation ("non-" is a
@@ -115,7 +115,8 @@ AUDIENCES: tuple[str, ...] = (
     "adult adults grown-up grown-ups", "child children kid kids toddler toddlers", "baby babies infant infants",
     "teenager teenagers teen teens", "senior seniors pensioner pensioners elderly retiree retirees",
     "student students pupil pupils", "undergraduate undergraduates", "postgraduate postgraduates master's masters phd",
-    "employee employees", "self-employed freelancer freelancers", "contractor contractors",
+    "employee employees hire hires new-hire", "individual individuals personal", "family families household",
+    "business businesses company companies corporate", "self-employed freelancer freelancers", "contractor contractors",
     "visitor visitors guest guests", "resident residents", "tenant tenants renter renters", "landlord landlords",
     "homeowner homeowners", "nonprofit nonprofits charity charities", "colleague colleagues",
     "mother mum mom father dad parent parents", "son daughter", "friend friends", "pregnant",
@@ -152,6 +153,9 @@ DATE_WORDS = frozenset(WEEKDAYS + MONTHS + (
     "today", "tomorrow", "yesterday", "tonight", "weekday", "weekend", "morning", "afternoon",
     "evening", "night", "overnight", "midnight", "noon", "midday", "spring", "summer", "autumn",
     "winter", "weekly", "monthly", "yearly", "daily", "hourly", "fortnightly"))
+#: How often, not when: compared only when both texts say it ("the daily limit" asks what "the
+#: limit per day" asks).
+FREQUENCY_WORDS = frozenset({"daily", "weekly", "monthly", "yearly", "hourly", "fortnightly"})
 #: Spellings of the same period.
 DATE_ALIASES = {"annually": "yearly"}
 #: Half-day markers and the words that fall inside them ("7pm" vs "seven this evening").

@@ -31,7 +31,7 @@ from kvcached_client.text import NORMALIZATION_VERSION, normalize
 
 from .calibrate import Calibration
 from .embed import Embedder
-from .features import Features, analyse
+from .features import EMBEDDABLE_SCRIPTS, Features, analyse, language_group
 from .guards import GUARDS_VERSION, compare
 from .vectors import SearchConfig, VectorIndex
 
@@ -84,6 +84,7 @@ class SemanticMatcher:
         self._texts: dict[int, str] = {}
         self._features: dict[int, Features] = {}
         self._analyse = analyse_text
+        self._readable = getattr(embedder, "scripts", None) or EMBEDDABLE_SCRIPTS
         self._check_calibration()
 
     def _check_calibration(self) -> None:
@@ -134,6 +135,7 @@ class SemanticMatcher:
             vector = self._embed(text)
         rows, sims = self.index.search(vector)
         query = self._analyse(text)
+        group = language_group(query)
         floor = self.calibration.lowest_threshold
         verdicts: list[Verdict] = []
         refused: Verdict | None = None
@@ -142,8 +144,8 @@ class SemanticMatcher:
             if sim < floor:
                 break
             entry_id = self.index.id_at(row)
-            cmp = compare(query, self._features[entry_id])
-            threshold = self.calibration.threshold(cmp.tier)
+            cmp = compare(query, self._features[entry_id], self._readable)
+            threshold = self.calibration.threshold(cmp.tier, group)
             if sim < threshold:
                 verdicts.append(Verdict(entry_id, sim, cmp.tier, threshold, BELOW))
             elif cmp.refusal is not None:

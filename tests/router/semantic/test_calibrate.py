@@ -123,7 +123,7 @@ def test_pairs_files_are_checked_line_by_line(tmp_path):
 
 def test_the_command_calibrates_the_fixture_pairs_with_minilm(tmp_path, capsys):
     out = tmp_path / "cal.json"
-    assert cal.main([PAIRS, "--target", "0.02", "--out", str(out)]) == 0
+    assert cal.main([PAIRS, "--embedder", "minilm", "--target", "0.02", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "threshold | served | false hits % | recall %" in printed and f"wrote {out}" in printed
     assert "too few to bound" in printed  # 25 traps: no count can show 2 % at 80 %

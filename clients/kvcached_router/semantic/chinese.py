@@ -1,0 +1,232 @@
+"""Reading the Chinese runs of a text for the guards: words, negation cues, antonyms' words,
+numbers (Chinese numerals included), dates, named entities and audiences.
+
+:func:`read` takes the whole normalised text and reads only its Han characters; the Latin words,
+digits and punctuation around them are the English reader's (``features.py`` splits a text at
+script boundaries, so ``5G套餐`` is ``5G`` and ``套餐`` however it is spaced).
+
+Words come from ``jieba`` (its dictionary ships in the package; loaded once per process, about
+0.7 s, on the first Chinese text). Negation is counted on characters, not on jieba's words: a
+segmenter splits 还没收到 as 还 / 没收 / 到 ("confiscate"), and the cue would be lost; the fixed
+words in which 不, 没, 未, 别, 无, 非 do not negate (不错, 未来, 特别, 无线, ...) are masked first.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from . import lexicon_zh as zh
+
+#: Han characters (the basic block, extension A, compatibility ideographs): what this reader reads.
+HAN = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+_HAN_RUN = re.compile(f"[{HAN}]+")
+_NUMERAL_CHARS = "".join(zh.DIGITS) + "".join(zh.UNITS) + "".join(zh.BIG_UNITS)
+_NUMERAL = re.compile(f"第?[{_NUMERAL_CHARS}]+(?:分之[{_NUMERAL_CHARS}]+)?|百分之[{_NUMERAL_CHARS}]+")
+_WEEKDAY = re.compile("(?:周|星期|礼拜)([一二三四五六日天末])")
+_MASK_NEG = re.compile("|".join(sorted(map(re.escape, zh.NOT_NEGATING), key=len, reverse=True)))
+_MASK_NUM = re.compile("|".join(sorted(map(re.escape, zh.NOT_NUMBERS), key=len, reverse=True)))
+_AUDIENCE_WORDS = sorted(((w, g) for g, words in enumerate(zh.AUDIENCES) for w in words.split()),
+                         key=lambda wg: len(wg[0]), reverse=True)
+#: jieba's part-of-speech tags of names: places, organisations, people, and the names added
+#: here (its own "nz", other proper nouns, tags many common nouns: 驾驶证, 五日游).
+_NAME_TAGS = frozenset({"ns", "nt", "nr", "brand"})
+#: Names jieba does not know or tags as common nouns: brands, apps, services people ask about.
+USER_NAMES = (
+    "微信 支付宝 淘宝 天猫 京东 拼多多 抖音 快手 小红书 美团 饿了么 滴滴 高德 百度 知乎 微博 钉钉 飞书 企业微信 "
+    "华为 小米 荣耀 苹果 三星 联想 比亚迪 特斯拉 蔚来 理想 小鹏 吉利 长城 大众 丰田 本田 "
+    "工商银行 建设银行 农业银行 中国银行 招商银行 交通银行 邮储银行 浦发银行 中信银行 "
+    "移动 联通 电信 顺丰 中通 圆通 韵达 申通 京东物流 菜鸟 携程 飞猪 去哪儿 "
+    "花呗 借呗 余额宝 微粒贷 白条"
+).split()
+
+
+def has_han(text: str) -> bool:
+    return _HAN_RUN.search(text) is not None
+
+
+@dataclass
+class ChineseReading:
+    """What :func:`read` found in one text's Han runs."""
+
+    words: list[str] = field(default_factory=list)  # jieba's words, in order
+    content: list[str] = field(default_factory=list)  # words that carry meaning (question words canonical)
+    cues: list[str] = field(default_factory=list)  # negation characters, with a little context
+    numbers: list[str] = field(default_factory=list)  # canonical values ("350", "2", "5%", "#3")
+    dates: set[str] = field(default_factory=set)
+    frequencies: set[str] = field(default_factory=set)  # 每月 -> monthly
+    entities: set[str] = field(default_factory=set)
+    audiences: dict[int, str] = field(default_factory=dict)  # zh.AUDIENCES group -> word
+
+
+_jieba_lock = threading.Lock()
+_posseg = None
+
+
+def _segmenter():
+    """jieba's part-of-speech segmenter, loaded once (thread-safe), with :data:`USER_NAMES`."""
+    global _posseg
+    if _posseg is None:
+        with _jieba_lock:
+            if _posseg is None:
+                import jieba
+                import jieba.posseg as posseg
+
+                jieba.setLogLevel(logging.WARNING)
+                for name in USER_NAMES:
+                    jieba.add_word(name, freq=2000, tag="brand")
+                jieba.initialize()
+                _posseg = posseg
+    return _posseg
+
+
+def read(text: str) -> ChineseReading:
+    """Read the Han runs of ``text`` (already normalised)."""
+    r = ChineseReading()
+    han = " ".join(_HAN_RUN.findall(text))
+    if not han:
+        return r
+    _read_cues(han, r)
+    rest = _read_dates(han, r)
+    _read_numbers(rest, r)
+    _read_audiences(han, r)
+    for run in han.split(" "):
+        for pair in _segmenter().cut(run):
+            w, tag = pair.word, pair.flag
+            r.words.append(w)
+            if tag in _NAME_TAGS and len(w) >= 2 and w not in zh.FUNCTION_WORDS and w not in zh.DATE_WORDS:
+                r.entities.add(w)
+            if w in zh.QUESTION_WORDS:
+                q = zh.QUESTION_WORDS[w]
+                if q:
+                    r.content.append(q)
+            elif w not in zh.FUNCTION_WORDS and not _NUMERAL.fullmatch(w):
+                r.content.append(w)
+    return r
+
+
+def _read_cues(han: str, r: ChineseReading) -> None:
+    masked = _MASK_NEG.sub(lambda m: "_" * len(m.group()), han)
+    for i, ch in enumerate(masked):
+        if ch in zh.NEGATION_CHARS:
+            r.cues.append(han[i:i + 2])
+
+
+def _read_dates(han: str, r: ChineseReading) -> str:
+    """Weekdays and date words into ``r.dates``; returns ``han`` with them blanked (周一 is no 1)."""
+    def weekday(m: re.Match) -> str:
+        day = m.group(1)
+        r.dates.add("周末" if day == "末" else f"周{'日' if day == '天' else day}")
+        return " " * len(m.group())
+
+    rest = han
+    for w, f in zh.FREQUENCY_WORDS.items():
+        if w in rest:
+            r.frequencies.add(f)
+            rest = rest.replace(w, " " * len(w))
+    rest = _WEEKDAY.sub(weekday, rest)
+    for w in sorted(zh.DATE_WORDS, key=len, reverse=True):
+        if w in rest:
+            r.dates.update(zh.DATE_ALIASES.get(w, w).split())
+            rest = rest.replace(w, " " * len(w))
+    return rest
+
+
+def _read_numbers(han: str, r: ChineseReading) -> None:
+    for w in zh.FIRST_WORDS:  # 首行 is the first row (第一行)
+        if w in han:
+            r.numbers.append("#1")
+            han = han.replace(w, " ")
+    masked = _MASK_NUM.sub(lambda m: " " * len(m.group()), han)
+    for m in _NUMERAL.finditer(masked):
+        s = m.group()
+        if s == "一" or s == "第":  # 一个, 一下: "a", not a count
+            continue
+        value = numeral_value(s)
+        if value is not None:
+            r.numbers.append(value)
+
+
+def numeral_value(s: str) -> str | None:
+    """The canonical value of a Chinese numeral: ``三百五十`` -> ``350``, ``两万`` -> ``20000``,
+    ``百分之五`` -> ``5%``, ``三分之一`` -> ``1/3``, ``第三`` -> ``#3``, ``一二三`` (digit by digit)
+    -> ``123``; None when it is not one."""
+    if s.startswith("百分之"):
+        v = _integer(s[3:])
+        return None if v is None else f"{v}%"
+    if s.startswith("第"):
+        v = _integer(s[1:])
+        return None if v is None else f"#{v}"
+    if "分之" in s:
+        den, num = s.split("分之", 1)
+        a, b = _integer(num), _integer(den)
+        return None if a is None or b is None else f"{a}/{b}"
+    v = _integer(s)
+    return None if v is None else str(v)
+
+
+def _integer(s: str) -> int | None:
+    if not s:
+        return None
+    if all(ch in zh.DIGITS for ch in s):  # 一二三, 二〇二四: digit by digit
+        return int("".join(str(zh.DIGITS[ch]) for ch in s))
+    total, section, digit = 0, 0, None
+    for ch in s:
+        if ch in zh.DIGITS:
+            digit = zh.DIGITS[ch]
+        elif ch in zh.UNITS:
+            section += (1 if digit is None else digit) * zh.UNITS[ch]
+            digit = None
+        elif ch in zh.BIG_UNITS:
+            section += digit or 0
+            total += (section or 1) * zh.BIG_UNITS[ch]
+            section, digit = 0, None
+        else:
+            return None
+    if digit is not None:
+        # 一百五 is 150, 两千三 2300, 一万五 15000: a digit right after a unit is one unit lower
+        unit = {**zh.UNITS, **zh.BIG_UNITS}.get(s[-2], 0) if len(s) >= 2 else 0
+        section += digit * (unit // 10 if unit >= 100 else 1)
+    return total + section
+
+
+def _read_audiences(han: str, r: ChineseReading) -> None:
+    rest = han
+    for w, g in _AUDIENCE_WORDS:
+        if w in rest:
+            r.audiences.setdefault(g, w)
+            rest = rest.replace(w, " ")
+
+
+def antonym_refusal(q_words: Iterable[str], q_text: str, c_words: Iterable[str], c_text: str) -> str | None:
+    """The antonym pair that tells two Chinese texts apart (one side's word on one, the other
+    side's on the other, neither on both), or None. Multi-character words are matched in the
+    text, single characters as whole words of the segmentation."""
+    qw, cw = set(q_words), set(c_words)
+
+    def has(word: str, words: set[str], text: str) -> bool:
+        return word in words if len(word) == 1 else word in text
+
+    def without(text: str, words: tuple[str, ...], mine: tuple[str, ...]) -> str:
+        """``text`` less the other side's words that contain one of ``mine`` (退出登录 is no 登录)."""
+        for w in words:
+            if len(w) > 1 and any(m in w for m in mine):
+                text = text.replace(w, " ")
+        return text
+
+    for left, right in _ANTONYM_SIDES:
+        ql = [w for w in left if has(w, qw, without(q_text, right, left))]
+        qr = [w for w in right if has(w, qw, without(q_text, left, right))]
+        cl = [w for w in left if has(w, cw, without(c_text, right, left))]
+        cr = [w for w in right if has(w, cw, without(c_text, left, right))]
+        if ql and cr and not qr and not cl:
+            return f"{ql[0]}/{cr[0]}"
+        if qr and cl and not ql and not cr:
+            return f"{qr[0]}/{cl[0]}"
+    return None
+
+
+_ANTONYM_SIDES = tuple((tuple(a.split()), tuple(b.split())) for a, b in zh.ANTONYMS)
