@@ -62,7 +62,11 @@ def report(c: cal.Calibration, scored: list[cal.Scored], langs: list[str]) -> di
     for g in LANGUAGE_GROUPS:
         mine = [s for s, lang in zip(scored, langs) if lang == g]
         o = cal.evaluate(c, mine)
+        traps = [s for s in mine if not s.pair.same_answer]
+        hits = [s for s in mine if s.pair.same_answer]
         out[g] = {"pairs": len(mine), "recall": round(o.recall, 4), "false_hit_rate": round(o.false_hit_rate, 4),
+                  "traps_refused_by_guards": round(sum(s.refusal is not None for s in traps) / max(1, len(traps)), 4),
+                  "hits_refused_by_guards": round(sum(s.refusal is not None for s in hits) / max(1, len(hits)), 4),
                   **{f"{k}_served": round(o.category_rate(k), 4) for k in TRAP_CATEGORIES if k in o.by_category}}
     return out
 
@@ -100,6 +104,9 @@ def main() -> int:
             f"{g}: {100 * v['recall']:.0f}% / {100 * v['false_hit_rate']:.1f}% / "
             f"{100 * v.get('negation_served', 0):.0f}% / {100 * v.get('number_date_served', 0):.0f}%"
             for g, v in r.items()))
+    print("  guards (shipped): " + "   ".join(f"{g}: refuse {100 * v['traps_refused_by_guards']:.0f}% of traps, "
+                                                f"{100 * v['hits_refused_by_guards']:.0f}% of should-hit"
+                                                for g, v in res["contenders"]["shipped"].items()))
     print("  one query's embedding: " + ", ".join(f"{k} p50 {v['p50_ms']} ms p95 {v['p95_ms']} ms" for k, v in lat.items()))
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     path = os.path.join(HERE, "results", "semantic_languages.json")

@@ -29,6 +29,9 @@ _NUMERAL = re.compile(f"第?[{_NUMERAL_CHARS}]+(?:分之[{_NUMERAL_CHARS}]+)?|�
 _WEEKDAY = re.compile("(?:周|星期|礼拜)([一二三四五六日天末])")
 _MASK_NEG = re.compile("|".join(sorted(map(re.escape, zh.NOT_NEGATING), key=len, reverse=True)))
 _MASK_NUM = re.compile("|".join(sorted(map(re.escape, zh.NOT_NUMBERS), key=len, reverse=True)))
+_MASK_AUDIENCE = re.compile("|".join(sorted(map(re.escape, zh.NOT_AUDIENCES), key=len, reverse=True))
+                            + "|[0-9一二两三四五六七八九十几每哪这那]个人")
+_FILLERS = re.compile("|".join(sorted(map(re.escape, zh.FILLER_PHRASES), key=len, reverse=True)))
 _AUDIENCE_WORDS = sorted(((w, g) for g, words in enumerate(zh.AUDIENCES) for w in words.split()),
                          key=lambda wg: len(wg[0]), reverse=True)
 #: jieba's part-of-speech tags of names: places, organisations, people, and the names added
@@ -42,6 +45,15 @@ USER_NAMES = (
     "移动 联通 电信 顺丰 中通 圆通 韵达 申通 京东物流 菜鸟 携程 飞猪 去哪儿 "
     "花呗 借呗 余额宝 微粒贷 白条"
 ).split()
+
+
+GENERIC_LATIN = zh.GENERIC_LATIN
+_ALIAS_OF = {name: group for group in zh.ALIASES for name in group}
+
+
+def aliases(name: str) -> tuple[str, ...]:
+    """Every name of the product ``name`` names (itself when it has no alias)."""
+    return _ALIAS_OF.get(name.lower(), (name,))
 
 
 def has_han(text: str) -> bool:
@@ -92,12 +104,13 @@ def read(text: str) -> ChineseReading:
     _read_cues(han, r)
     rest = _read_dates(han, r)
     _read_numbers(rest, r)
-    _read_audiences(han, r)
-    for run in han.split(" "):
+    _read_audiences(text, r)
+    for run in _FILLERS.sub(" ", han).split(" "):
         for pair in _segmenter().cut(run):
             w, tag = pair.word, pair.flag
             r.words.append(w)
-            if tag in _NAME_TAGS and len(w) >= 2 and w not in zh.FUNCTION_WORDS and w not in zh.DATE_WORDS:
+            if (tag in _NAME_TAGS and len(w) >= 2 and w not in zh.FUNCTION_WORDS and w not in zh.DATE_WORDS
+                    and w not in zh.FILLER_PHRASES):
                 r.entities.add(w)
             if w in zh.QUESTION_WORDS:
                 q = zh.QUESTION_WORDS[w]
@@ -143,7 +156,8 @@ def _read_numbers(han: str, r: ChineseReading) -> None:
     masked = _MASK_NUM.sub(lambda m: " " * len(m.group()), han)
     for m in _NUMERAL.finditer(masked):
         s = m.group()
-        if s == "一" or s == "第":  # 一个, 一下: "a", not a count
+        after = masked[m.end():m.end() + 1]
+        if s == "一" and (not after or after not in zh.ONE_MEASURES):  # 一个, 一下: "a", not a count
             continue
         value = numeral_value(s)
         if value is not None:
@@ -193,8 +207,9 @@ def _integer(s: str) -> int | None:
     return total + section
 
 
-def _read_audiences(han: str, r: ChineseReading) -> None:
-    rest = han
+def _read_audiences(text: str, r: ChineseReading) -> None:
+    """The audiences named in ``text`` (the whole text: 2个人 is "two people", not 个人)."""
+    rest = _MASK_AUDIENCE.sub(" ", text)
     for w, g in _AUDIENCE_WORDS:
         if w in rest:
             r.audiences.setdefault(g, w)

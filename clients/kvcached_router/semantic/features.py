@@ -227,7 +227,8 @@ def analyse(text: str) -> Features:
         # are often the Chinese side's 日志, 提交 in the other text.
         latin_names = {tok.lower() for tok, _ in raw if len(tok) >= 2 and tok.isascii() and tok.isalnum()
                        and not tok.isdigit() and (any(ch.isupper() for ch in tok) or any(ch.isdigit() for ch in tok))
-                       and tok.lower() not in lx.FUNCTION_WORDS and tok.lower() not in lx.NUMBER_UNITS}
+                       and tok.lower() not in lx.FUNCTION_WORDS and tok.lower() not in lx.NUMBER_UNITS
+                       and tok.lower() not in chinese.GENERIC_LATIN}
         r.entities.update(latin_names | zh.entities)
         r.words.update(zh.words)
         r.stems.update(zh.words)

@@ -200,11 +200,16 @@ def _negation(q: Features, c: Features) -> Refusal | None:
 
 def _named(entity: str, f: Features) -> bool:
     """Whether ``f`` names ``entity``: as a word, or (a Chinese name, which a segmenter may cut
-    differently on each side) anywhere in its text."""
+    differently on each side) anywhere in its text; in Chinese text also by another name of the
+    same product (iPhone / 苹果手机, k8s / Kubernetes: ``lexicon_zh.ALIASES``)."""
     if entity in f.words or (not entity.isascii() and entity in f.text):
         return True
     squeezed = f.text.lower().replace(" ", "")  # "HTTP 404" names "http404"
-    return (f.language == "zh" or any(ch.isdigit() for ch in entity)) and entity in squeezed
+    if any(ch.isdigit() for ch in entity) and entity in squeezed:
+        return True
+    if f.language != "zh":
+        return False
+    return any(name.replace(" ", "") in squeezed for name in chinese.aliases(entity))
 
 
 def _entity(q: Features, c: Features) -> Refusal | None:
