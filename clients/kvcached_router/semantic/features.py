@@ -331,8 +331,8 @@ class _Reader:
             self.dates.add(date)
         elif low in lx.DATE_RELATIVE and lx.stem(next_low) in lx.DATE_UNITS:
             self.dates.add(f"{low} {lx.stem(next_low)}")
-        elif low in lx.NEGATION_CUES:
-            self.cues.append(low)
+        elif low in lx.NEGATION_CUES or (low in lx.STOP_WORDS and next_low.endswith("ing") and len(next_low) > 4):
+            self.cues.append(low)  # "stop watering" negates watering; "stop my plan renewing" is an action
         elif low in _PREPOSITIONS:
             self._open_prep = low
         elif low not in lx.FUNCTION_WORDS and low not in lx.FILLERS and low not in lx.LIGHT_PREPOSITIONS:

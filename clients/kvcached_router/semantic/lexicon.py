@@ -69,6 +69,10 @@ NEGATION_CUES = frozenset("""
 not no never none nothing nobody nowhere neither nor without cannot avoid non
 """.split())
 
+#: Verbs that negate the activity right after them ("stop watering", "quit smoking"), and only
+#: then: "stop my membership from renewing" and "stop a process" are actions, not negations.
+STOP_WORDS = frozenset({"stop", "stopped", "stops", "quit", "cease"})
+
 #: Prefixes that negate the word they are attached to: w vs un+w is a negation ("non-" is a
 #: word of its own once hyphens split words, and a negation cue).
 NEGATING_PREFIXES = ("un", "non", "dis", "in", "im", "il", "ir")
@@ -77,7 +81,7 @@ NEGATING_PREFIXES = ("un", "non", "dis", "in", "im", "il", "ir")
 ANTONYMS: tuple[tuple[str, str], ...] = (
     ("open", "close closed shut"), ("on", "off"), ("in", "out"), ("enable", "disable"),
     ("include included inclusive cover covered", "exclude excluded exclusive"), ("add", "remove delete"),
-    ("increase raise bigger larger higher", "decrease reduce lower smaller"), ("upgrade", "downgrade"),
+    ("increase raise bigger larger higher", "decrease reduce lower smaller less fewer"), ("upgrade", "downgrade"),
     ("accept approve approved", "decline reject rejected refuse"),
     ("allow allowed permit permitted legal lawful",
      "ban banned forbid forbidden prohibit prohibited illegal unlawful"),
