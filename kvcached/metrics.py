@@ -150,6 +150,10 @@ class StoreCollector:
                 ("kvcached_remote_published_chunks", "Chunks published to the remote tier", rt.published),
                 ("kvcached_remote_errors", "Remote tier calls that failed (each a miss)", rt.errors),
                 ("kvcached_remote_skipped", "Remote tier calls not made: the breaker was open", rt.skipped_open),
+                ("kvcached_remote_deadline_missed", "Remote tier calls abandoned at their deadline (each a miss, "
+                 "counted in errors too)", rt.deadline_missed),
+                ("kvcached_remote_skipped_busy", "Remote tier calls not made: every I/O thread was still in an "
+                 "abandoned call", rt.skipped_busy),
                 ("kvcached_remote_breaker_opened", "Times the remote tier's breaker opened", rt.breaker_opened),
                 ("kvcached_remote_queue_dropped", "Chunks dropped from a full publish queue", rt.queue_dropped),
                 ("kvcached_remote_demoted_chunks", "Chunks sent to the remote tier as they left the last local tier",

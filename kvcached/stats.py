@@ -138,6 +138,8 @@ class RemoteTierStats:
     demoted: int = 0  # chunks sent there as they left this host's last local tier
     refreshed: int = 0  # chunks leaving it that the remote already held (TTL renewed only)
     queue_bytes: int = 0  # payload bytes copied for demotion, waiting to be sent
+    deadline_missed: int = 0  # calls abandoned at their deadline (a frozen or very slow Redis)
+    skipped_busy: int = 0  # calls not made: every remote I/O thread was still in an abandoned call
 
 
 @dataclass(frozen=True)

@@ -611,7 +611,10 @@ class Store:
         :data:`REMOTE_FETCH_WINDOW_BYTES` bound the memory a long prompt's fetch takes; the next
         window is fetched only if this one was found and stored whole. The network round trips
         run without the store lock. Returns the chunks stored; 0 on any remote trouble (the
-        remote tier fails open)."""
+        remote tier fails open). The remote part has a hard bound: each window's fetch (one
+        pipelined round trip) returns within ``remote_timeout``, so the call spends at most
+        ``remote_timeout`` × the windows fetched waiting for Redis (waits for the store lock
+        are not the remote's)."""
         assert self.remote is not None
         with self._lock:
             self._check_admitting()
@@ -623,7 +626,8 @@ class Store:
         stored = 0
         while k < len(hashes):
             want = hashes[k: k + window]
-            payloads = self.remote.fetch(layout_id, want, layout.chunk_bytes)
+            payloads = self.remote.fetch(layout_id, want, layout.chunk_bytes,
+                                         deadline=time.monotonic() + self.remote.config.timeout)
             if not payloads:
                 break
             n = k + len(payloads)
@@ -838,7 +842,8 @@ class Store:
         return RemoteTierStats(r.hits, r.misses, r.bytes_fetched, r.bytes_published, r.published, r.errors,
                                r.skipped_open, self.remote.breaker.state, r.breaker_opened, dict(r.refused),
                                len(p) if p is not None else 0, p.dropped if p is not None else 0,
-                               r.demoted, r.refreshed, p.queued_bytes if p is not None else 0)
+                               r.demoted, r.refreshed, p.queued_bytes if p is not None else 0,
+                               r.deadline_missed, r.skipped_busy)
 
     def _eviction_stats(self) -> EvictionStats:
         d = self.index.policy.describe()

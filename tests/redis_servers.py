@@ -111,6 +111,16 @@ class RedisServer:
         except OSError:
             return ""
 
+    def freeze(self) -> None:
+        """SIGSTOP: a frozen host (connections stay open, nothing answers)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT after :meth:`freeze`."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL (a crashed node)."""
         if self.proc is not None and self.proc.poll() is None:
@@ -119,6 +129,7 @@ class RedisServer:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            self.thaw()  # a frozen process would not act on SIGTERM
             self.proc.terminate()
             try:
                 self.proc.wait(10)

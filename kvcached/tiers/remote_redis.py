@@ -16,13 +16,23 @@ the index or of when chunks should go there.
   failing-over Redis is a miss (``probe`` 0, ``fetch`` nothing, ``publish`` False), counted in
   ``stats`` and logged. After ``breaker_failures`` failures in a row the breaker opens and the
   tier stops calling Redis for ``breaker_cooldown`` seconds; then one call is let through
-  (half-open) and success closes it again. Timeouts bound every call (``timeout``).
+  (half-open) and success closes it again.
+* **A hard deadline.** ``timeout`` bounds each round trip however redis-py spends it: every
+  call runs on one of a few I/O threads and its caller waits at most ``timeout`` × the round
+  trips it needs (or the caller's own ``deadline``, whichever is sooner). redis-py's socket
+  timeout alone does not bound a call: after one, a cluster client re-reads the slot map from
+  its startup nodes, each waiting the full timeout (measured: acquires of 2.0-3.5 s with a
+  0.25 s timeout while every node was frozen). A call past its deadline counts as a failure
+  for the breaker (a frozen cluster opens it as a refusing one does); its thread finishes, or
+  times out, on its own, and its result is dropped. When every I/O thread is still busy with
+  such calls, a new call is a miss at once (``skipped_busy``) instead of queueing behind them.
 * A value is served only after :func:`kvcached.tiers.remote_codec.decode` accepts it (MAC,
   header, length, checksum); a refused value is counted by reason, logged, and ends the fetch
   there (a chunk is only usable with its whole prefix).
 
 Thread-safety: the redis-py clients are thread-safe (a connection pool); the counters and the
-breaker are guarded by one small lock. Calls block: callers run them off the event loop.
+breaker are guarded by one small lock. Calls block (up to their deadline): callers run them off
+the event loop.
 """
 
 from __future__ import annotations
@@ -31,6 +41,8 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,7 +89,9 @@ class RemoteStats:
     bytes_fetched: int = 0
     bytes_published: int = 0
     published: int = 0
-    errors: int = 0  # calls that failed (connection, timeout, cluster down)
+    errors: int = 0  # calls that failed (connection, timeout, cluster down), deadlines missed included
+    deadline_missed: int = 0  # calls abandoned at their deadline (their thread still inside redis-py)
+    skipped_busy: int = 0  # calls not made: every I/O thread was still in an abandoned call
     skipped_open: int = 0  # calls not made because the breaker was open
     refused: dict[str, int] = field(default_factory=dict)  # values not served, by reason
     breaker_opened: int = 0
@@ -137,8 +151,11 @@ class RemoteRedisTier:
         self.breaker = Breaker(config.breaker_failures, config.breaker_cooldown, clock)
         self._client = client  # made on first use: a cluster client connects when made, and may fail
         self._connecting = threading.Lock()
+        self._io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="kvcached-remote")
+        self._io_free = threading.BoundedSemaphore(IO_THREADS)
 
     def close(self) -> None:
+        self._io.shutdown(wait=False)
         if self._client is None:
             return
         try:
@@ -167,13 +184,15 @@ class RemoteRedisTier:
             n += 1
         return n
 
-    def fetch(self, layout_id: LayoutId, hashes: Sequence[ChunkHash], chunk_bytes: int) -> list[memoryview]:
+    def fetch(self, layout_id: LayoutId, hashes: Sequence[ChunkHash], chunk_bytes: int, *,
+              deadline: float | None = None) -> list[memoryview]:
         """The verified payloads of the leading chunks of ``hashes`` the remote holds, in order;
-        stops at the first one missing or refused."""
+        stops at the first one missing or refused. ``deadline`` (``time.monotonic()``): return
+        (nothing) by then at the latest."""
         if not hashes:
             return []
         names = [self._name(layout_id, h) for h in hashes]
-        values = self._pipelined("fetch", lambda p: [p.get(n) for n in names])
+        values = self._pipelined("fetch", lambda p: [p.get(n) for n in names], deadline=deadline)
         out: list[memoryview] = []
         if values is None:
             return out
@@ -300,27 +319,61 @@ class RemoteRedisTier:
     def _name(self, layout_id: LayoutId, h: ChunkHash) -> str:
         return remote_key(self.config.domain, layout_id, h)
 
-    def _pipelined(self, what: str, queue: Callable[[Any], object]) -> list[Any] | None:
-        """Run the commands ``queue`` adds to a pipeline; None (counted, logged) on any failure."""
+    def _pipelined(self, what: str, queue: Callable[[Any], object], *, rounds: int = 1,
+                   deadline: float | None = None) -> list[Any] | None:
+        """Run the commands ``queue`` adds to a pipeline (one round trip: redis-py's cluster
+        pipeline writes to every node, then reads every node); None (counted, logged) on any
+        failure or at the deadline."""
         def run(client: Any) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             queue(pipe)
             return pipe.execute()
 
-        return self._call(what, run)
+        return self._call(what, run, rounds=rounds, deadline=deadline)
 
-    def _call(self, what: str, op: Callable[[Any], list[Any]]) -> list[Any] | None:
-        """``op(client)``, past the breaker; None (counted, logged) on any failure."""
+    def _bounded(self, op: Callable[[Any], list[Any]], rounds: int, deadline: float | None) -> list[Any]:
+        """``op(client)`` on an I/O thread, waited for ``timeout`` × ``rounds`` (or until
+        ``deadline``); raises :class:`DeadlineMissed` past it, :class:`IOBusy` when no thread is free."""
+        if not self._io_free.acquire(blocking=False):
+            raise IOBusy("every remote I/O thread is still in an abandoned call")
+
+        def run() -> list[Any]:
+            try:
+                return op(self._connected())  # connecting (a cluster's slot map) is inside the bound
+            finally:
+                self._io_free.release()
+
+        try:
+            future = self._io.submit(run)
+        except RuntimeError:  # shut down (closing)
+            self._io_free.release()
+            raise IOBusy("the remote tier is closing") from None
+        wait = self.config.timeout * max(1, rounds)
+        if deadline is not None:
+            wait = min(wait, deadline - time.monotonic())
+        try:
+            return future.result(timeout=max(0.0, wait))
+        except FutureTimeout:
+            raise DeadlineMissed(f"no answer within {wait:.3f} s (the remote timeout x {rounds} round trip(s))") from None
+
+    def _call(self, what: str, op: Callable[[Any], list[Any]], *, rounds: int = 1,
+              deadline: float | None = None) -> list[Any] | None:
+        """``op(client)``, past the breaker, within the deadline; None (counted, logged) on any failure."""
         with self._lock:
             if not self.breaker.allow():
                 self.stats.skipped_open += 1
                 return None
         try:
-            result = op(self._connected())
+            result = self._bounded(op, rounds, deadline)
+        except IOBusy:
+            with self._lock:
+                self.stats.skipped_busy += 1
+            return None
         except Exception as e:  # noqa: BLE001 - fail-open: any Redis trouble is a miss
             stale = None
             with self._lock:
                 self.stats.errors += 1
+                self.stats.deadline_missed += isinstance(e, DeadlineMissed)
                 opened = self.breaker.failure()
                 if opened:
                     self.stats.breaker_opened += 1
@@ -343,6 +396,19 @@ class RemoteRedisTier:
         with self._lock:
             self.breaker.success()
         return result
+
+
+#: Threads that run remote calls: enough for the publisher, the demotions and a few acquires at
+#: once; more would only pile up behind a frozen Redis.
+IO_THREADS = 4
+
+
+class DeadlineMissed(Exception):
+    """A remote call did not finish within its bound (counted as a failure)."""
+
+
+class IOBusy(Exception):
+    """Every remote I/O thread is still inside a call abandoned at its deadline."""
 
 
 def _make_client(config: RemoteConfig) -> Any:
