@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence, TypeVar
 
-from kvcached.config import MiB, StoreConfig
+from kvcached.config import StoreConfig
 from kvcached.errors import (
     ChunkNotCached,
     ClientKeysNotTrusted,
@@ -87,7 +87,7 @@ from kvcached.stats import (
 from kvcached.tiers.nvme import NvmeTier
 from kvcached.tiers.packed import PoolHandle
 from kvcached.tiers.remote_codec import mac_key
-from kvcached.tiers.remote_redis import RemoteRedisTier
+from kvcached.tiers.remote_redis import ROUND_TRIP_BYTES, RemoteRedisTier
 from kvcached.tiers.registry import make_pool
 from kvcached.writeback import WriteBack
 
@@ -95,7 +95,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SESSION = SessionId("local")
 #: How many bytes of chunks one remote fetch asks for at most (a window; see _fill_from_remote).
-REMOTE_FETCH_WINDOW_BYTES = 64 * MiB
+REMOTE_FETCH_WINDOW_BYTES = ROUND_TRIP_BYTES
 T = TypeVar("T")
 
 

@@ -251,7 +251,9 @@ class RemoteRedisTier:
         """SET each (key, meta, payload) as an encoded value with the TTL; the number sent, or None."""
         ttl = max(1, int(self.config.ttl))
         values = [(k, encode(m, payload, self._key)) for k, m, payload in items]
-        if self._pipelined(what, lambda p: [p.set(k, v, ex=ttl) for k, v in values]) is None:
+        # A batch of large chunks is several windows' worth of bytes: its bound grows with them.
+        rounds = 1 + sum(len(v) for _, v in values) // ROUND_TRIP_BYTES
+        if self._pipelined(what, lambda p: [p.set(k, v, ex=ttl) for k, v in values], rounds=rounds) is None:
             return None
         with self._lock:
             self.stats.bytes_published += sum(len(v) for _, v in values)
@@ -397,6 +399,10 @@ class RemoteRedisTier:
             self.breaker.success()
         return result
 
+
+#: The bytes one round trip carries within ``timeout`` (a fetch window is this size; a larger
+#: publish batch gets one more ``timeout`` per this many bytes).
+ROUND_TRIP_BYTES = 64 << 20
 
 #: Threads that run remote calls: enough for the publisher, the demotions and a few acquires at
 #: once; more would only pile up behind a frozen Redis.
