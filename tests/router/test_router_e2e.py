@@ -56,12 +56,11 @@ def fleet(tmp_path_factory):
         yield f
 
 
-@pytest.fixture(scope="module")
-def router(fleet, tmp_path_factory):
+def start_router(config: dict, directory) -> tuple[str, subprocess.Popen]:
+    """kvcached-router as a process on a free port with ``config``; (its URL, the process)."""
     port = free_ports(1)[0]
-    cfg = tmp_path_factory.mktemp("router") / "router.toml"
-    cfg.write_text(to_toml(fleet.kvcached_router_config(listen=f"127.0.0.1:{port}", audit=True,
-                                                        health_interval=0.3, provisional_ttl=5.0)))
+    cfg = directory / "router.toml"
+    cfg.write_text(to_toml({**config, "listen": f"127.0.0.1:{port}"}))
     proc = subprocess.Popen([os.path.join(BIN, "kvcached-router"), "--config", str(cfg)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -76,6 +75,13 @@ def router(fleet, tmp_path_factory):
             proc.kill()
             raise RuntimeError("router did not start:\n" + (proc.stdout.read() if proc.stdout else ""))
         time.sleep(0.1)
+    return url, proc
+
+
+@pytest.fixture(scope="module")
+def router(fleet, tmp_path_factory):
+    url, proc = start_router(fleet.kvcached_router_config(audit=True, health_interval=0.3, provisional_ttl=5.0),
+                             tmp_path_factory.mktemp("router"))
     yield url
     proc.terminate()
     proc.wait(20)
@@ -170,3 +176,35 @@ def test_a_request_the_router_cannot_read_is_still_forwarded(router):
     assert code == 200 and r["usage"]["prompt_tokens"] == 4
     metrics = urllib.request.urlopen(router + "/metrics", timeout=10).read().decode()
     assert 'kvcached_router_fail_open_total{reason="JSONDecodeError"} 1.0' in metrics
+
+
+def test_the_audit_counts_a_real_wrong_route(fleet, tmp_path):
+    """A route is wrong when another host's daemon holds more of the prompt than the chosen one.
+    Made for real: a second router that never hears host B's KV events (their endpoints point
+    nowhere), B's daemon holding a whole system prompt (served by B directly), A's holding its
+    first chunks (known to the router). The router sends the prompt to A for its cache; the audit
+    asks every daemon and must count the route wrong. Mutation: make the audit never report ->
+    this fails (the rest of the suite's "0 wrong routes" checks would still pass)."""
+    config = fleet.kvcached_router_config(audit=True, health_interval=0.3, provisional_ttl=0.5)
+    a, b = config["hosts"][0]["name"], config["hosts"][1]["name"]
+    config["hosts"][1]["events"] = f"ipc://{tmp_path}/nobody-events"
+    config["hosts"][1]["replay"] = f"ipc://{tmp_path}/nobody-replay"
+    system = words(300, 240)
+    code, _, _ = post(fleet.url(1) + "/v1/chat/completions", chat(system, "direct to b"))
+    assert code == 200
+    code, _, _ = post(fleet.url(0) + "/v1/chat/completions", chat(words(300, 60), "direct to a"))
+    assert code == 200
+    url, proc = start_router(config, tmp_path)
+    try:
+        wait(lambda: state(url)[a]["indexed_chunks"] > 0 and state(url)[b]["indexed_chunks"] == 0, 20,
+             "the router to know A's chunks and none of B's")
+        code, h, _ = post(url + "/v1/chat/completions", chat(system, "through the router"))
+        assert code == 200 and h["X-Simhost"] == a, h.get("X-Simhost")
+        wait(lambda: get(url + "/router/decisions?wrong=1"), 10, "the audit to report the wrong route")
+        row = get(url + "/router/decisions?wrong=1")[-1]
+        assert row["oracle_tokens"][b] > row["oracle_tokens"][a], row
+        metrics = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+        assert "kvcached_router_wrong_routes_total 1.0" in metrics
+    finally:
+        proc.terminate()
+        proc.wait(20)
