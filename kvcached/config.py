@@ -79,6 +79,12 @@ class FileAccess:
                 os.chown(path_or_fd, -1, self.gid)
 
 
+#: The StoreConfig fields a running store changes on a reload (SIGHUP: ``Store.reconfigure``),
+#: and reports in its stats as one snapshot.
+RELOADABLE_FIELDS = ("cache_ttl", "lease_ttl", "reservation_ttl", "max_leases_per_session",
+                     "max_reservations_per_session", "eviction_weight")
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """Everything the engine of one trust domain needs.

@@ -19,7 +19,7 @@ import tomllib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from kvcached.config import BLOCK_ALIGN, FileAccess, GiB, MiB, StoreConfig
+from kvcached.config import BLOCK_ALIGN, RELOADABLE_FIELDS, FileAccess, GiB, MiB, StoreConfig
 
 DEFAULT_CONFIG_FILE = "/etc/kvcached/kvcached.toml"
 
@@ -30,8 +30,7 @@ RELOADABLE = frozenset({"cache_ttl", "lease_ttl", "reservation_ttl", "call_timeo
                         # read from the file by `kvcachectl report`, never by the daemon:
                         "report_gpu_hour_price", "report_prefill_tokens_per_s"})
 #: The reloadable settings the store itself applies (Store.reconfigure).
-STORE_RELOADABLE = ("cache_ttl", "lease_ttl", "reservation_ttl", "max_leases_per_session",
-                    "max_reservations_per_session", "eviction_weight")
+STORE_RELOADABLE = RELOADABLE_FIELDS  # what Store.reconfigure applies
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)?\s*$", re.IGNORECASE)
 

@@ -7,6 +7,7 @@ The engine only counts; exporting (Prometheus, kvcachectl) reads
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from kvcached.promptshape import LayoutShapeStats
 
@@ -158,6 +159,8 @@ class StoreStats:
     remote: RemoteTierStats | None = None
     #: Layout id -> where its lookups stop matching (kvcached.promptshape).
     prompt_shape: dict[str, LayoutShapeStats] = field(default_factory=dict)
+    #: The reloadable settings in effect, read in one piece (after a SIGHUP: did it apply?).
+    settings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:

@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence, TypeVar
 
-from kvcached.config import StoreConfig
+from kvcached.config import RELOADABLE_FIELDS, StoreConfig
 from kvcached.errors import (
     ChunkNotCached,
     ClientKeysNotTrusted,
@@ -96,6 +96,7 @@ log = logging.getLogger(__name__)
 DEFAULT_SESSION = SessionId("local")
 #: How many bytes of chunks one remote fetch asks for at most (a window; see _fill_from_remote).
 REMOTE_FETCH_WINDOW_BYTES = ROUND_TRIP_BYTES
+
 T = TypeVar("T")
 
 
@@ -833,6 +834,7 @@ class Store:
                 self._eviction_stats(),
                 self._remote_stats(),
                 self.prompt_shape.snapshot({lid: lay.model for lid, (lay, _) in self._layouts.items()}),
+                {name: getattr(self.config, name) for name in RELOADABLE_FIELDS},
             )
 
     def _remote_stats(self) -> RemoteTierStats | None:
