@@ -10,6 +10,9 @@ replicas) that the tests start on free loopback ports.
   once a replica is promoted.
 * The whole cluster down, then back: no client errors, the breaker opens and closes, the publish
   queue stays within its bound, and publishing resumes.
+* Resharding under load: slots migrate between primaries (clients meet ASK and MOVED), a fourth
+  primary joins, takes slots, gives them back and leaves: no client error, no corrupt chunk,
+  hits from the cluster after every step.
 """
 
 from __future__ import annotations
@@ -239,3 +242,76 @@ def test_the_whole_cluster_down_then_back(hosts, cluster):
     assert load.errors == [], load.errors[:5]
     assert load.corrupt == 0
     assert load.requests > requests_down > 0 and back > down
+
+
+def node_id(port: int) -> str:
+    return cli(port, "cluster", "myid").strip()
+
+
+def settle(port: int, timeout: float = 30.0) -> None:
+    """Until every node agrees on the slot map (``redis-cli --cluster check`` passes): the next
+    administrative step refuses to run before that ("Nodes don't agree about configuration")."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            cli(port, "--cluster", "check", f"127.0.0.1:{port}")
+            return
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def reshard(cluster: RedisCluster, src: int, dst: int, slots: int) -> None:
+    """Move ``slots`` hash slots from the primary on port ``src`` to the one on ``dst``, key by
+    key (MIGRATING / IMPORTING, MIGRATE: clients meet ASK and then MOVED while it runs)."""
+    settle(src)
+    cli(cluster.nodes[0].port, "--cluster", "reshard", f"127.0.0.1:{src}", "--cluster-from", node_id(src),
+        "--cluster-to", node_id(dst), "--cluster-slots", str(slots), "--cluster-yes", timeout=120)
+
+
+def test_resharding_and_a_node_added_and_removed_under_load(hosts, cluster, tmp_path):
+    """Slots move between primaries while both hosts fetch and publish, then a new primary joins,
+    takes slots, gives them back and leaves: no client error, no corrupt chunk, cross-host hits
+    from the cluster continue after each step."""
+    from tests.redis_servers import RedisServer, free_ports
+
+    a, b = hosts(pool_bytes="2M", nvme_bytes=0)  # a small pool: prompts keep going to the cluster
+    load = Load({"a": a.socket, "b": b.socket}).start()
+    extra = RedisServer(free_ports(1)[0], str(tmp_path / "extra"),
+                        extra=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                               "--cluster-node-timeout", "2000"]).start()
+    try:
+        with Client(a.socket) as ca, Client(b.socket) as cb:
+            def cluster_hits() -> int:
+                return remote(ca)["hits"] + remote(cb)["hits"]
+
+            wait_for(lambda: load.hits_since(0) > 0, 20, "cross-host hits before resharding")
+            p = [n.port for n in cluster.primaries()]
+            reshard(cluster, p[0], p[1], 2000)
+            before = cluster_hits()
+            wait_for(lambda: cluster_hits() > before, 30, "hits from the cluster after a reshard")
+            settle(p[0])
+            cli(cluster.nodes[0].port, "--cluster", "add-node", f"127.0.0.1:{extra.port}", f"127.0.0.1:{p[0]}")
+            cluster.nodes.append(extra)
+            wait_for(lambda: "cluster_state:ok" in cli(extra.port, "cluster", "info"), 30, "the new node to join")
+            reshard(cluster, p[1], extra.port, 1500)
+            before = cluster_hits()
+            wait_for(lambda: cluster_hits() > before, 30, "hits from the cluster with a fourth primary")
+            reshard(cluster, extra.port, p[2], 1500)  # empty it, then remove it
+            settle(p[0])
+            cli(cluster.nodes[0].port, "--cluster", "del-node", f"127.0.0.1:{p[0]}", node_id(extra.port))
+            cluster.nodes.remove(extra)
+            extra.stop()
+            before = cluster_hits()
+            wait_for(lambda: cluster_hits() > before, 30, "hits from the cluster after the node left")
+    finally:
+        load.stop()
+        if extra in cluster.nodes:
+            cluster.nodes.remove(extra)
+        extra.stop()
+    assert load.errors == [], load.errors[:5]
+    assert load.corrupt == 0 and load.requests > 20
+    with Client(a.socket) as ca, Client(b.socket) as cb:
+        for c in (ca, cb):
+            assert sum(remote(c)["refused"].values()) == 0  # nothing garbled was served
