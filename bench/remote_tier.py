@@ -1113,10 +1113,10 @@ def measure_miss(cluster, args: argparse.Namespace, notes: list[str]) -> dict:
         wr = stores["with remote"].remote
         fetch0 = wr.fetch
 
-        def counting_fetch(lid_, hs, nb, _f=fetch0):
+        def counting_fetch(lid_, hs, nb, _f=fetch0, **kw):
             counted["calls"] += 1
             counted["keys"] += len(hs)
-            return _f(lid_, hs, nb)
+            return _f(lid_, hs, nb, **kw)
 
         wr.fetch = counting_fetch
         state = {"i": 0}

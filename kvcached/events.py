@@ -47,7 +47,12 @@ from kvcached.locations import NVME, POOL
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
-MEDIUM_DISK = "DISK"
+#: The daemon's NVMe tier: vLLM's name for an offloading tier on storage (``MEDIUM_STORAGE``).
+#: Daemons before this release said "DISK"; the router reads both.
+MEDIUM_STORAGE = "STORAGE"
+#: Every chunk a daemon reports is on its own host (vLLM's ``Locality.LOCAL``): chunks only in
+#: the shared remote tier are not reported, since every host of the domain reaches them alike.
+LOCAL = "LOCAL"
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
@@ -72,12 +77,14 @@ class BlockStored(KVCacheEvent):
     lora_name: str | None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    locality: str | None = None  # LOCAL or REMOTE relative to the publisher (vLLM 0.32's field)
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[bytes | int]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -124,17 +131,17 @@ class KvEventLog:
         if tier & POOL:
             ids = np.frombuffer(tokens, dtype="<u4").tolist() if isinstance(tokens, bytes) else []
             self._append(BlockStored(hashes, parent, ids, layout.chunk_tokens, None, self.pool_medium,
-                                     layout.lora_name or None))
+                                     layout.lora_name or None, locality=LOCAL))
         if tier & NVME:
-            self._append(BlockStored(list(hashes), parent, [], layout.chunk_tokens, None, MEDIUM_DISK,
-                                     layout.lora_name or None))
+            self._append(BlockStored(list(hashes), parent, [], layout.chunk_tokens, None, MEDIUM_STORAGE,
+                                     layout.lora_name or None, locality=LOCAL))
 
     def removed(self, nodes: Sequence[Any], tier: int) -> None:
         hashes = [n.hash for n in nodes]
         if tier & POOL:
-            self._append(BlockRemoved(hashes, self.pool_medium))
+            self._append(BlockRemoved(hashes, self.pool_medium, locality=LOCAL))
         if tier & NVME:
-            self._append(BlockRemoved(list(hashes), MEDIUM_DISK))
+            self._append(BlockRemoved(list(hashes), MEDIUM_STORAGE, locality=LOCAL))
 
     def cleared(self) -> None:
         """Everything this daemon held is gone (an explicit evict of all)."""
@@ -187,8 +194,8 @@ def snapshot_events(nodes: Iterable[Any], layout_of: Callable[[LayoutId], KVLayo
     for node in sorted(nodes, key=lambda n: n.depth):
         layout = layout_of(node.layout_id)
         parent = node.parent.hash if node.parent is not None else None
-        for bit, medium in ((POOL, pool_medium), (NVME, MEDIUM_DISK)):
+        for bit, medium in ((POOL, pool_medium), (NVME, MEDIUM_STORAGE)):
             if node.tiers & bit:
                 out.append(BlockStored([node.hash], parent, [], layout.chunk_tokens, None, medium,
-                                       layout.lora_name or None))
+                                       layout.lora_name or None, locality=LOCAL))
     return out

@@ -63,7 +63,7 @@ def state(store: Store) -> dict[str, set[bytes]]:
         if n.tiers & 1:
             media.setdefault("CPU", set()).add(n.hash)
         if n.tiers & 2:
-            media.setdefault("DISK", set()).add(n.hash)
+            media.setdefault("STORAGE", set()).add(n.hash)
     return media
 
 
@@ -85,14 +85,15 @@ def test_events_follow_the_index_tier_by_tier(tmp_path):
         st.put(lid, other, [payload(i, salt=2) for i in range(3)])  # the 4-chunk pool demotes 3 to NVMe
         evs = st.events.take()
         first_three = set(st.hashes(lid, prompt(3)))
-        disk = {h for x in evs if isinstance(x, BlockStored) and x.medium == "DISK" for h in x.block_hashes}
+        disk = {h for x in evs if isinstance(x, BlockStored) and x.medium == "STORAGE" for h in x.block_hashes}
         gone = {h for x in evs if isinstance(x, BlockRemoved) and x.medium == "CPU" for h in x.block_hashes}
         assert disk == gone and len(gone) == 3 and gone <= first_three | set(st.hashes(lid, prompt(1, start=3 * CT)))
-        assert all(x.token_ids == [] for x in evs if isinstance(x, BlockStored) and x.medium == "DISK")
+        assert all(x.token_ids == [] for x in evs if isinstance(x, BlockStored) and x.medium == "STORAGE")
+        assert all(x.locality == "LOCAL" for x in evs if isinstance(x, (BlockStored, BlockRemoved)))
         (new,) = [x for x in evs if isinstance(x, BlockStored) and x.medium == "CPU"]
         assert new.token_ids == other and new.block_hashes == st.hashes(lid, other)
         before = first_three | set(st.hashes(lid, prompt(1, start=3 * CT)))
-        assert state(st) == {"CPU": (before - gone) | set(new.block_hashes), "DISK": gone}  # the events' picture
+        assert state(st) == {"CPU": (before - gone) | set(new.block_hashes), "STORAGE": gone}  # the events' picture
         st.evict(lid)
         view = View()
         st.events.request_resync()
@@ -117,13 +118,15 @@ def test_vllm_decodes_the_batches_and_so_does_plain_msgpack(tmp_path):
         (ev,) = theirs.events
         assert isinstance(ev, vllm_events.BlockStored)
         assert ev.block_hashes == st.hashes(lid, prompt(2)) and ev.token_ids == prompt(2)
-        assert (ev.block_size, ev.medium, ev.lora_id, ev.parent_block_hash) == (CT, "CPU", None, None)
+        assert (ev.block_size, ev.medium, ev.lora_id, ev.parent_block_hash, ev.locality) == (CT, "CPU", None, None, "LOCAL")
         plain = msgspec.msgpack.decode(wire)  # any msgpack reader: [ts, [event maps], rank]
         assert plain[0] == 123.5 and plain[2] == 0 and plain[1][0]["type"] == "BlockStored"
         assert plain[1][0]["token_ids"] == prompt(2)
-        removed = encoder().encode(EventBatch(1.0, [BlockRemoved([b"x" * 16], "DISK"), AllBlocksCleared()], 0))
+        removed = encoder().encode(EventBatch(1.0, [BlockRemoved([b"x" * 16], "STORAGE", locality="LOCAL"),
+                                                    AllBlocksCleared()], 0))
         a, b = msgspec.msgpack.Decoder(type=vllm_events.KVEventBatch).decode(removed).events
-        assert isinstance(a, vllm_events.BlockRemoved) and a.medium == "DISK" and isinstance(b, vllm_events.AllBlocksCleared)
+        assert isinstance(a, vllm_events.BlockRemoved) and (a.medium, a.locality) == (vllm_events.MEDIUM_STORAGE, "LOCAL")
+        assert isinstance(b, vllm_events.AllBlocksCleared)
     finally:
         st.close()
 

@@ -8,6 +8,7 @@ hash_key_file = "/etc/kvcached/hash.key"  # the trust domain's key (the daemons'
 domain = "default"
 load_factor = 1.25             # the kvcached policy's load bound: x the mean in-flight requests,
 load_slack = 2                 # and never fewer than this many above the mean
+storage_weight = 0.5           # a cached chunk only on a daemon's NVMe counts this much (a pool chunk 1)
 provisional_ttl = 10           # s a routed request's chunks count as held before its daemon confirms them
 health_interval = 1            # s between health checks of each host
 
@@ -109,6 +110,7 @@ class RouterConfig:
     policy: str = "kvcached"
     load_factor: float = 1.25
     load_slack: int = 2
+    storage_weight: float = 0.5  # a chunk only on the daemon's NVMe, against 1 for one in its pool
     prefix_hash_chunks: int = 2
     provisional_ttl: float = 10.0
     health_interval: float = 1.0
@@ -128,6 +130,8 @@ class RouterConfig:
             raise RouterConfigError(f"policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
         if self.load_factor < 1:
             raise RouterConfigError("load_factor must be >= 1")
+        if not 0 <= self.storage_weight <= 1:
+            raise RouterConfigError("storage_weight must be in [0, 1]")
         if self.audit and not all(h.daemon_socket for h in self.hosts):
             raise RouterConfigError("audit needs every host's daemon_socket")
 

@@ -96,6 +96,21 @@ class HostIndex:
                 break
         return n
 
+    def weighted_prefix(self, hashes: Sequence[bytes], weights: dict[str, float]) -> float:
+        """The leading chunks of ``hashes`` this host holds, each counted by the weight of the
+        best medium it is on (``weights``: medium -> weight, 1.0 for a medium not named; a
+        chunk a routed request is about to store counts 1.0, as it will be in the pool)."""
+        self._expire()
+        total = 0.0
+        for h in hashes:
+            if h in self._provisional and h not in self._held:
+                total += 1.0
+                continue
+            if h not in self._held:
+                break
+            total += max(weights.get(m, 1.0) for m, held in self._media.items() if h in held)
+        return total
+
     def confirmed_prefix(self, hashes: Sequence[bytes]) -> int:
         """Like :meth:`prefix`, counting only what the daemon has confirmed."""
         n = 0

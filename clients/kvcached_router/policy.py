@@ -34,6 +34,8 @@ from collections.abc import Sequence
 
 from kvcached_router.index import HostIndex
 
+#: The media a daemon reports for its NVMe tier ("DISK" from daemons before vLLM's name).
+STORAGE_MEDIA = ("STORAGE", "DISK")
 POLICIES = ("kvcached", "round_robin", "least_loaded", "prefix_hash", "longest_prefix")
 
 
@@ -62,7 +64,8 @@ class Router:
     """Chooses a host for each request by the configured policy (see the module docstring)."""
 
     def __init__(self, hosts: Sequence[HostState], policy: str = "kvcached", *, load_factor: float = 1.25,
-                 load_slack: int = 2, prefix_hash_chunks: int = 2, vnodes: int = 64) -> None:
+                 load_slack: int = 2, prefix_hash_chunks: int = 2, vnodes: int = 64,
+                 storage_weight: float = 1.0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
         if load_factor < 1.0:
@@ -72,6 +75,9 @@ class Router:
         self.load_factor = load_factor
         self.load_slack = load_slack
         self.prefix_hash_chunks = prefix_hash_chunks
+        # What a cached chunk is worth by where it lives: one only on the daemon's NVMe must be
+        # read before it serves (the pool's are mapped by the engine as they are).
+        self.weights = {medium: storage_weight for medium in STORAGE_MEDIA}
         self._turn = itertools.count()
         self._ring = sorted((_h64(f"{h.name}#{v}".encode()), h.name) for h in self.hosts for v in range(vnodes))
         self._ring_keys = [k for k, _ in self._ring]
@@ -82,6 +88,8 @@ class Router:
         if not live:
             return None
         prefixes = {h.name: h.index.prefix(hashes) for h in live}
+        values = prefixes if all(w == 1.0 for w in self.weights.values()) else {
+            h.name: h.index.weighted_prefix(hashes, self.weights) for h in live}
         best = max(prefixes.values())
         if self.policy == "round_robin":
             host, reason = live[next(self._turn) % len(live)], "turn"
@@ -90,10 +98,10 @@ class Router:
         elif self.policy == "prefix_hash":
             host, reason = self._by_hash(hashes, live), "hash"
         elif self.policy == "longest_prefix":
-            host = max(live, key=lambda h: (prefixes[h.name], -h.in_flight, -h.queued_tokens))
+            host = max(live, key=lambda h: (values[h.name], -h.in_flight, -h.queued_tokens))
             reason = "cache" if prefixes[host.name] else "balance"
         else:
-            host, reason = self._bounded(live, prefixes, best, hashes)
+            host, reason = self._bounded(live, prefixes, values, best, hashes)
         decision = Decision(host, self.policy, reason, prefixes[host.name], best, self.load_bound(live),
                             {h.name: h.in_flight for h in live})
         host.routed += 1
@@ -107,23 +115,24 @@ class Router:
         mean_after = (sum(h.in_flight for h in live) + 1) / len(live)
         return max(math.ceil(self.load_factor * mean_after), math.floor(mean_after) + self.load_slack) - 1
 
-    def _bounded(self, live: list[HostState], prefixes: dict[str, int], best: int,
+    def _bounded(self, live: list[HostState], prefixes: dict[str, int], values: dict[str, float], best: int,
                  hashes: Sequence[bytes]) -> tuple[HostState, str]:
         bound = self.load_bound(live)
         eligible = [h for h in live if h.in_flight <= bound] or live
-        top = max(prefixes[h.name] for h in eligible)
+        top_value = max(values[h.name] for h in eligible)
         # Among the longest prefixes within the bound: one its daemon has confirmed (not only
         # "about to store", which a request still in flight may not deliver), then the queue that
         # would start it soonest.
-        tied = [h for h in eligible if prefixes[h.name] == top]
+        tied = [h for h in eligible if values[h.name] == top_value]
         if len(tied) > 1:
             confirmed = {h.name: h.index.confirmed_prefix(hashes) for h in tied}
             most = max(confirmed.values())
             tied = [h for h in tied if confirmed[h.name] == most]
         host = min(tied, key=_load_tokens)
-        if top == 0:
+        if prefixes[host.name] == 0:
             return host, "load" if best > 0 else "balance"
-        return host, "load" if top < best else "cache"
+        # "load" only when the load bound kept the request from a host whose cache was worth more
+        return host, "load" if top_value < max(values.values()) else "cache"
 
     def _by_hash(self, hashes: Sequence[bytes], live: list[HostState]) -> HostState:
         names = {h.name: h for h in live}

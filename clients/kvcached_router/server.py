@@ -100,7 +100,8 @@ class RouterService:
         self.hosts = [HostState(h.name, HostIndex(config.provisional_ttl)) for h in config.hosts]
         self.host_config: dict[str, HostConfig] = {h.name: h for h in config.hosts}
         self.router = Router(self.hosts, config.policy, load_factor=config.load_factor,
-                             load_slack=config.load_slack, prefix_hash_chunks=config.prefix_hash_chunks)
+                             load_slack=config.load_slack, prefix_hash_chunks=config.prefix_hash_chunks,
+                             storage_weight=config.storage_weight)
         self.metrics = Metrics()
         self.subscribers: list[EventSubscriber] = []
         self._session: ClientSession | None = None

@@ -30,9 +30,9 @@ def test_the_index_follows_events_across_media():
     ix = HostIndex()
     ix.apply([stored([1, 2, 3])])
     assert ix.prefix([H(1), H(2), H(3), H(4)]) == 3
-    ix.apply([stored([3], "DISK"), BlockRemoved([H(3)], "CPU")])  # written back, then evicted from the pool
-    assert ix.prefix([H(1), H(2), H(3)]) == 3 and len(ix) == 3  # still on this host, on DISK
-    ix.apply([BlockRemoved([H(3)], "DISK")])
+    ix.apply([stored([3], "STORAGE"), BlockRemoved([H(3)], "CPU")])  # written back, then evicted from the pool
+    assert ix.prefix([H(1), H(2), H(3)]) == 3 and len(ix) == 3  # still on this host, on its NVMe
+    ix.apply([BlockRemoved([H(3)], "STORAGE")])
     assert ix.prefix([H(1), H(2), H(3)]) == 2
     ix.apply([BlockRemoved([H(9)], "CPU"), BlockRemoved([H(1)], "GPU")])  # unknown: nothing changes
     assert ix.prefix([H(1), H(2)]) == 2
@@ -150,3 +150,21 @@ def test_ties_at_empty_queues_rotate_instead_of_piling_onto_the_first_host():
     r = Router(hs, "kvcached")
     picks = [r.choose([H(1), H(2), H(100 + k)]).host.name for k in range(30)]
     assert {n: picks.count(n) for n in "abc"} == {"a": 10, "b": 10, "c": 10}
+
+
+def test_a_host_whose_prefix_is_on_nvme_counts_less_than_one_holding_it_in_its_pool():
+    """storage_weight: b holds 3 chunks in its pool, a holds 4 of which 3 only on NVMe (an older
+    daemon's "DISK" counts the same): weighted 1 + 3 x 0.5 = 2.5 < 3, so b; with weight 1, a."""
+    for medium in ("STORAGE", "DISK"):
+        a, b = hs = hosts("a", "b")
+        a.index.apply([stored([1]), stored([2, 3, 4], medium)])
+        b.index.apply([stored([1, 2, 3])])
+        want = [H(1), H(2), H(3), H(4)]
+        assert a.index.weighted_prefix(want, {medium: 0.5}) == 2.5 and b.index.weighted_prefix(want, {}) == 3.0
+        d = Router(hs, "kvcached", storage_weight=0.5).choose(want)
+        assert d.host is b and d.reason == "cache" and d.cached_chunks == 3 and d.best_chunks == 4
+        assert Router(hs, "kvcached", storage_weight=1.0).choose(want).host is a
+        assert Router(hs, "longest_prefix", storage_weight=0.5).choose(want).host is b
+    ix = HostIndex()
+    ix.apply([stored([1], "STORAGE"), stored([1], "CPU")])  # on both: the pool's weight
+    assert ix.weighted_prefix([H(1)], {"STORAGE": 0.5}) == 1.0
