@@ -133,14 +133,19 @@ async def _serve(settings: DaemonSettings, config_file: str | None, overrides: d
     log.info("stopping: health NOT_SERVING, draining in-flight calls", extra={"event": "stop"})
     for t in tasks:
         t.cancel()
+    # The KV event streams first: a router sees the connection drop and stops counting this
+    # host's chunks at once, while the RPCs drain (up to 5 s) and the pool is flushed. Left
+    # open until after the flush, the stream kept saying "held" while every call was refused:
+    # a restart storm measured a quarter of routes wrong that way. The next start's stream
+    # begins with AllBlocksCleared and a snapshot, the flushed chunks included.
+    for pub in event_pubs:
+        await loop.run_in_executor(None, pub.stop)
     for r in runnings:
         await r.stop(grace=5.0)
     metrics.close()
     flushed = 0
     for st in stores:
         flushed += await loop.run_in_executor(None, st.flush)
-    for pub in event_pubs:  # after the flush: its tier moves are published too
-        await loop.run_in_executor(None, pub.stop)
     for st in stores:
         st.close()
     log.info("stopped; wrote %d pool-only chunks to NVMe", flushed, extra={"event": "stopped"})

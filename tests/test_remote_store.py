@@ -352,3 +352,52 @@ def test_a_worker_threads_acquire_is_not_refused_while_the_event_loop_runs_inlin
         assert b.stats().counters.remote_filled_chunks == 3
     finally:
         a.close(), b.close()
+
+
+def test_a_chunk_over_the_remote_value_limit_is_refused_there_and_served_here(tmp_path):
+    """Redis refuses a value over its proto-max-bulk-len (1 MiB here, the least it allows): a chunk
+    of exactly 1 MiB (its record adds a header and MAC) cannot be published. Nothing fails: the
+    host serves it from its own tiers, the publish counts an error, and a chunk just under the
+    limit (512 KiB) still goes there and is served to another host, verified."""
+    from kvcached.keys import KVLayout
+    from tests.redis_servers import free_ports, require_redis
+
+    require_redis()
+    srv = RedisServer(free_ports(1)[0], str(tmp_path / "redis"), extra=["--proto-max-bulk-len", "1mb"]).start()
+    big = KVLayout("test/big@1", num_layers=1, num_kv_heads=8, head_dim=64, dtype="float32", chunk_tokens=256)
+    small = KVLayout("test/small@1", num_layers=1, num_kv_heads=8, head_dim=64, dtype="float32", chunk_tokens=128)
+    assert big.chunk_bytes == 1 << 20 and small.chunk_bytes == 1 << 19
+
+    def mk(name: str, key_from: str | None = None) -> Store:
+        state = str(tmp_path / name)
+        if key_from is not None:
+            os.makedirs(state, exist_ok=True)
+            shutil.copy(os.path.join(key_from, "hash.key"), os.path.join(state, "hash.key"))
+        return Store(StoreConfig(state_dir=state, pool_bytes=8 << 20, nvme_bytes=0, writeback=False,
+                                 remote=RemoteConfig(nodes=(f"127.0.0.1:{srv.port}",), domain="d", timeout=2.0,
+                                                     breaker_failures=100)))
+
+    a = mk("a")
+    b = mk("b", key_from=a.config.state_dir)
+    try:
+        for layout, n in ((big, 2), (small, 2)):
+            lid = a.register_layout(layout)
+            b.register_layout(layout)
+            toks = list(range(n * layout.chunk_tokens))
+            data = [bytes([i + 1]) * layout.chunk_bytes for i in range(n)]
+            a.put(lid, toks, data)
+            a.publisher.drain()
+            lease = a.acquire(lid, toks)  # the host that has it serves it whatever the remote did
+            assert lease.matched_tokens == len(toks)
+            assert [bytes(a.pool.read(c.chunk_hash)) for c in lease.chunks] == data
+            a.release(lease.lease_id)
+            lease = b.acquire(lid, toks)
+            got = [bytes(b.pool.read(c.chunk_hash)) for c in lease.chunks]
+            b.release(lease.lease_id)
+            if layout is big:
+                assert got == [] and a.stats().remote.errors >= 1  # refused by Redis: counted, not served
+            else:
+                assert got == data  # under the limit: shared and verified
+    finally:
+        a.close(), b.close()
+        srv.stop()

@@ -13,6 +13,10 @@ replay runs are held and applied after it, skipping those the replay covered.
 * If the replay cannot fill a hole (the buffer no longer holds it, or there is no replay
   socket), the index is cleared (``holes``): forgetting is safe, a wrong "held" is not, and the
   daemon's following events rebuild it.
+* When the connection to the daemon's PUB socket drops (the daemon stopped, crashed, or is
+  restarting), the index is marked stale at once (ZMQ's socket monitor): the router counts the
+  host as holding nothing until a batch arrives again. Without this, a restart storm routed a
+  quarter of its requests to hosts whose daemons were down, on what their old streams had said.
 
 Runs in the router's event loop (``zmq.asyncio``); ``lag`` is the age of the newest batch's
 timestamp when it was applied.
@@ -50,6 +54,7 @@ class EventSubscriber:
         self.replays = 0
         self.holes = 0
         self.restarts = 0
+        self.disconnects = 0  # times the PUB connection dropped (the index went stale)
         self.lag = 0.0
         self.last_ts = 0.0  # the newest batch timestamp applied (tells a restart from a late duplicate)
         self.synced = asyncio.Event()  # set once the first replay (or first batch) is in
@@ -70,6 +75,8 @@ class EventSubscriber:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        watch = asyncio.get_running_loop().create_task(self._watch(monitor), name=f"events-monitor-{self.name}")
         sub.connect(self.events_endpoint)
         try:
             await self._catch_up(0)
@@ -86,7 +93,25 @@ class EventSubscriber:
                           extra={"event": "router_events_error", "host": self.name})
             self.index.clear()
         finally:
+            watch.cancel()
+            try:
+                sub.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            monitor.close(0)
             sub.close(0)
+
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        """Mark the index stale when the PUB connection drops (the daemon is gone for now)."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_DISCONNECTED and not self.index.stale:
+                self.disconnects += 1
+                self.index.stale = True
+                log.warning("host %s: its daemon's KV event stream disconnected; counting it as holding nothing "
+                            "until the stream resumes", self.name, extra={"event": "router_events_down", "host": self.name})
 
     async def _on_batch(self, seq: int, payload: bytes) -> None:
         if seq == self.next_seq:
@@ -111,6 +136,7 @@ class EventSubscriber:
                 await self._catch_up(0)
 
     def _apply(self, seq: int, batch: object) -> None:
+        self.index.stale = False  # the stream is back: what it says holds again
         self.index.apply(batch.events)  # type: ignore[attr-defined]
         self.next_seq = seq + 1
         self.batches += 1

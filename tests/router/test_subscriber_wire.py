@@ -160,3 +160,24 @@ def test_a_hole_the_replay_cannot_fill_forgets_the_host(tmp_path):
         assert held(ix, IDS) <= d.truth()  # what it knows is true; the rest comes back with new events
 
     run(tmp_path, scenario)
+
+
+def test_a_dropped_connection_marks_the_host_stale_until_the_stream_resumes(tmp_path):
+    """The daemon's PUB socket goes away (the daemon stopped): the index counts as holding
+    nothing at once, not on what the old stream said; a batch on a new PUB brings it back.
+    Mutation: never mark stale -> the prefix stays 1 while the daemon is gone; fails."""
+    async def scenario(d: FakeDaemon, ix: HostIndex, sub: EventSubscriber) -> None:
+        d.make(stored(1))
+        await d.send(0)
+        await until(lambda: ix.prefix([h(1)]) == 1)
+        d.pub.close(0)  # the daemon is gone
+        await until(lambda: ix.stale and ix.prefix([h(1)]) == 0, 5)
+        assert sub.disconnects == 1
+        d.pub = zmq.asyncio.Context.instance().socket(zmq.PUB)  # it is back, the same stream going on
+        d.pub.bind(d.events)
+        await asyncio.sleep(0.3)
+        d.make(stored(2))
+        await d.send(1)
+        await until(lambda: not ix.stale and ix.prefix([h(1), h(2)]) == 2, 5)
+
+    run(tmp_path, scenario)
