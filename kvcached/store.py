@@ -627,8 +627,7 @@ class Store:
         stored = 0
         while k < len(hashes):
             want = hashes[k: k + window]
-            payloads = self.remote.fetch(layout_id, want, layout.chunk_bytes,
-                                         deadline=time.monotonic() + self.remote.config.timeout)
+            payloads = self.remote.fetch(layout_id, want, layout.chunk_bytes)
             if not payloads:
                 break
             n = k + len(payloads)

@@ -153,6 +153,13 @@ class Load:
         for t in self._threads:
             t.join(60)
 
+    def check(self, owner: str, k: int, got: list[bytes]) -> None:
+        """Count what prompt ``k`` of ``owner`` was served: corrupt unless every byte is right."""
+        if got != [chunk(owner, k, i) for i in range(len(got))]:
+            self.corrupt += 1
+        if got:
+            self.cross_hits.append((time.monotonic(), len(got)))
+
     def hits_since(self, t0: float) -> int:
         return sum(n for t, n in list(self.cross_hits) if t >= t0)
 
@@ -170,15 +177,25 @@ class Load:
                         if j - back < 0:
                             break
                         with c.acquire(LAYOUT, tokens(other, j - back)) as lease:
-                            got = read(lease)
-                        if got != [chunk(other, j - back, i) for i in range(len(got))]:
-                            self.corrupt += 1
-                        if got:
-                            self.cross_hits.append((time.monotonic(), len(got)))
+                            self.check(other, j - back, read(lease))
                     self.requests += 1
                 except Exception as e:  # noqa: BLE001 - every client error is a test failure
                     self.errors.append(f"{me}: {type(e).__name__}: {e}")
                 time.sleep(0.02)
+
+
+def test_the_load_counts_a_corrupt_chunk():
+    """The positive control of every "corrupt == 0" below: one flipped bit in one served chunk
+    is counted; right bytes, and an empty (missed) answer, are not."""
+    load = Load({"a": "unused-a", "b": "unused-b"})
+    right = [chunk("a", 3, i) for i in range(CHUNKS)]
+    load.check("a", 3, right)
+    load.check("a", 3, [])
+    assert load.corrupt == 0
+    flipped = bytearray(right[2])
+    flipped[100] ^= 1
+    load.check("a", 3, right[:2] + [bytes(flipped)])
+    assert load.corrupt == 1 and len(load.cross_hits) == 2
 
 
 def test_failover_under_load_from_both_hosts(hosts, cluster):

@@ -97,34 +97,28 @@ class HostIndex:
 
     def prefix(self, hashes: Sequence[bytes]) -> int:
         """How many leading chunks of ``hashes`` this host holds (or is about to)."""
+        return self.prefix_value(hashes)[0]
+
+    def prefix_value(self, hashes: Sequence[bytes], weights: dict[str, float] | None = None) -> tuple[int, float]:
+        """(how many leading chunks of ``hashes`` this host holds or is about to, what they are
+        worth): each chunk counted by the weight of the best medium it is on (``weights``:
+        medium -> weight, 1.0 for a medium not named; None: every chunk 1.0); a chunk a routed
+        request is about to store counts 1.0, as it will be in the pool. One walk: the router
+        asks for both on every request."""
         if self.stale:
-            return 0
+            return 0, 0.0
         self._expire()
         held, prov = self._held, self._provisional
-        n = 0
+        n, value = 0, 0.0
         for h in hashes:
-            if h in held or h in prov:
-                n += 1
+            if h in held:
+                value += 1.0 if not weights else max(weights.get(m, 1.0) for m, on in self._media.items() if h in on)
+            elif h in prov:
+                value += 1.0
             else:
                 break
-        return n
-
-    def weighted_prefix(self, hashes: Sequence[bytes], weights: dict[str, float]) -> float:
-        """The leading chunks of ``hashes`` this host holds, each counted by the weight of the
-        best medium it is on (``weights``: medium -> weight, 1.0 for a medium not named; a
-        chunk a routed request is about to store counts 1.0, as it will be in the pool)."""
-        if self.stale:
-            return 0.0
-        self._expire()
-        total = 0.0
-        for h in hashes:
-            if h in self._provisional and h not in self._held:
-                total += 1.0
-                continue
-            if h not in self._held:
-                break
-            total += max(weights.get(m, 1.0) for m, held in self._media.items() if h in held)
-        return total
+            n += 1
+        return n, value
 
     def confirmed_prefix(self, hashes: Sequence[bytes]) -> int:
         """Like :meth:`prefix`, counting only what the daemon has confirmed."""

@@ -87,9 +87,9 @@ class Router:
         live = [h for h in self.hosts if h.healthy and h.name not in exclude]
         if not live:
             return None
-        prefixes = {h.name: h.index.prefix(hashes) for h in live}
-        values = prefixes if all(w == 1.0 for w in self.weights.values()) else {
-            h.name: h.index.weighted_prefix(hashes, self.weights) for h in live}
+        walked = {h.name: h.index.prefix_value(hashes, self.weights) for h in live}
+        prefixes = {name: n for name, (n, _) in walked.items()}
+        values = {name: v for name, (_, v) in walked.items()}
         best = max(prefixes.values())
         if self.policy == "round_robin":
             host, reason = live[next(self._turn) % len(live)], "turn"

@@ -75,7 +75,7 @@ class EventSubscriber:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         watch = asyncio.get_running_loop().create_task(self._watch(monitor), name=f"events-monitor-{self.name}")
         sub.connect(self.events_endpoint)
         try:

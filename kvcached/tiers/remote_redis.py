@@ -19,7 +19,7 @@ the index or of when chunks should go there.
   (half-open) and success closes it again.
 * **A hard deadline.** ``timeout`` bounds each round trip however redis-py spends it: every
   call runs on one of a few I/O threads and its caller waits at most ``timeout`` × the round
-  trips it needs (or the caller's own ``deadline``, whichever is sooner). redis-py's socket
+  trips it needs. redis-py's socket
   timeout alone does not bound a call: after one, a cluster client re-reads the slot map from
   its startup nodes, each waiting the full timeout (measured: acquires of 2.0-3.5 s with a
   0.25 s timeout while every node was frozen). A call past its deadline counts as a failure
@@ -184,15 +184,13 @@ class RemoteRedisTier:
             n += 1
         return n
 
-    def fetch(self, layout_id: LayoutId, hashes: Sequence[ChunkHash], chunk_bytes: int, *,
-              deadline: float | None = None) -> list[memoryview]:
+    def fetch(self, layout_id: LayoutId, hashes: Sequence[ChunkHash], chunk_bytes: int) -> list[memoryview]:
         """The verified payloads of the leading chunks of ``hashes`` the remote holds, in order;
-        stops at the first one missing or refused. ``deadline`` (``time.monotonic()``): return
-        (nothing) by then at the latest."""
+        stops at the first one missing or refused. Returns within ``timeout`` (one round trip)."""
         if not hashes:
             return []
         names = [self._name(layout_id, h) for h in hashes]
-        values = self._pipelined("fetch", lambda p: [p.get(n) for n in names], deadline=deadline)
+        values = self._pipelined("fetch", lambda p: [p.get(n) for n in names])
         out: list[memoryview] = []
         if values is None:
             return out
@@ -321,21 +319,20 @@ class RemoteRedisTier:
     def _name(self, layout_id: LayoutId, h: ChunkHash) -> str:
         return remote_key(self.config.domain, layout_id, h)
 
-    def _pipelined(self, what: str, queue: Callable[[Any], object], *, rounds: int = 1,
-                   deadline: float | None = None) -> list[Any] | None:
+    def _pipelined(self, what: str, queue: Callable[[Any], object], *, rounds: int = 1) -> list[Any] | None:
         """Run the commands ``queue`` adds to a pipeline (one round trip: redis-py's cluster
         pipeline writes to every node, then reads every node); None (counted, logged) on any
-        failure or at the deadline."""
+        failure or past ``timeout`` × ``rounds``."""
         def run(client: Any) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             queue(pipe)
             return pipe.execute()
 
-        return self._call(what, run, rounds=rounds, deadline=deadline)
+        return self._call(what, run, rounds=rounds)
 
-    def _bounded(self, op: Callable[[Any], list[Any]], rounds: int, deadline: float | None) -> list[Any]:
-        """``op(client)`` on an I/O thread, waited for ``timeout`` × ``rounds`` (or until
-        ``deadline``); raises :class:`DeadlineMissed` past it, :class:`IOBusy` when no thread is free."""
+    def _bounded(self, op: Callable[[Any], list[Any]], rounds: int) -> list[Any]:
+        """``op(client)`` on an I/O thread, waited for ``timeout`` × ``rounds``; raises
+        :class:`DeadlineMissed` past it, :class:`IOBusy` when no thread is free."""
         if not self._io_free.acquire(blocking=False):
             raise IOBusy("every remote I/O thread is still in an abandoned call")
 
@@ -351,22 +348,19 @@ class RemoteRedisTier:
             self._io_free.release()
             raise IOBusy("the remote tier is closing") from None
         wait = self.config.timeout * max(1, rounds)
-        if deadline is not None:
-            wait = min(wait, deadline - time.monotonic())
         try:
-            return future.result(timeout=max(0.0, wait))
+            return future.result(timeout=wait)
         except FutureTimeout:
             raise DeadlineMissed(f"no answer within {wait:.3f} s (the remote timeout x {rounds} round trip(s))") from None
 
-    def _call(self, what: str, op: Callable[[Any], list[Any]], *, rounds: int = 1,
-              deadline: float | None = None) -> list[Any] | None:
-        """``op(client)``, past the breaker, within the deadline; None (counted, logged) on any failure."""
+    def _call(self, what: str, op: Callable[[Any], list[Any]], *, rounds: int = 1) -> list[Any] | None:
+        """``op(client)``, past the breaker, within its deadline; None (counted, logged) on any failure."""
         with self._lock:
             if not self.breaker.allow():
                 self.stats.skipped_open += 1
                 return None
         try:
-            result = self._bounded(op, rounds, deadline)
+            result = self._bounded(op, rounds)
         except IOBusy:
             with self._lock:
                 self.stats.skipped_busy += 1

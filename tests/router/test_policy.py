@@ -160,11 +160,11 @@ def test_a_host_whose_prefix_is_on_nvme_counts_less_than_one_holding_it_in_its_p
         a.index.apply([stored([1]), stored([2, 3, 4], medium)])
         b.index.apply([stored([1, 2, 3])])
         want = [H(1), H(2), H(3), H(4)]
-        assert a.index.weighted_prefix(want, {medium: 0.5}) == 2.5 and b.index.weighted_prefix(want, {}) == 3.0
+        assert a.index.prefix_value(want, {medium: 0.5}) == (4, 2.5) and b.index.prefix_value(want, {}) == (3, 3.0)
         d = Router(hs, "kvcached", storage_weight=0.5).choose(want)
         assert d.host is b and d.reason == "cache" and d.cached_chunks == 3 and d.best_chunks == 4
         assert Router(hs, "kvcached", storage_weight=1.0).choose(want).host is a
         assert Router(hs, "longest_prefix", storage_weight=0.5).choose(want).host is b
     ix = HostIndex()
     ix.apply([stored([1], "STORAGE"), stored([1], "CPU")])  # on both: the pool's weight
-    assert ix.weighted_prefix([H(1)], {"STORAGE": 0.5}) == 1.0
+    assert ix.prefix_value([H(1)], {"STORAGE": 0.5}) == (1, 1.0)

@@ -38,7 +38,7 @@ import numpy as np
 from kvcached_client.text import NORMALIZATION_VERSION, normalize
 
 from .embed import EMBEDDERS, Embedder
-from .features import LANGUAGE_GROUPS, analyse, language_group
+from .features import EMBEDDABLE_SCRIPTS, LANGUAGE_GROUPS, analyse, language_group
 from .guards import GUARDS_VERSION, TIERS, compare
 from .thresholds import (  # noqa: F401 - re-exported: the calibration's vocabulary
     DEFAULT_CONFIDENCE,
@@ -204,7 +204,7 @@ def score(pairs: Sequence[Pair], embedder: Embedder) -> list[Scored]:
     b = [normalize(p.b) for p in pairs]
     vectors = embedder.encode(a + b)
     sims = np.einsum("ij,ij->i", vectors[: len(a)], vectors[len(a):])
-    readable = getattr(embedder, "scripts", None) or frozenset({"LATIN", "GREEK", "CYRILLIC"})
+    readable = getattr(embedder, "scripts", None) or EMBEDDABLE_SCRIPTS
     out = []
     for p, qa, qb, s in zip(pairs, a, b, sims):
         fb = analyse(qb)

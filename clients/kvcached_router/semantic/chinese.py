@@ -23,7 +23,7 @@ from . import lexicon_zh as zh
 
 #: Han characters (the basic block, extension A, compatibility ideographs): what this reader reads.
 HAN = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
-_HAN_RUN = re.compile(f"[{HAN}]+")
+HAN_RUN = re.compile(f"[{HAN}]+")
 _NUMERAL_CHARS = "".join(zh.DIGITS) + "".join(zh.UNITS) + "".join(zh.BIG_UNITS)
 _NUMERAL = re.compile(f"第?[{_NUMERAL_CHARS}]+(?:分之[{_NUMERAL_CHARS}]+)?|百分之[{_NUMERAL_CHARS}]+")
 _WEEKDAY = re.compile("(?:周|星期|礼拜)([一二三四五六日天末])")
@@ -57,7 +57,7 @@ def aliases(name: str) -> tuple[str, ...]:
 
 
 def has_han(text: str) -> bool:
-    return _HAN_RUN.search(text) is not None
+    return HAN_RUN.search(text) is not None
 
 
 @dataclass
@@ -98,7 +98,7 @@ def _segmenter():
 def read(text: str) -> ChineseReading:
     """Read the Han runs of ``text`` (already normalised)."""
     r = ChineseReading()
-    han = " ".join(_HAN_RUN.findall(text))
+    han = " ".join(HAN_RUN.findall(text))
     if not han:
         return r
     _read_cues(han, r)

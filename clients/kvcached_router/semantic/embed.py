@@ -21,6 +21,8 @@ from typing import Protocol
 
 import numpy as np
 
+from kvcached_client.text import CJK_CHARS
+
 MINILM_NAME = "all-MiniLM-L6-v2"
 MINILM_DIM = 384
 #: The scripts MiniLM reads (possibly badly); other letters it maps to [UNK] or unrelated pieces.
@@ -127,7 +129,7 @@ class USEEmbedder:
         return l2_normalise(out)
 
 
-_CJK_TEXT = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+_CJK_TEXT = re.compile(f"[{CJK_CHARS}]")
 
 
 class AutoEmbedder:
@@ -150,8 +152,9 @@ class AutoEmbedder:
         if isinstance(texts, str):
             raise TypeError("encode takes a sequence of texts, not one string")
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
-        cjk = [i for i, t in enumerate(texts) if _CJK_TEXT.search(t)]
-        rest = [i for i, t in enumerate(texts) if not _CJK_TEXT.search(t)]
+        cjk, rest = [], []
+        for i, t in enumerate(texts):
+            (cjk if _CJK_TEXT.search(t) else rest).append(i)
         if cjk:
             out[cjk, MINILM_DIM:] = self.use.encode([texts[i] for i in cjk])
         if rest:

@@ -24,7 +24,6 @@ from .embed import MINILM_SCRIPTS
 EMBEDDABLE_SCRIPTS = MINILM_SCRIPTS
 #: Offset of the Chinese audience groups (lexicon_zh.AUDIENCES) in ``Features.audiences``.
 ZH_AUDIENCE = 1000
-_HAN_RUNS = re.compile(f"[{chinese.HAN}]+")
 
 _CONTACT = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+|https?://\S+|www\.\S+|(?<!\w)[@#]\w+")
 _QUOTED = re.compile(r'"([^"]+)"|`([^`]+)`|(?<!\w)\'([^\']+)\'(?!\w)')
@@ -205,7 +204,7 @@ def analyse(text: str) -> Features:
     reader.entities.update(c.lower() for c in _CONTACT.findall(t))
     body = _CONTACT.sub(" ", t)
     if han:
-        body = _HAN_RUNS.sub(" . ", body)  # a boundary: no Latin word is glued to a Chinese one
+        body = chinese.HAN_RUN.sub(" . ", body)  # a boundary: no Latin word is glued to a Chinese one
     raw: list[tuple[str, bool]] = []  # (token, starts a sentence)
     for mt in _TOKEN.finditer(body):
         initial = _starts_sentence(body, mt.start())
