@@ -300,7 +300,7 @@ def worker_main(spec: dict) -> int:
         nonlocal nvme
         if nvme is None:
             nvme = _acquire_env(nvme_path)
-        env, db = nvme
+        env, db, _gate = nvme
         try:
             with env.begin(db=db, buffers=True) as txn:  # the client library's shared reader env
                 value = txn.get(key)

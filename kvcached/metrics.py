@@ -79,6 +79,10 @@ class StoreCollector:
             chunks.add_metric([dom, "nvme"], s.nvme.chunks)
             gauge("kvcached_lmdb_file_bytes", "Size of the NVMe tier's LMDB data file").add_metric([dom], s.nvme.file_bytes)
             gauge("kvcached_lmdb_readers", "LMDB reader slots in use").add_metric([dom], s.nvme.readers)
+            gauge("kvcached_lmdb_map_bytes", "The NVMe tier's LMDB map size (grows when full)").add_metric(
+                [dom], s.nvme.map_bytes)
+            counter("kvcached_lmdb_map_grows", "Times the NVMe tier's full LMDB map was grown").add_metric(
+                [dom], s.nvme.map_grows)
         pool_bytes = gauge("kvcached_pool_bytes", "Pool bytes by state: KV payload, reserved, free", ("state",))
         for state in ("payload", "reserved", "free"):
             pool_bytes.add_metric([dom, state], getattr(s.pool, f"{state}_bytes"))

@@ -96,6 +96,7 @@ class NvmeStats(TierStats):
     map_bytes: int
     readers: int
     admitting: bool
+    map_grows: int = 0  # times a full LMDB map was grown (kvcached.tiers.nvme)
 
 
 @dataclass(frozen=True)

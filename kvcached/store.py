@@ -825,7 +825,7 @@ class Store:
             if self.nvme is not None:
                 n = self.nvme
                 nstats = NvmeStats(n.capacity_bytes, n.used_bytes, n.chunk_count, n.file_bytes(), n.map_size,
-                                   n.readers(), n.admitting)
+                                   n.readers(), n.admitting, n.map_grows)
             return StoreStats(
                 self.config.domain, len(self._layouts), len(self.index), len(self._leases), len(self.writes.reservations),
                 self._leases.sessions(), pstats, nstats, Counters(**vars(self.counters)),

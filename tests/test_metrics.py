@@ -38,6 +38,7 @@ def test_collector_reports_store_snapshot(store, lid):
     store.release(lease.lease_id)
     assert v("kvcached_leases_active", d) == 0 and v("kvcached_leases_released_total", d) == 1
     assert v("kvcached_lmdb_file_bytes", d) > 0
+    assert v("kvcached_lmdb_map_bytes", d) == store.nvme.map_size and v("kvcached_lmdb_map_grows_total", d) == 0
 
 
 def test_semantic_histogram_is_exported_empty(store):

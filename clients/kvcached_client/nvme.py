@@ -11,6 +11,14 @@ reads it.
 py-lmdb allows one environment per file per process, so every client in a
 process shares one, reference-counted (:func:`_acquire_env`).
 
+The daemon grows its map when the file fills it. This process maps far more
+than any tier (:data:`READER_MAP_BYTES`), so that is normally invisible; if
+the file ever outgrows even that, LMDB refuses new reads with
+``MapResizedError`` and the reader adopts the daemon's size and reads again.
+Adopting is a resize, which must not run under any open transaction of this
+process (it unmaps them), so reads and the resize share a
+:class:`~kvcached.tiers.lmdbgate.TxnGate`, one per environment.
+
 LMDB readers share the lock file with the daemon, so this needs read access
 to the environment and write access to its ``lock.mdb`` (same user or group).
 """
@@ -23,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvcached.errors import CorruptChunk
 from kvcached.keys import KVLayout
+from kvcached.tiers.lmdbgate import TxnGate
 from kvcached.tiers.record import copy_verified
 from kvcached_client.errors import KvcachedError, PoolMappingError
 
@@ -37,11 +46,11 @@ class CorruptChunkError(KvcachedError):
 #: Address space a reader maps for the daemon's LMDB file (see _acquire_env).
 READER_MAP_BYTES = 1 << 40
 
-_ENVS: dict[str, list[Any]] = {}  # real path -> [env, db, refcount]
+_ENVS: dict[str, list[Any]] = {}  # real path -> [env, db, refcount, gate]
 _ENVS_LOCK = threading.Lock()
 
 
-def _acquire_env(path: str) -> tuple[Any, Any]:
+def _acquire_env(path: str) -> tuple[Any, Any, TxnGate]:
     import lmdb
 
     if not path:
@@ -60,9 +69,9 @@ def _acquire_env(path: str) -> tuple[Any, Any]:
                 db = env.open_db(b"chunks", create=False)
             except lmdb.Error as e:
                 raise PoolMappingError(f"cannot open the NVMe tier at {path}: {e}") from e
-            entry = _ENVS[real] = [env, db, 0]
+            entry = _ENVS[real] = [env, db, 0, TxnGate()]
         entry[2] += 1
-        return entry[0], entry[1]
+        return entry[0], entry[1], entry[3]
 
 
 def _release_env(path: str) -> None:
@@ -81,6 +90,7 @@ class NvmeReader:
         self._lock = threading.Lock()
         self._env: Any = None
         self._db: Any = None
+        self._gate: TxnGate | None = None
         self.path: str | None = None
 
     def open(self, path: str) -> None:
@@ -88,25 +98,35 @@ class NvmeReader:
             if self.path == path and self._env is not None:
                 return
             self._close_locked()
-            self._env, self._db = _acquire_env(path)
+            self._env, self._db, self._gate = _acquire_env(path)
             self.path = path
 
     def read_into(self, layout: KVLayout, key: bytes, out: "torch.Tensor") -> None:
         """Copy chunk ``key`` into ``out`` (a contiguous CPU tensor of the chunk's shape and dtype)."""
-        env = self._env
-        if env is None:
+        import lmdb
+
+        env, gate = self._env, self._gate
+        if env is None or gate is None:
             raise PoolMappingError("the NVMe tier is not open")
         if not out.is_contiguous() or out.device.type != "cpu" or out.numel() * out.element_size() != layout.chunk_bytes:
             raise ValueError(f"out must be a contiguous CPU tensor of {layout.chunk_bytes} bytes")
         dest = memoryview(out.view(-1).view(dtype=_u8()).numpy())
-        with env.begin(db=self._db, buffers=True) as txn:
-            value = txn.get(key)
-            if value is None:
-                raise CorruptChunkError(f"chunk {key.hex()} is not in the NVMe tier")
+        for attempt in (0, 1):
             try:
-                copy_verified(value, key, dest)
-            except CorruptChunk as e:
-                raise CorruptChunkError(f"NVMe chunk {key.hex()}: {e}") from None
+                with gate.txn(), env.begin(db=self._db, buffers=True) as txn:
+                    value = txn.get(key)
+                    if value is None:
+                        raise CorruptChunkError(f"chunk {key.hex()} is not in the NVMe tier")
+                    try:
+                        copy_verified(value, key, dest)
+                    except CorruptChunk as e:
+                        raise CorruptChunkError(f"NVMe chunk {key.hex()}: {e}") from None
+                return
+            except lmdb.MapResizedError as e:
+                if attempt:
+                    raise PoolMappingError(f"the NVMe tier's map keeps growing under this reader: {e}") from e
+                with gate.resize():  # no transaction of this process is open now
+                    env.set_mapsize(0)  # 0: adopt the size the daemon set
 
     def read(self, layout: KVLayout, key: bytes) -> "torch.Tensor":
         """Chunk ``key`` as a new [2, layers, kv_heads, chunk_tokens, head_dim] tensor."""

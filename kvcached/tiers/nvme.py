@@ -9,9 +9,16 @@ Durability settings (``lmdb.open`` flags and why):
 * ``writemap=False``: a stray write through a pointer cannot scribble on the
   file; with ``writemap`` plus lazy sync LMDB no longer promises integrity.
 * ``readahead=False``: access is random and the file may exceed RAM.
-* ``map_size`` is large (virtual address space, the file is sparse) and
-  ``MapFullError`` is handled: the tier then stops admitting and the store
-  evicts, instead of the daemon crashing. ENOSPC is treated the same way.
+* ``map_size`` is large (virtual address space, the file is sparse). A full
+  map (``MapFullError``: large values need runs of contiguous free pages, so a
+  fragmented file can fill its map before the tier holds ``capacity`` bytes)
+  grows the map by a quarter and retries, up to ``max_map_size`` (4x the
+  start); past that the tier stops admitting and the store evicts, instead of
+  the daemon crashing. ENOSPC is treated the same way. Growing is safe while
+  other threads read or write: every transaction holds a :class:`TxnGate`
+  shared and the resize holds it exclusive (see :mod:`kvcached.tiers.lmdbgate`
+  for what happens otherwise). Clients reading the file directly map far more
+  than the file and adopt a grown map themselves (:mod:`kvcached_client.nvme`).
 * Stale reader slots left by killed processes are cleared at open
   (``reader_check``), and every read transaction is short: one value, or one
   batch of headers during the rebuild scan, so a reader never pins old pages
@@ -32,7 +39,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import lmdb
 
@@ -41,6 +48,7 @@ from kvcached.keys import ChunkHash, KVLayout, LayoutId
 from kvcached.config import FileAccess
 from kvcached.locations import TierId
 from kvcached.tiers.base import ChunkMeta, Slot, Tier
+from kvcached.tiers.lmdbgate import TxnGate
 from kvcached.tiers.record import (
     FORMAT_VERSION,
     HEADER_SIZE,
@@ -53,6 +61,8 @@ from kvcached.tiers.record import (
 log = logging.getLogger(__name__)
 
 _SCAN_BATCH = 4096
+#: How far a full map may grow, as a multiple of the map the tier opened with.
+MAP_GROWTH_LIMIT = 4
 
 
 @dataclass
@@ -68,13 +78,16 @@ class NvmeTier(Tier):
     tier_id = TierId.NVME
 
     def __init__(self, path: str, capacity_bytes: int, *, map_size: int | None = None,
-                 access: FileAccess = FileAccess()) -> None:
+                 max_map_size: int | None = None, access: FileAccess = FileAccess()) -> None:
         os.makedirs(path, mode=0o700, exist_ok=True)
         access.open_parent(os.path.dirname(os.path.abspath(path)))
         access.apply(path, access.dir_mode)
         self.path = path
         self._capacity = capacity_bytes
         self.map_size = map_size or max(2 * capacity_bytes, 1 << 30)
+        self.max_map_size = max(max_map_size or MAP_GROWTH_LIMIT * self.map_size, self.map_size)
+        self.map_grows = 0  # times a full map was grown
+        self._gate = TxnGate()
         self._env = lmdb.open(
             path,
             map_size=self.map_size,
@@ -153,10 +166,13 @@ class NvmeTier(Tier):
         if data is None:
             raise InternalInvariantError(f"NVMe slot {slot.slot_id} was committed without a write")
         value = encode_header(meta, data) + data  # bytes + memoryview -> one new bytes
+
+        def put(txn: lmdb.Transaction) -> None:
+            if not txn.put(meta.chunk_hash, value, overwrite=False):
+                raise InternalInvariantError(f"NVMe already holds chunk {meta.chunk_hash.hex()}")
+
         try:
-            with self._env.begin(write=True, db=self._chunks) as txn:
-                if not txn.put(meta.chunk_hash, value, overwrite=False):
-                    raise InternalInvariantError(f"NVMe already holds chunk {meta.chunk_hash.hex()}")
+            self._write_txn(put)
         except lmdb.MapFullError as e:
             self.admitting = False
             raise TierFull(f"LMDB map of {self.map_size} bytes is full in {self.path}") from e
@@ -191,20 +207,25 @@ class NvmeTier(Tier):
         unchanged until this returns (the write-back thread pins their chunks).
         """
         out = BatchResult()
+
+        def batch(txn: lmdb.Transaction) -> None:
+            nonlocal out
+            out = BatchResult()  # afresh on a retry after the map grew
+            for h in deletes:
+                old = txn.get(h)
+                if old is not None:
+                    size = len(old)
+                    txn.delete(h)
+                    out.deleted.append((h, size))
+            for meta, data in puts:
+                old = txn.get(meta.chunk_hash)
+                replaced = len(old) if old is not None else 0
+                value = encode_header(meta, data) + data
+                txn.put(meta.chunk_hash, value)
+                out.written.append((meta.chunk_hash, len(value), replaced))
+
         try:
-            with self._env.begin(write=True, db=self._chunks, buffers=True) as txn:
-                for h in deletes:
-                    old = txn.get(h)
-                    if old is not None:
-                        size = len(old)
-                        txn.delete(h)
-                        out.deleted.append((h, size))
-                for meta, data in puts:
-                    old = txn.get(meta.chunk_hash)
-                    replaced = len(old) if old is not None else 0
-                    value = encode_header(meta, data) + data
-                    txn.put(meta.chunk_hash, value)
-                    out.written.append((meta.chunk_hash, len(value), replaced))
+            self._write_txn(batch)
         except lmdb.MapFullError as e:
             out = BatchResult(error=TierFull(f"LMDB map of {self.map_size} bytes is full in {self.path}"))
             out.error.__cause__ = e
@@ -235,7 +256,7 @@ class NvmeTier(Tier):
     def read(self, h: ChunkHash) -> memoryview:
         """A checked copy of the payload (the LMDB buffer dies with the transaction)."""
         out: bytes | None = None
-        with self._env.begin(db=self._chunks, buffers=True) as txn:
+        with self._gate.txn(), self._env.begin(db=self._chunks, buffers=True) as txn:
             value = txn.get(h)
             if value is not None:
                 try:
@@ -254,7 +275,7 @@ class NvmeTier(Tier):
     def read_into(self, h: ChunkHash, dest: memoryview) -> None:
         """Check and copy the payload straight into ``dest`` (e.g. a pool block): one copy."""
         err: CorruptChunk | None = None
-        with self._env.begin(db=self._chunks, buffers=True) as txn:
+        with self._gate.txn(), self._env.begin(db=self._chunks, buffers=True) as txn:
             value = txn.get(h)
             if value is None:
                 raise ChunkNotCached(f"chunk {h.hex()} is not on NVMe")
@@ -281,11 +302,13 @@ class NvmeTier(Tier):
         A delete writes pages too (copy-on-write), so on a completely full
         map it can fail; then the map grows by a little headroom (address
         space only, the file is sparse) and the delete is retried once.
-        Without this, a full map could never be emptied.
+        Without this, a full map could never be emptied; so a delete may grow
+        the map past ``max_map_size``.
         """
         for attempt in (0, 1):
+            seen = self.map_size
             try:
-                with self._env.begin(write=True, db=self._chunks, buffers=True) as txn:
+                with self._gate.txn(), self._env.begin(write=True, db=self._chunks, buffers=True) as txn:
                     with txn.cursor() as cur:
                         if not cur.set_key(h):
                             return None
@@ -295,17 +318,39 @@ class NvmeTier(Tier):
             except lmdb.MapFullError:
                 if attempt:
                     raise
-                self._grow_map()
+                self._grow_map(seen, seen + max(1 << 18, seen // 16), "even for deletes")
         return None  # pragma: no cover
 
-    def _grow_map(self) -> None:
-        new = self.map_size + max(1 << 20, self.map_size // 16)
-        log.warning("LMDB map of %s full even for deletes; growing it to %d bytes", self.path, new)
-        self._env.set_mapsize(new)
-        self.map_size = new
+    def _write_txn(self, fn: "Callable[[lmdb.Transaction], None]") -> None:
+        """Run ``fn`` in one write transaction; on a full map grow it (up to ``max_map_size``)
+        and run ``fn`` again in a new transaction. Raises ``MapFullError`` at the cap."""
+        while True:
+            seen = self.map_size
+            try:
+                with self._gate.txn(), self._env.begin(write=True, db=self._chunks, buffers=True) as txn:
+                    fn(txn)
+                return
+            except lmdb.MapFullError:
+                # The failed transaction is closed here, so this thread holds no gate.
+                if seen >= self.max_map_size:
+                    raise
+                self._grow_map(seen, min(self.max_map_size, seen + max(1 << 20, seen // 4)), "")
+
+    def _grow_map(self, seen: int, new: int, why: str) -> None:
+        """Set the map to ``new`` bytes (address space; the file stays sparse) unless another
+        thread grew it since this one saw ``seen``. Waits for every open transaction to end."""
+        with self._gate.resize():
+            if self.map_size != seen:
+                return  # grown meanwhile by another thread: just retry
+            self._env.set_mapsize(new)
+            self.map_size = new
+            self.map_grows += 1
+        log.warning("LMDB map of %s was full%s; grew it to %d bytes (limit %d)", self.path,
+                    f" {why}" if why else "", new, self.max_map_size,
+                    extra={"event": "lmdb_map_grown", "tier": "nvme"})
 
     def __contains__(self, h: ChunkHash) -> bool:
-        with self._env.begin(db=self._chunks, buffers=True) as txn:
+        with self._gate.txn(), self._env.begin(db=self._chunks, buffers=True) as txn:
             return txn.get(h) is not None
 
     @property
@@ -322,7 +367,7 @@ class NvmeTier(Tier):
 
     def entry_count(self) -> int:
         """Entries as LMDB counts them (cheap; used for the rebuild progress total)."""
-        with self._env.begin() as txn:
+        with self._gate.txn(), self._env.begin() as txn:
             return int(txn.stat(self._chunks)["entries"])
 
     def resume_admission(self) -> None:
@@ -340,7 +385,7 @@ class NvmeTier(Tier):
         while True:
             batch: list[tuple[ChunkMeta, int]] = []
             bad: list[tuple[bytes, str]] = []
-            with self._env.begin(db=self._chunks, buffers=True) as txn, txn.cursor() as cur:
+            with self._gate.txn(), self._env.begin(db=self._chunks, buffers=True) as txn, txn.cursor() as cur:
                 ok = cur.set_range(last) if last is not None else cur.first()
                 if ok and last is not None and bytes(cur.key()) == last:
                     ok = cur.next()
@@ -367,17 +412,27 @@ class NvmeTier(Tier):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._env.close()
+            with self._gate.resize():  # after any transaction still open on another thread
+                self._env.close()
 
     # -- layouts ------------------------------------------------------------------------
 
     def save_layout(self, layout: KVLayout) -> None:
-        with self._env.begin(write=True, db=self._layouts) as txn:
-            txn.put(layout.layout_id.encode(), json.dumps(layout.to_dict(), sort_keys=True).encode())
+        record = json.dumps(layout.to_dict(), sort_keys=True).encode()
+        for attempt in (0, 1):
+            seen = self.map_size
+            try:
+                with self._gate.txn(), self._env.begin(write=True, db=self._layouts) as txn:
+                    txn.put(layout.layout_id.encode(), record)
+                return
+            except lmdb.MapFullError:  # a layout record is tiny: make room like a delete does
+                if attempt:
+                    raise
+                self._grow_map(seen, seen + max(1 << 18, seen // 16), "for a layout")
 
     def load_layouts(self) -> dict[LayoutId, KVLayout]:
         out: dict[LayoutId, KVLayout] = {}
-        with self._env.begin(db=self._layouts) as txn:
+        with self._gate.txn(), self._env.begin(db=self._layouts) as txn:
             for key, value in txn.cursor():
                 try:
                     layout = KVLayout.from_dict(json.loads(value))
@@ -393,8 +448,9 @@ class NvmeTier(Tier):
     # -- stats ---------------------------------------------------------------------------
 
     def file_bytes(self) -> int:
-        info = self._env.info()
-        return (info["last_pgno"] + 1) * self._env.stat()["psize"]
+        with self._gate.txn():
+            info = self._env.info()
+            return (info["last_pgno"] + 1) * self._env.stat()["psize"]
 
     def clear_stale_readers(self) -> int:
         """Free reader slots left by dead processes (LMDB's reader_check); returns how many."""

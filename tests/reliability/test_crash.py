@@ -528,7 +528,7 @@ class CrashLoop:
         from kvcached_client.nvme import _acquire_env, _release_env
 
         path = os.path.join(self.daemon.state_dir, "nvme", domain)
-        env, db = _acquire_env(path)  # the client library's read-only handle (one per process)
+        env, db, _gate = _acquire_env(path)  # the client library's read-only handle (one per process)
         try:
             with env.begin(db=db) as txn:
                 return {bytes(k) for k in txn.cursor().iternext(keys=True, values=False)}
