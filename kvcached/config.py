@@ -132,11 +132,12 @@ class StoreConfig:
     writeback_high: float = 0.10
     writeback_batch_bytes: int = 64 * MiB
     writeback_wait: float = 2.0
-    #: Eviction order of the pool and NVMe tiers (kvcached.index.eviction): "frequency"
-    #: (recency boosted by hits, the default) or "lru". ``eviction_weight``: pool turnovers
-    #: one more hit is worth; ``eviction_memory_chunks``: evicted chunks whose use counts
-    #: the policy's sketch remembers (a power of two; 2 bytes each).
-    eviction_policy: str = "frequency"
+    #: Eviction order of the pool and NVMe tiers (kvcached.index.eviction): "adaptive" (the
+    #: default: recency boosted by hits, the boost's weight chosen online), "frequency" (the
+    #: same with a fixed weight) or "lru". ``eviction_weight``: pool turnovers one more hit is
+    #: worth (adaptive: the first weight); ``eviction_memory_chunks``: evicted chunks whose use
+    #: counts the policy's sketch remembers (a power of two; 2 bytes each).
+    eviction_policy: str = "adaptive"
     eviction_weight: float = 1.0
     eviction_memory_chunks: int = 1 << 22
     #: "always" (the default) or "frequency": refuse a new chunk that would rank below the
@@ -175,16 +176,16 @@ class StoreConfig:
             raise ValueError("max_leases_per_session and max_reservations_per_session must be >= 1")
         if self.hash_memo_bytes < 0:
             raise ValueError("hash_memo_bytes must be >= 0")
-        if self.eviction_policy not in ("frequency", "lru"):
-            raise ValueError(f"eviction_policy must be frequency or lru, not {self.eviction_policy!r}")
+        if self.eviction_policy not in ("adaptive", "frequency", "lru"):
+            raise ValueError(f"eviction_policy must be adaptive, frequency or lru, not {self.eviction_policy!r}")
         if self.remote_write not in ("async", "on_evict", "off"):
             raise ValueError(f"remote_write must be async, on_evict or off, not {self.remote_write!r}")
         if self.remote_queue_chunks < 1 or self.remote_queue_bytes < 1:
             raise ValueError("remote_queue_chunks and remote_queue_bytes must be >= 1")
         if self.eviction_admission not in ("always", "frequency"):
             raise ValueError(f"eviction_admission must be always or frequency, not {self.eviction_admission!r}")
-        if self.eviction_admission != "always" and self.eviction_policy != "frequency":
-            raise ValueError("eviction_admission = frequency needs eviction_policy = frequency")
+        if self.eviction_admission != "always" and self.eviction_policy == "lru":
+            raise ValueError("eviction_admission = frequency needs eviction_policy = adaptive or frequency")
         if not 0 <= self.eviction_weight <= 1000:
             raise ValueError("eviction_weight must be in 0..1000")
         m = self.eviction_memory_chunks

@@ -144,7 +144,7 @@ class DaemonSettings:
     writeback_high: float = 0.10  # ...by demoting batches until this much is free
     writeback_batch_bytes: int = 64 * MiB
     writeback_wait: float = 2.0  # how long a reservation waits for room before demoting itself
-    eviction_policy: str = "frequency"  # or "lru" (kvcached.index.eviction); restart to change
+    eviction_policy: str = "adaptive"  # or "frequency", "lru" (kvcached.index.eviction); restart to change
     eviction_weight: float = 1.0  # pool turnovers one more hit is worth (reloadable)
     eviction_memory_chunks: int = 1 << 22  # evicted chunks whose use counts are remembered (2 B each)
     eviction_admission: str = "always"  # or "frequency": a doorkeeper (costs hit rate on documents)
@@ -193,8 +193,8 @@ class DaemonSettings:
         if self.writeback_low > self.writeback_high:
             raise SettingsError(f"writeback_low = {self.writeback_low!r} is above writeback_high = "
                                 f"{self.writeback_high!r}: 0 <= writeback_low <= writeback_high < 1")
-        if self.eviction_admission == "frequency" and self.eviction_policy != "frequency":
-            raise SettingsError(f"eviction_admission = 'frequency' needs eviction_policy = 'frequency', "
+        if self.eviction_admission == "frequency" and self.eviction_policy not in ("frequency", "adaptive"):
+            raise SettingsError(f"eviction_admission = 'frequency' needs eviction_policy = 'frequency' or 'adaptive', "
                                 f"not {self.eviction_policy!r}")
         if self.tcp_listen:
             self.check_tcp()
@@ -393,7 +393,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "writeback_high": (lambda v: 0 <= v < 1, "a fraction of the pool, 0 <= writeback_low <= writeback_high < 1"),
     "writeback_batch_bytes": (lambda v: v >= 1, "a size > 0"),
     "writeback_wait": (lambda v: v >= 0, "seconds >= 0"),
-    "eviction_policy": (lambda v: v in ("frequency", "lru"), "frequency or lru"),
+    "eviction_policy": (lambda v: v in ("adaptive", "frequency", "lru"), "adaptive, frequency or lru"),
     "eviction_weight": (lambda v: 0 <= v <= 1000, "0..1000"),
     "eviction_memory_chunks": (_is_pow2, "a power of two in 1024..268435456"),
     "eviction_admission": (lambda v: v in ("always", "frequency"), "always or frequency"),

@@ -342,6 +342,7 @@ class Store:
             raise WouldBlock
         if max_chunks is None:  # a capped match (no-cache, GetBytes) says nothing about where prompts diverge
             self.prompt_shape.observe(layout_id, layout.chunk_tokens, raw, hashes, len(nodes))
+            self.index.requested(hashes, now)
         self.index.pin(nodes, now)
         self.index.note_path(nodes)
         try:

@@ -76,15 +76,15 @@ def test_stats_and_metrics_report_the_policy(make_store, clock):
     store = make_store(pool_blocks=8, nvme_chunks=None)
     lid = store.register_layout(TINY)
     e = store.stats().eviction
-    assert (e.policy, e.admission, e.weight, e.memory_chunks) == ("frequency", "always", 1.0, 1 << 22)
-    assert store.stats().to_dict()["eviction"]["policy"] == "frequency"
+    assert (e.policy, e.admission, e.weight, e.memory_chunks) == ("adaptive", "always", 1.0, 1 << 22)
+    assert store.stats().to_dict()["eviction"]["policy"] == "adaptive"
     for k in range(6):
         serve(store, lid, clock, prompt(3, start=1000 * k))
     reg = CollectorRegistry()
     reg.register(StoreCollector(store))
     v = reg.get_sample_value
     d = {"domain": "default"}
-    assert v("kvcached_eviction_policy", {**d, "policy": "frequency", "admission": "always"}) == 1
+    assert v("kvcached_eviction_policy", {**d, "policy": "adaptive", "admission": "always"}) == 1
     assert v("kvcached_eviction_weight", d) == 1.0
     assert v("kvcached_admission_chunks_total", {**d, "decision": "admitted", "reason": ""}) == 18
     assert v("kvcached_admission_chunks_total", {**d, "decision": "refused", "reason": "value"}) == 0
@@ -94,11 +94,18 @@ def test_stats_and_metrics_report_the_policy(make_store, clock):
 
 
 def test_reload_changes_the_weight(make_store, clock):
-    store = make_store(pool_blocks=8, nvme_chunks=None)
+    store = make_store(pool_blocks=8, nvme_chunks=None, eviction_policy="frequency")
     store.index.policy.fix_turnover(10.0)
     assert store.index.policy.boost == 10.0
     store.reconfigure(eviction_weight=0.5)
     assert store.index.policy.boost == 5.0 and store.stats().eviction.weight == 0.5
+
+
+def test_reload_leaves_the_adaptive_policys_measured_weight(make_store, clock):
+    store = make_store(pool_blocks=8, nvme_chunks=None)
+    store.index.policy.fix_turnover(10.0)
+    store.reconfigure(eviction_weight=0.5)
+    assert store.index.policy.boost == 10.0 and store.stats().eviction.weight == 1.0
 
 
 @pytest.mark.parametrize("bad", [
@@ -119,4 +126,4 @@ def test_policy_settings_reach_the_store_config(tmp_path):
     s = load_settings(None, {"state_dir": str(tmp_path), "eviction_policy": "lru", "eviction_weight": 2.5})
     cfg = s.store_config(1 << 20)
     assert (cfg.eviction_policy, cfg.eviction_weight, cfg.eviction_admission) == ("lru", 2.5, "always")
-    assert next(f for f in dataclasses.fields(DaemonSettings) if f.name == "eviction_policy").default == "frequency"
+    assert next(f for f in dataclasses.fields(DaemonSettings) if f.name == "eviction_policy").default == "adaptive"

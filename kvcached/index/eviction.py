@@ -74,12 +74,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
+from kvcached.index.minisim import MiniSims
 from kvcached.index.sketch import FrequencySketch
 from kvcached.keys import ChunkHash
 
-POLICIES = ("frequency", "lru")
+POLICIES = ("adaptive", "frequency", "lru")
 #: "always": every chunk a reservation has room for is stored; "frequency": a doorkeeper.
 ADMISSIONS = ("always", "frequency")
 
@@ -116,6 +117,11 @@ class EvictionPolicy(Protocol):
         """Whether a new chunk ``h`` is worth evicting ``victim`` (the next to go) for."""
         ...
 
+    def requested(self, hashes: Sequence[ChunkHash], now: float) -> bool:
+        """A request asked for a prompt of these chunk hashes (all of them, cached or not).
+        True when the policy's keys changed scale: the queues must re-rank their members."""
+        ...
+
 
 class LruPolicy:
     """Least recently used first."""
@@ -137,6 +143,9 @@ class LruPolicy:
 
     def admits(self, h: ChunkHash, now: float, victim: Queued) -> bool:
         return True
+
+    def requested(self, hashes: Sequence[ChunkHash], now: float) -> bool:
+        return False
 
     def describe(self) -> dict[str, float | int | str]:
         return {"policy": self.name, "admission": "always"}
@@ -216,6 +225,9 @@ class FrequencyPolicy:
     def forget(self, node: Queued) -> None:
         self.sketch.record(node.hash, node.hits)
 
+    def requested(self, hashes: Sequence[ChunkHash], now: float) -> bool:
+        return False
+
     def admits(self, h: ChunkHash, now: float, victim: Queued) -> bool:
         """With ``admission="frequency"`` (a TinyLFU-style doorkeeper): only if the new chunk,
         used now with its remembered count, would rank above the victim. Otherwise always."""
@@ -237,15 +249,44 @@ class FrequencyPolicy:
                 "sketch_bytes": self.sketch.nbytes}
 
 
+class AdaptivePolicy(FrequencyPolicy):
+    """The ``frequency`` key with its weight chosen online by miniature simulations
+    (:mod:`kvcached.index.minisim`): every epoch, the weight whose mini cache hit best on the
+    same requests, LRU (weight 0) among the candidates. ``weight`` is only the first one."""
+
+    name = "adaptive"
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.sims = MiniSims(self.scale_chunks, self.weight)
+        self.weight = self.sims.weight
+
+    def requested(self, hashes: Sequence[ChunkHash], now: float) -> bool:
+        if not self.sims.observe(hashes, now, self.turnover_seconds):
+            return False
+        super().set_weight(self.sims.weight)
+        return True
+
+    def set_scale(self, scale_chunks: int) -> None:
+        super().set_scale(scale_chunks)
+        self.sims.resize(self.scale_chunks)
+
+    def set_weight(self, weight: float) -> None:
+        """A reloaded ``eviction_weight`` does not override the measured choice."""
+
+    def describe(self) -> dict[str, float | int | str]:
+        return {**super().describe(), **self.sims.describe()}
+
+
 def make_policy(name: str, *, weight: float = 1.0, scale_chunks: int = 1, memory_chunks: int = 1 << 22,
                 admission: str = "always") -> LruPolicy | FrequencyPolicy:
     if name == "lru":
         if admission != "always":
             raise ValueError("admission control needs the frequency policy (it ranks by remembered counts)")
         return LruPolicy()
-    if name == "frequency":
-        return FrequencyPolicy(weight=weight, scale_chunks=scale_chunks, memory_chunks=memory_chunks,
-                               admission=admission)
+    if name in ("frequency", "adaptive"):
+        cls = AdaptivePolicy if name == "adaptive" else FrequencyPolicy
+        return cls(weight=weight, scale_chunks=scale_chunks, memory_chunks=memory_chunks, admission=admission)
     raise ValueError(f"unknown eviction policy {name!r}; one of {', '.join(POLICIES)}")
 
 
@@ -306,6 +347,19 @@ class EvictionQueue:
             heapq.heappop(self._heap)
             self.discard(node)
         return node
+
+    def rekey(self) -> None:
+        """Rank every member by its key *now* (after the policy's scale changed): O(members)."""
+        if self._key is None:
+            return  # ranked by last use: nothing changed scale
+        live = [e for e in self._heap if e[2].qflags & self._bit and e[2].last_use == e[3] and e[2].hits == e[4]]
+        newest: dict[int, tuple[float, int, Queued, float, int]] = {}
+        for e in live:
+            if id(e[2]) not in newest or e[1] > newest[id(e[2])][1]:
+                newest[id(e[2])] = e
+        key = self.key
+        self._heap = [(key(n), seq, n, lu, h) for (_, seq, n, lu, h) in newest.values()]
+        heapq.heapify(self._heap)
 
     def _push(self, node: Queued) -> None:
         key = node.last_use if self._key is None else self._key(node)

@@ -342,6 +342,13 @@ class PrefixIndex:
                     self._refresh(node)
         return freed
 
+    def requested(self, hashes: Sequence[ChunkHash], now: float) -> None:
+        """A request asked for these chunks (its whole prompt): the policy learns from it, and
+        if its keys changed scale the policy-ordered queues re-rank their members."""
+        if self.policy.requested(hashes, now):
+            self.pool_lru.rekey()
+            self.nvme_leaves.rekey()
+
     def note_path(self, nodes: Sequence[Node]) -> None:
         """Record that ``nodes`` (a matched prefix) were just used in this order."""
         for parent, child in zip(nodes, nodes[1:]):

@@ -60,29 +60,31 @@ def check_index_memory(d: dict) -> None:
 
 
 def check_trace_replay(d: dict) -> None:
-    # README: engine / optimum and engine / LRU per capacity, "∞: 0.382 / 0.659 = the
-    # infinite-capacity rate", engine time per request; "paper ≈ 0.40 / 0.66"; bench/README: the
-    # LRU over all hash_ids at ∞ capacity, the optimum bounding every contender.
-    for name, paper in (("conversation", 0.4), ("synthetic", 0.66)):
-        t = d["traces"][name]
-        assert t["paper_max_hit_rate"] == paper
-        assert fraction(t["lru_infinite_all_hash_ids_prefix"]["hit_rate"])
-        assert isinstance(t["target_met"], bool)
-        by_label = {c["label"]: c for c in t["capacities"]}
-        assert {"1000", "inf"} <= set(by_label), list(by_label)
+    # README: each policy's hit rate over the LRU engine's and the optimum's, per workload and
+    # capacity; the Mooncake traces' infinite capacity; the default policy's engine time.
+    assert d["policies"][0] == "adaptive" and set(d["policies"]) == {"adaptive", "frequency", "lru"}
+    assert set(d["workloads"]) == {"conversation", "synthetic", "scan", "shift", "agentic", "agents_shared", "tenants"}
+    for name, w in d["workloads"].items():
+        if name in ("conversation", "synthetic"):
+            assert w["paper_max_hit_rate"] in (0.4, 0.66)
+        by_label = {c["label"]: c for c in w["capacities"]}
+        assert len(by_label) >= 2, (name, list(by_label))
         for c in by_label.values():
-            for who in ("engine", "engine_lru", "lru", "optimum"):
-                assert fraction(c[who]["hit_rate"]), (name, c["label"], who)
-            assert isinstance(c["engine_ge_lru"], bool)
-            # MIN with bypass bounds every online cache (issue 16)
-            assert c["optimum"]["hit_rate"] >= max(c[w]["hit_rate"] for w in ("engine", "engine_lru", "lru"))
-            assert c["engine"]["policy"]["policy"] == "frequency" and c["engine_lru"]["policy"]["policy"] == "lru"
-            assert positive(c["engine_time_over_engine_lru"])
-        assert by_label["inf"]["engine"]["hit_rate"] == by_label["inf"]["optimum"]["hit_rate"] > 0, name
-        assert by_label["inf"]["engine"]["hit_rate"] == t["infinite_capacity_hit_rate"], name
-        assert by_label["1000"]["lru"]["hit_rate"] > 0, name  # the 1k ratio has a denominator
-        tg = t["targets"]
-        assert set(tg) >= {"engine_ge_lru_everywhere", "engine_over_optimum_min", "infinite_equal", "all_met"}
+            for p, e in c["engines"].items():
+                assert fraction(e["hit_rate"]), (name, c["label"], p)
+                assert e["policy"]["policy"] == p
+                # MIN with bypass bounds every online cache
+                assert c["optimum"]["hit_rate"] >= e["hit_rate"], (name, c["label"], p)
+            assert positive(c["over_engine_lru"]["lru"]) and c["over_engine_lru"]["lru"] == 1.0
+        if "inf" in by_label:
+            inf = by_label["inf"]
+            assert inf["engines"]["adaptive"]["hit_rate"] == inf["optimum"]["hit_rate"] == w["infinite_capacity_hit_rate"]
+        t = w["targets"]
+        assert isinstance(t["all_met"], bool) and isinstance(t["all_met_vs_engine_lru"], bool)
+        assert all(isinstance(v, bool) for v in t["floor_vs_engine_lru"].values())
+        assert set(t["floor_vs_plain_lru"]) == set(by_label)
+        assert ("signal" in t) == (name in ("conversation", "scan", "agentic"))
+    assert positive(d["workloads"]["conversation"]["cost"]["max_default_over_lru"])
     assert isinstance(d["target_met"], bool)
 
 
