@@ -180,8 +180,12 @@ class StoreCollector:
             e = s.eviction
             gauge("kvcached_eviction_policy", "The eviction policy in use (1)", ("policy", "admission")).add_metric(
                 [dom, e.policy, e.admission], 1)
-            gauge("kvcached_eviction_weight", "Pool turnovers one more hit is worth (frequency policy)").add_metric(
+            gauge("kvcached_eviction_weight",
+                  "Pool turnovers one more hit is worth (frequency; adaptive: the weight it chose)").add_metric(
                 [dom], e.weight)
+            counter("kvcached_eviction_weight_switches",
+                    "Times the adaptive policy changed its weight (its simulations found another better)").add_metric(
+                [dom], e.weight_switches)
             gauge("kvcached_eviction_turnover_seconds",
                   "Measured time to use a pool's worth of chunks (the frequency policy's time scale)").add_metric(
                 [dom], e.turnover_seconds)

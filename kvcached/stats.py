@@ -119,6 +119,7 @@ class EvictionStats:
     weight: float = 0.0
     turnover_seconds: float = 0.0  # time the workload takes to use a pool's worth of chunks
     memory_chunks: int = 0  # the sketch's width: evicted chunks whose counts it remembers
+    weight_switches: int = 0  # adaptive: times its simulations moved the weight
 
 
 @dataclass(frozen=True)

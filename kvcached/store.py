@@ -850,7 +850,8 @@ class Store:
     def _eviction_stats(self) -> EvictionStats:
         d = self.index.policy.describe()
         return EvictionStats(str(d["policy"]), str(d["admission"]), float(d.get("weight", 0.0)),
-                             float(d.get("turnover_seconds", 0.0)), int(d.get("sketch_width", 0)))
+                             float(d.get("turnover_seconds", 0.0)), int(d.get("sketch_width", 0)),
+                             int(d.get("switches", 0)))
 
     def reconfigure(self, **reloadable: Any) -> None:
         """Apply reloadable settings (SIGHUP): TTLs and per-session caps. Existing leases keep

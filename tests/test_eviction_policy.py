@@ -85,7 +85,7 @@ def test_stats_and_metrics_report_the_policy(make_store, clock):
     v = reg.get_sample_value
     d = {"domain": "default"}
     assert v("kvcached_eviction_policy", {**d, "policy": "adaptive", "admission": "always"}) == 1
-    assert v("kvcached_eviction_weight", d) == 1.0
+    assert v("kvcached_eviction_weight", d) == 1.0 and v("kvcached_eviction_weight_switches_total", d) == 0
     assert v("kvcached_admission_chunks_total", {**d, "decision": "admitted", "reason": ""}) == 18
     assert v("kvcached_admission_chunks_total", {**d, "decision": "refused", "reason": "value"}) == 0
     assert v("kvcached_evictions_total", {**d, "tier": "pool"}) == 10
@@ -127,3 +127,36 @@ def test_policy_settings_reach_the_store_config(tmp_path):
     cfg = s.store_config(1 << 20)
     assert (cfg.eviction_policy, cfg.eviction_weight, cfg.eviction_admission) == ("lru", 2.5, "always")
     assert next(f for f in dataclasses.fields(DaemonSettings) if f.name == "eviction_policy").default == "adaptive"
+
+
+def hot_and_scan(make_store, clock, policy: str, state_dir: str) -> tuple[int, object]:
+    """20 hot prompts (a shared 2-chunk prefix + 2 chunks each) in rotation, three one-off
+    4-chunk prompts after each, through a pool of 256 chunks: under recency the scan pushes each
+    hot prompt out before it comes back. A lease taken at the start is held throughout.
+    Returns the hot prompts' chunks found cached, and the store."""
+    store = make_store(pool_blocks=256, nvme_chunks=None, eviction_policy=policy, eviction_weight=0.0,
+                       state_dir=state_dir)
+    lid = store.register_layout(TINY)
+    held_tokens = prompt(2, start=900_000)
+    store.put(lid, held_tokens, [payload(i, 7) for i in range(2)])
+    held = store.acquire(lid, held_tokens)
+    hot = [prompt(2, start=10_000) + prompt(2, start=20_000 + 100 * q) for q in range(20)]
+    found, scan = 0, 0
+    for rnd in range(25):
+        for q in range(20):
+            found += serve(store, lid, clock, hot[q])
+            for _ in range(3):
+                serve(store, lid, clock, prompt(4, start=100_000 + 100 * scan))
+                scan += 1
+    assert bytes(store.read_chunk(held, 1)) == payload(1, 7)  # pinned through every switch
+    store.release(held.lease_id)
+    store.index.check_invariants()
+    return found, store
+
+
+def test_the_adaptive_policy_learns_to_protect_a_hot_set_from_a_scan(make_store, clock, tmp_path):
+    found, store = hot_and_scan(make_store, clock, "adaptive", str(tmp_path / "adaptive"))
+    e = store.stats().eviction
+    assert e.policy == "adaptive" and e.weight > 0 and e.weight_switches >= 1  # it started at 0 (LRU)
+    found_lru, _ = hot_and_scan(make_store, clock, "lru", str(tmp_path / "lru"))
+    assert found > 1.3 * found_lru, (found, found_lru)

@@ -92,7 +92,10 @@ class MiniSims:
         they hold; the next uses trim them)."""
         scale = max(int(scale_chunks), 1)
         self.rate = min(MAX_RATE, MINI_CHUNKS / scale) if scale > MINI_CHUNKS else min(MAX_RATE, 1.0)
-        self._threshold = int(self.rate * _SPACE)
+        # A hash is sampled iff its first 4 bytes, read big-endian, are below rate x 2^32:
+        # comparing the whole hash with these 4 bytes says exactly that (bytes compare
+        # lexicographically), with no slicing or conversion per hash.
+        self._threshold = min(int(self.rate * _SPACE), _SPACE - 1).to_bytes(4, "big")
         self.capacity = max(1, int(round(scale * self.rate)))
         self.epoch_uses = max(256, 2 * self.capacity)
         if not self._epoch_left:
@@ -105,7 +108,7 @@ class MiniSims:
     def sample(self, hashes: Sequence[ChunkHash]) -> list[ChunkHash]:
         """The hashes of ``hashes`` that fall in the sample, in order."""
         t = self._threshold
-        return [h for h in hashes if int.from_bytes(h[:4], "little") < t]
+        return [h for h in hashes if h < t]
 
     def observe(self, hashes: Sequence[ChunkHash], now: float, tau: float) -> bool:
         """Replay one request (its whole prompt's chunk hashes, in order) through every mini
