@@ -34,8 +34,11 @@ from collections.abc import Sequence
 
 from kvcached_router.index import HostIndex
 
-#: The media a daemon reports for its NVMe tier ("DISK" from daemons before vLLM's name).
-STORAGE_MEDIA = ("STORAGE", "DISK")
+#: Media whose chunks must be read from storage before they serve, weighed by ``storage_weight``:
+#: a daemon's NVMe tier ("STORAGE", vLLM's name; "DISK" from daemons before it, and SGLang's
+#: L3), and SGLang's L4 "EXTERNAL" (a shared or remote pool). "GPU", "CPU" and SGLang's
+#: "CPU_PINNED" (its L2 host memory) count in full.
+STORAGE_MEDIA = ("STORAGE", "DISK", "EXTERNAL")
 POLICIES = ("kvcached", "round_robin", "least_loaded", "prefix_hash", "longest_prefix")
 
 

@@ -154,8 +154,9 @@ def test_ties_at_empty_queues_rotate_instead_of_piling_onto_the_first_host():
 
 def test_a_host_whose_prefix_is_on_nvme_counts_less_than_one_holding_it_in_its_pool():
     """storage_weight: b holds 3 chunks in its pool, a holds 4 of which 3 only on NVMe (an older
-    daemon's "DISK" counts the same): weighted 1 + 3 x 0.5 = 2.5 < 3, so b; with weight 1, a."""
-    for medium in ("STORAGE", "DISK"):
+    daemon's "DISK", SGLang's L3 "DISK" and L4 "EXTERNAL" count the same): weighted 1 + 3 x 0.5
+    = 2.5 < 3, so b; with weight 1, a."""
+    for medium in ("STORAGE", "DISK", "EXTERNAL"):
         a, b = hs = hosts("a", "b")
         a.index.apply([stored([1]), stored([2, 3, 4], medium)])
         b.index.apply([stored([1, 2, 3])])
@@ -168,3 +169,7 @@ def test_a_host_whose_prefix_is_on_nvme_counts_less_than_one_holding_it_in_its_p
     ix = HostIndex()
     ix.apply([stored([1], "STORAGE"), stored([1], "CPU")])  # on both: the pool's weight
     assert ix.prefix_value([H(1)], {"STORAGE": 0.5}) == (1, 1.0)
+    a, b = hs = hosts("a", "b")  # SGLang's L2 host memory is memory: it counts in full
+    a.index.apply([stored([1, 2, 3, 4], "CPU_PINNED")])
+    b.index.apply([stored([1, 2, 3])])
+    assert Router(hs, "kvcached", storage_weight=0.5).choose([H(1), H(2), H(3), H(4)]).host is a
