@@ -250,7 +250,7 @@ class TraceClock:
 
 
 def replay_engine(reqs: list[Request], capacity: int | None, distinct_full: int, check: bool,
-                  policy: str = "frequency", weight: float | None = None) -> dict:
+                  policy: str = "adaptive", weight: float | None = None, admission: str = "always") -> dict:
     layout = KVLayout("bench/mooncake-replay@1", num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8",
                       chunk_tokens=BLOCK)  # 2 bytes/token -> 1 KiB chunks
     pool_chunks = capacity if capacity is not None else distinct_full + 1024
@@ -266,6 +266,7 @@ def replay_engine(reqs: list[Request], capacity: int | None, distinct_full: int,
         lease_ttl=1e9,
         reservation_ttl=1e9,
         eviction_policy=policy,
+        eviction_admission=admission,
         **({} if weight is None else {"eviction_weight": weight}),
     )
     store = Store(cfg, clock=clock)

@@ -135,7 +135,7 @@ class StoreConfig:
     #: Eviction order of the pool and NVMe tiers (kvcached.index.eviction): "adaptive" (the
     #: default: recency boosted by hits, the boost's weight chosen online), "frequency" (the
     #: same with a fixed weight) or "lru". ``eviction_weight``: pool turnovers one more hit is
-    #: worth (adaptive: the first weight); ``eviction_memory_chunks``: evicted chunks whose use
+    #: worth (frequency only); ``eviction_memory_chunks``: evicted chunks whose use
     #: counts the policy's sketch remembers (a power of two; 2 bytes each).
     eviction_policy: str = "adaptive"
     eviction_weight: float = 1.0

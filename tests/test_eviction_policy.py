@@ -53,7 +53,7 @@ def test_a_one_hit_flood_does_not_evict_the_hot_shared_prefix(make_store, clock,
 
 
 def test_the_doorkeeper_refuses_one_hit_chunks_and_says_why(make_store, clock):
-    store = make_store(pool_blocks=4, nvme_chunks=None, eviction_admission="frequency")
+    store = make_store(pool_blocks=4, nvme_chunks=None, eviction_policy="frequency", eviction_admission="frequency")
     lid = store.register_layout(TINY)
     store.index.policy.fix_turnover(100.0)  # one more hit: 100 s
     hot = prompt(4)
@@ -76,7 +76,7 @@ def test_stats_and_metrics_report_the_policy(make_store, clock):
     store = make_store(pool_blocks=8, nvme_chunks=None)
     lid = store.register_layout(TINY)
     e = store.stats().eviction
-    assert (e.policy, e.admission, e.weight, e.memory_chunks) == ("adaptive", "always", 1.0, 1 << 22)
+    assert (e.policy, e.admission, e.weight, e.memory_chunks) == ("adaptive", "always", 0.0, 1 << 22)  # starts as LRU
     assert store.stats().to_dict()["eviction"]["policy"] == "adaptive"
     for k in range(6):
         serve(store, lid, clock, prompt(3, start=1000 * k))
@@ -85,7 +85,7 @@ def test_stats_and_metrics_report_the_policy(make_store, clock):
     v = reg.get_sample_value
     d = {"domain": "default"}
     assert v("kvcached_eviction_policy", {**d, "policy": "adaptive", "admission": "always"}) == 1
-    assert v("kvcached_eviction_weight", d) == 1.0 and v("kvcached_eviction_weight_switches_total", d) == 0
+    assert v("kvcached_eviction_weight", d) == 0.0 and v("kvcached_eviction_weight_switches_total", d) == 0
     assert v("kvcached_admission_chunks_total", {**d, "decision": "admitted", "reason": ""}) == 18
     assert v("kvcached_admission_chunks_total", {**d, "decision": "refused", "reason": "value"}) == 0
     assert v("kvcached_evictions_total", {**d, "tier": "pool"}) == 10
@@ -102,10 +102,11 @@ def test_reload_changes_the_weight(make_store, clock):
 
 
 def test_reload_leaves_the_adaptive_policys_measured_weight(make_store, clock):
-    store = make_store(pool_blocks=8, nvme_chunks=None)
+    store = make_store(pool_blocks=8, nvme_chunks=None, eviction_weight=2.0)
     store.index.policy.fix_turnover(10.0)
+    assert store.index.policy.boost == 0.0  # it starts as LRU, whatever eviction_weight says
     store.reconfigure(eviction_weight=0.5)
-    assert store.index.policy.boost == 10.0 and store.stats().eviction.weight == 1.0
+    assert store.index.policy.boost == 0.0 and store.stats().eviction.weight == 0.0
 
 
 @pytest.mark.parametrize("bad", [
@@ -134,8 +135,7 @@ def hot_and_scan(make_store, clock, policy: str, state_dir: str) -> tuple[int, o
     4-chunk prompts after each, through a pool of 256 chunks: under recency the scan pushes each
     hot prompt out before it comes back. A lease taken at the start is held throughout.
     Returns the hot prompts' chunks found cached, and the store."""
-    store = make_store(pool_blocks=256, nvme_chunks=None, eviction_policy=policy, eviction_weight=0.0,
-                       state_dir=state_dir)
+    store = make_store(pool_blocks=256, nvme_chunks=None, eviction_policy=policy, state_dir=state_dir)
     lid = store.register_layout(TINY)
     held_tokens = prompt(2, start=900_000)
     store.put(lid, held_tokens, [payload(i, 7) for i in range(2)])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 
-from kvcached.index.eviction import AdaptivePolicy, EvictionQueue
+from kvcached.index.eviction import AdaptivePolicy, EvictionQueue, FrequencyPolicy
 from kvcached.index.minisim import SEEN_PER_CHUNK, MiniSims
 from kvcached.keys import ChunkHash
 
@@ -68,15 +68,22 @@ class N:
 
 def test_a_weight_change_reranks_the_queue():
     """After the policy switches weight, members queued under the old weight rank by the new one."""
-    policy = AdaptivePolicy(weight=4.0, scale_chunks=100)
+    policy = FrequencyPolicy(weight=4.0, scale_chunks=100)
     policy.fix_turnover(10.0)
     q = EvictionQueue(2, policy.key)
     once_hot, recent = N(0.0, 50), N(100.0, 1)  # weight 4: 0 + 40 x 49 ranks far above 100
     q.add(once_hot)
     q.add(recent)
     assert q.peek() is recent
-    FrequencyParent = type(policy).__mro__[1]
-    FrequencyParent.set_weight(policy, 0.0)  # what a switch to LRU does
+    policy.set_weight(0.0)  # what the adaptive policy's switch to LRU does
     assert q.peek() is recent  # the heap still holds the old ranks ...
     q.rekey()
     assert q.peek() is once_hot  # ... until it re-ranks: now by last use
+
+
+def test_the_adaptive_policy_starts_as_lru_and_ignores_a_configured_weight():
+    policy = AdaptivePolicy(weight=4.0, scale_chunks=100)
+    policy.fix_turnover(10.0)
+    assert policy.weight == 0.0 and policy.boost == 0.0
+    policy.set_weight(2.0)  # a reload: the measured choice stands
+    assert policy.boost == 0.0
