@@ -54,6 +54,8 @@ _IN_POOL_LRU = 2
 _IN_NVME_LEAVES = 4
 _DETACHED = 8
 _QUEUED = _IN_LEAVES | _IN_POOL_LRU | _IN_NVME_LEAVES
+#: The most NVMe-queue members re-ranked in one go when the policy changes its weight.
+RERANK_LIMIT = 1 << 15
 
 
 class TierObserver(Protocol):
@@ -344,10 +346,17 @@ class PrefixIndex:
 
     def requested(self, hashes: Sequence[ChunkHash], now: float) -> None:
         """A request asked for these chunks (its whole prompt): the policy learns from it, and
-        if its keys changed scale the policy-ordered queues re-rank their members."""
+        if its keys changed scale the policy-ordered queues re-rank their members.
+
+        Re-ranking is O(members) under the store lock (1-2 us each; switches are rare, a few per
+        change of workload): the pool's queue always (it holds at most the pool's chunks), the
+        NVMe tier's only up to :data:`RERANK_LIMIT` members; past that its members keep the rank
+        they were queued with until they are used again or evicted (its order then mixes the
+        two weights for a while)."""
         if self.policy.requested(hashes, now):
             self.pool_lru.rekey()
-            self.nvme_leaves.rekey()
+            if len(self.nvme_leaves) <= RERANK_LIMIT:
+                self.nvme_leaves.rekey()
 
     def note_path(self, nodes: Sequence[Node]) -> None:
         """Record that ``nodes`` (a matched prefix) were just used in this order."""
