@@ -24,7 +24,7 @@ def feed(sims: MiniSims, prompts, tau: float = 1.0, step: float = 0.01, t0: floa
 
 
 def test_once_hot_chunks_make_it_choose_lru():
-    sims = MiniSims(scale_chunks=400, weight=1.0)  # rate 1/4: mini caches of 100 chunks
+    sims = MiniSims(scale_chunks=400, weight=1.0)  # rate 1/16: mini caches of 25 chunks
     hot = [[i] for i in range(400)] * 20  # 400 chunks used 20 times each, then never again
     now = feed(sims, hot)
     fresh = itertools.count(10_000)
