@@ -130,6 +130,12 @@ class Breaker:
         self._opened_at = None
         self._trial = False
 
+    def cancel(self) -> None:
+        """The call :meth:`allow` let out never went out (no I/O thread was free): if it was the
+        half-open trial, let the next call be it. Without this a trial that found every thread
+        still stuck in calls abandoned during a long freeze held the breaker half-open for good."""
+        self._trial = False
+
     def failure(self) -> bool:
         """Count a failure; True if this opened the breaker."""
         self._row += 1
@@ -364,6 +370,7 @@ class RemoteRedisTier:
         except IOBusy:
             with self._lock:
                 self.stats.skipped_busy += 1
+                self.breaker.cancel()
             return None
         except Exception as e:  # noqa: BLE001 - fail-open: any Redis trouble is a miss
             stale = None

@@ -5,6 +5,7 @@ start: round trips, values it must refuse, fail-open with its breaker, ACL isola
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from kvcached.keys import ChunkHash, LayoutId
 from kvcached.tiers.base import ChunkMeta
 from kvcached.tiers.remote_codec import encode, mac_key, remote_key
-from kvcached.tiers.remote_redis import Breaker, RemoteConfig, RemoteRedisTier
+from kvcached.tiers.remote_redis import IO_THREADS, Breaker, RemoteConfig, RemoteRedisTier
 from tests.redis_servers import RedisCluster, cli, require_redis
 
 try:
@@ -126,6 +127,48 @@ def test_breaker_half_open_failure_reopens():
     assert b.allow()
     b.success()
     assert b.state == "closed" and b.allow()
+
+
+class StuckClient:
+    """A client whose every call hangs until ``release`` is set: I/O threads stuck in calls the
+    tier abandoned at its deadline (a frozen cluster's client can hang far longer than the
+    deadline; a real server cannot be made to hold a socket for exactly as long as a test needs)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def pipeline(self, transaction: bool = False) -> "StuckClient":
+        return self
+
+    def exists(self, name: str) -> None:
+        pass
+
+    def execute(self) -> list:
+        self.release.wait(30)
+        raise ConnectionError("abandoned")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_trial_that_finds_every_io_thread_stuck_does_not_hold_the_breaker_half_open(server):
+    clock = Clock()
+    t = tier(server, clock=clock, timeout=0.1, breaker_failures=IO_THREADS, breaker_cooldown=5.0)
+    stuck = t._client = StuckClient()
+    for _ in range(IO_THREADS):  # each call misses its deadline and leaves its thread stuck
+        assert t.probe(LAYOUT, hashes(chunks(1))) == 0
+    assert t.stats.deadline_missed == IO_THREADS and t.breaker.state == "open"
+    clock.t += 5.0
+    assert t.probe(LAYOUT, hashes(chunks(1))) == 0  # the half-open trial: no thread free
+    assert t.stats.skipped_busy == 1
+    stuck.release.set()  # the abandoned calls end; their threads come back
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and t._io_free._value < IO_THREADS:
+        time.sleep(0.01)
+    cs = chunks(2)
+    assert t.publish(cs)  # the next call is the trial (on a fresh client): it succeeds
+    assert t.breaker.state == "closed" and t.probe(LAYOUT, hashes(cs)) == 2
+    t.close()
 
 
 def test_acl_keeps_each_domain_to_its_prefix(server):
