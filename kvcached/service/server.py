@@ -46,7 +46,10 @@ class RunningServer:
     tcp_port: int | None
 
     async def stop(self, grace: float = 5.0) -> None:
+        """Refuse new calls, end the Session streams (they would hold the drain for all of
+        ``grace``), let the other in-flight calls finish within ``grace``, close."""
         await self.health.enter_graceful_shutdown()
+        await self.servicer.end_sessions()
         await self.server.stop(grace)
         self.servicer.close()
         try:

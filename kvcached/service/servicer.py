@@ -89,11 +89,26 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         self.listen = listen
         self._pool = _started_pool(workers)
         self._sessions: dict[str, str] = {}  # session id -> client name
+        self._session_contexts: set[Any] = set()  # the open Session streams (end_sessions)
         self._started = time.monotonic()
         self.fallbacks = 0  # inline attempts that went to a worker thread (for stats)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+    async def end_sessions(self) -> int:
+        """At shutdown: end every open Session stream now with UNAVAILABLE ("the daemon is
+        stopping"); each handler's ``finally`` releases what its session held, and the client
+        opens a new stream when the daemon is back. A Session stream never finishes by itself,
+        so without this the server's drain waited out its whole grace period whenever a client
+        was connected: a clean restart took 5.6 s instead of 0.6 s. Returns how many."""
+        contexts = list(self._session_contexts)
+        for context in contexts:
+            try:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon is stopping; reconnect when it is back")
+            except Exception:  # noqa: BLE001 - abort() raises to end its caller; here the caller is us
+                pass
+        return len(contexts)
 
     @property
     def sessions(self) -> int:
@@ -280,6 +295,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                                 "clients (one Client per process is enough) or raise max_sessions")
         sid = f"session-{secrets.token_hex(8)}"
         self._sessions[sid] = "?"
+        self._session_contexts.add(context)
         log.info("session %s opened (peer %s)", sid, context.peer())
         try:
             yield pb.SessionEvent(session_id=sid, pool_generation=self.store.pool.generation)
@@ -291,6 +307,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                     if msg.seq:  # only a message that asks for an ack gets one: a client that never
                         yield ack  # reads the stream must not fill its flow-control window with them
         finally:
+            self._session_contexts.discard(context)
             name = self._sessions.pop(sid, "?")
             # Not awaited: this also runs when the stream was cancelled, and the release
             # must happen even if nobody is left to wait for it.
