@@ -83,6 +83,9 @@ class Metrics:
                                registry=r)
         self.wrong = Counter("kvcached_router_wrong_routes", "Audited routes where another healthy host within "
                              "the load bound held at least one more cached chunk", registry=r)
+        self.unaudited = Counter("kvcached_router_unaudited_routes", "Routes the audit could not judge: the "
+                                 "chosen host's daemon did not answer its Lookup (e.g. it was restarting)",
+                                 registry=r)
         self.ttft = Histogram("kvcached_router_ttft_seconds", "Time to the first response byte", ["host"],
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
 
@@ -337,19 +340,27 @@ class RouterService:
 
     async def _audit(self, d: Decision, ids: list[int], record: dict) -> None:
         """Ask every healthy daemon how much of this prompt it holds now (the oracle): the route
-        was wrong if another host within the load bound held at least one more chunk."""
+        was wrong if another host within the load bound held at least one more chunk. If the
+        chosen host's daemon does not answer (it stopped just after the route: nobody could
+        have known), the route is counted unaudited, not wrong; another daemon that does not
+        answer holds nothing usable."""
         live = [h for h in self.hosts if h.name in d.loads]
         bound, loads = d.bound, d.loads  # as they were when the route was chosen
 
-        async def lookup(name: str) -> int:
+        async def lookup(name: str) -> int | None:
             try:
                 return await self._audit_clients[name].lookup(self.layout, ids)
-            except Exception:  # noqa: BLE001 - an unreachable daemon holds nothing we can use
-                return 0
+            except Exception:  # noqa: BLE001 - the daemon did not answer
+                return None
 
         record["index_chunks"] = {h.name: h.index.prefix(self.chunk_hashes(ids)) for h in live}
         record["loads"], record["bound"] = loads, bound
-        got = dict(zip([h.name for h in live], await asyncio.gather(*(lookup(h.name) for h in live))))
+        answers = dict(zip([h.name for h in live], await asyncio.gather(*(lookup(h.name) for h in live))))
+        if answers.get(d.host.name) is None:
+            self.metrics.unaudited.inc()
+            record["audit"] = "the chosen daemon did not answer"
+            return
+        got = {name: n or 0 for name, n in answers.items()}
         self.metrics.audited.inc()
         mine = got.get(d.host.name, 0)
         ct = self.layout.chunk_tokens

@@ -210,6 +210,37 @@ def test_the_audit_counts_a_real_wrong_route(fleet, tmp_path):
         proc.wait(20)
 
 
+def test_a_route_whose_daemon_does_not_answer_the_audit_is_unaudited_not_wrong(fleet, tmp_path):
+    """The audit's other side: the chosen host's daemon cannot answer (here its socket path is
+    wrong; in a restart storm it stopped just after the route), so the audit cannot judge the
+    route. Set up as the wrong-route test above, where it would count wrong: B holds the whole
+    prompt, A (chosen) "holds nothing" when its silence reads as 0 tokens."""
+    config = fleet.kvcached_router_config(audit=True, health_interval=0.3, provisional_ttl=0.5)
+    a, b = config["hosts"][0]["name"], config["hosts"][1]["name"]
+    config["hosts"][0]["daemon_socket"] = str(tmp_path / "no-daemon.sock")
+    config["hosts"][1]["events"] = f"ipc://{tmp_path}/nobody-events"
+    config["hosts"][1]["replay"] = f"ipc://{tmp_path}/nobody-replay"
+    system = words(300, 250)
+    assert post(fleet.url(1) + "/v1/chat/completions", chat(system, "direct to b"))[0] == 200
+    assert post(fleet.url(0) + "/v1/chat/completions", chat(words(300, 70), "direct to a"))[0] == 200
+    url, proc = start_router(config, tmp_path)
+    try:
+        wait(lambda: state(url)[a]["indexed_chunks"] > 0, 20, "the router to know A's chunks")
+        code, h, _ = post(url + "/v1/chat/completions", chat(system, "through the router"))
+        assert code == 200 and h["X-Simhost"] == a, h.get("X-Simhost")
+
+        def counted() -> str:
+            m = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+            return m if "kvcached_router_unaudited_routes_total 1.0" in m else ""
+
+        wait(counted, 10, "the audit to give up on the route")
+        metrics = counted()
+        assert "kvcached_router_wrong_routes_total 0.0" in metrics and "kvcached_router_audited_routes_total 0.0" in metrics
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
 def test_a_restart_storm_under_load_fails_no_request_and_routes_stay_right(router, fleet):
     """Every daemon restarted twice (SIGTERM and SIGKILL in turn; the second round while the
     router may still be catching up with the first) while four clients send requests sharing a
