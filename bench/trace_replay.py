@@ -532,7 +532,7 @@ def plot(res: dict, path: str) -> None:
         ax.axhline(res["lru_floor"], color="red", lw=0.8, ls="--")
         ax.set_xticks(xs)
         ax.set_xticklabels([r["label"] if r["share_of_distinct"] is None or name in TRACES
-                            else f"{r['share_of_distinct'] * 100:g}%" for r in rows])
+                            else f"{r['share_of_distinct'] * 100:.2g}%" for r in rows])
         ax.set_title(name)
         ax.set_ylabel("hit rate / lru engine's")
         ax.grid(True, alpha=0.3)
