@@ -75,8 +75,9 @@ class _Mini:
 
 
 class MiniSims:
-    """Mini caches at :data:`WEIGHTS`, fed each request's chunk hashes; :meth:`best` names
-    the weight to use. ``tau`` (seconds per pool turnover) is the real policy's."""
+    """Mini caches at :data:`WEIGHTS`, fed each request's chunk hashes; :attr:`weight` is the
+    one to use. ``tau`` (seconds per pool turnover, passed to :meth:`observe`) is the real
+    policy's."""
 
     def __init__(self, scale_chunks: int, weight: float, weights: Sequence[float] = WEIGHTS) -> None:
         self.sims = [_Mini(w) for w in weights]
