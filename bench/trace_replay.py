@@ -558,7 +558,7 @@ def cost_run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="first requests only, capacities 1k/10k/inf (a few seconds)")
-    p.add_argument("--quick-requests", type=int, default=800, help="requests per trace with --quick (default 800)")
+    p.add_argument("--quick-requests", type=int, default=500, help="requests per workload with --quick (default 500)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests of each trace")
     p.add_argument("--workloads", default=None,
                    help=f"comma-separated subset of {','.join(TRACES + tuple(WORKLOADS))} (default: all)")

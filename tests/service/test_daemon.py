@@ -211,7 +211,7 @@ def test_second_daemon_on_same_socket_is_refused(daemon):
 
 
 def test_sighup_reloads_reloadable_settings(make_daemon):
-    d = make_daemon(lease_ttl=30.0)
+    d = make_daemon(lease_ttl=30.0, eviction_policy="frequency")  # the policy whose weight is a setting
     d.settings["lease_ttl"] = 5.0
     d.settings["eviction_weight"] = 2.5
     d.settings["pool_bytes"] = "8M"
@@ -241,7 +241,7 @@ def test_kvcachectl_against_a_daemon(daemon):
     assert r.returncode == 0 and "3 indexed in 1 layouts" in r.stdout
     s = json.loads(ctl("stats", "--json").stdout)
     assert s["indexed_chunks"] == 3 and s["pool"]["cached_chunks"] == 3
-    assert s["eviction"]["policy"] == "frequency" and s["eviction"]["admission"] == "always"
+    assert s["eviction"]["policy"] == "adaptive" and s["eviction"]["admission"] == "always"
     assert s["hash_memo"]["hashed_chunks"] == 3 and s["hash_memo"]["runs"] == 1  # the put hashed its prompt once
     r = ctl("stats")
     assert "hash_memo.memo_chunks" in r.stdout and "pool.cached_chunks" in r.stdout
