@@ -50,7 +50,7 @@ policies replayed alternately three times, medians), and on whole runs with farm
 bench/README.md for the command).
 
 Run:   .venv/bin/python bench/trace_replay.py          (~10 min on a 2-core box)
-       .venv/bin/python bench/trace_replay.py --quick  (a few seconds; first requests only,
+       .venv/bin/python bench/trace_replay.py --quick  (~15 s; the first 500 requests of each,
                                                         writes *.quick.json / *.quick.png)
 Output: bench/results/trace_replay.json, bench/results/trace_replay.png
 """
@@ -557,7 +557,7 @@ def cost_run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="first requests only, capacities 1k/10k/inf (a few seconds)")
+    p.add_argument("--quick", action="store_true", help="the first requests of each workload, two or three capacities (~15 s)")
     p.add_argument("--quick-requests", type=int, default=500, help="requests per workload with --quick (default 500)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests of each trace")
     p.add_argument("--workloads", default=None,
