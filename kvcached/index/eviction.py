@@ -370,13 +370,8 @@ class EvictionQueue:
         """Rank every member by its key *now* (after the policy's scale changed): O(members)."""
         if self._key is None:
             return  # ranked by last use: nothing changed scale
-        live = [e for e in self._heap if e[2].qflags & self._bit and e[2].last_use == e[3] and e[2].hits == e[4]]
-        newest: dict[int, tuple[float, int, Queued, float, int]] = {}
-        for e in live:
-            if id(e[2]) not in newest or e[1] > newest[id(e[2])][1]:
-                newest[id(e[2])] = e
-        key = self.key
-        self._heap = [(key(n), seq, n, lu, h) for (_, seq, n, lu, h) in newest.values()]
+        key = self._key
+        self._heap = [(key(n), seq, n, lu, h) for (_, seq, n, lu, h) in self._live_entries()]
         heapq.heapify(self._heap)
 
     def _push(self, node: Queued) -> None:
@@ -386,13 +381,17 @@ class EvictionQueue:
             self._compact()
 
     def _compact(self) -> None:
+        self._heap = self._live_entries()
+        heapq.heapify(self._heap)
+
+    def _live_entries(self) -> list[tuple[float, int, Queued, float, int]]:
+        """The heap's valid entries, one per member: the newest push holds the current rank."""
         best: dict[int, tuple[float, int, Queued, float, int]] = {}
         bit = self._bit
         for entry in self._heap:
             node = entry[2]
             if node.qflags & bit and node.last_use == entry[3] and node.hits == entry[4]:
                 old = best.get(id(node))
-                if old is None or entry[1] > old[1]:  # the newest push holds the current rank
+                if old is None or entry[1] > old[1]:
                     best[id(node)] = entry
-        self._heap = list(best.values())
-        heapq.heapify(self._heap)
+        return list(best.values())

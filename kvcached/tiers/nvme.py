@@ -39,7 +39,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import lmdb
 
@@ -61,6 +61,7 @@ from kvcached.tiers.record import (
 log = logging.getLogger(__name__)
 
 _SCAN_BATCH = 4096
+T = TypeVar("T")
 #: How far a full map may grow, as a multiple of the map the tier opened with.
 MAP_GROWTH_LIMIT = 4
 
@@ -300,41 +301,44 @@ class NvmeTier(Tier):
         """Delete without touching the accounting; returns the value size or None.
 
         A delete writes pages too (copy-on-write), so on a completely full
-        map it can fail; then the map grows by a little headroom (address
-        space only, the file is sparse) and the delete is retried once.
-        Without this, a full map could never be emptied; so a delete may grow
-        the map past ``max_map_size``.
+        map it can fail; it then gets a little headroom (see :meth:`_write_txn`).
         """
-        for attempt in (0, 1):
-            seen = self.map_size
-            try:
-                with self._gate.txn(), self._env.begin(write=True, db=self._chunks, buffers=True) as txn:
-                    with txn.cursor() as cur:
-                        if not cur.set_key(h):
-                            return None
-                        size = len(cur.value())
-                        cur.delete()
-                return size
-            except lmdb.MapFullError:
-                if attempt:
-                    raise
-                self._grow_map(seen, seen + max(1 << 18, seen // 16), "even for deletes")
-        return None  # pragma: no cover
 
-    def _write_txn(self, fn: "Callable[[lmdb.Transaction], None]") -> None:
-        """Run ``fn`` in one write transaction; on a full map grow it (up to ``max_map_size``)
-        and run ``fn`` again in a new transaction. Raises ``MapFullError`` at the cap."""
+        def delete(txn: lmdb.Transaction) -> int | None:
+            with txn.cursor() as cur:
+                if not cur.set_key(h):
+                    return None
+                size = len(cur.value())
+                cur.delete()
+            return size
+
+        return self._write_txn(delete, headroom=True)
+
+    def _write_txn(self, fn: "Callable[[lmdb.Transaction], T]", *, db: object = None, headroom: bool = False) -> T:
+        """``fn(txn)`` in one write transaction (on ``chunks``, or ``db``); returns its result.
+
+        On a full map, a chunk write grows the map by a quarter (up to ``max_map_size``) and runs
+        ``fn`` again in a new transaction, raising ``MapFullError`` at the cap. A bookkeeping
+        write (``headroom``: a delete, a layout record) grows it once by a little, past the cap
+        if need be (otherwise a full map could never be emptied), and runs ``fn`` once more.
+        """
+        grown = False
         while True:
             seen = self.map_size
             try:
-                with self._gate.txn(), self._env.begin(write=True, db=self._chunks, buffers=True) as txn:
-                    fn(txn)
-                return
+                with self._gate.txn(), self._env.begin(write=True, db=db or self._chunks, buffers=True) as txn:
+                    return fn(txn)
             except lmdb.MapFullError:
                 # The failed transaction is closed here, so this thread holds no gate.
-                if seen >= self.max_map_size:
+                if headroom:
+                    if grown:
+                        raise
+                    grown = True
+                    self._grow_map(seen, seen + max(1 << 18, seen // 16), "for a delete or a layout record")
+                elif seen >= self.max_map_size:
                     raise
-                self._grow_map(seen, min(self.max_map_size, seen + max(1 << 20, seen // 4)), "")
+                else:
+                    self._grow_map(seen, min(self.max_map_size, seen + max(1 << 20, seen // 4)), "")
 
     def _grow_map(self, seen: int, new: int, why: str) -> None:
         """Set the map to ``new`` bytes (address space; the file stays sparse) unless another
@@ -419,16 +423,7 @@ class NvmeTier(Tier):
 
     def save_layout(self, layout: KVLayout) -> None:
         record = json.dumps(layout.to_dict(), sort_keys=True).encode()
-        for attempt in (0, 1):
-            seen = self.map_size
-            try:
-                with self._gate.txn(), self._env.begin(write=True, db=self._layouts) as txn:
-                    txn.put(layout.layout_id.encode(), record)
-                return
-            except lmdb.MapFullError:  # a layout record is tiny: make room like a delete does
-                if attempt:
-                    raise
-                self._grow_map(seen, seen + max(1 << 18, seen // 16), "for a layout")
+        self._write_txn(lambda txn: txn.put(layout.layout_id.encode(), record), db=self._layouts, headroom=True)
 
     def load_layouts(self) -> dict[LayoutId, KVLayout]:
         out: dict[LayoutId, KVLayout] = {}
