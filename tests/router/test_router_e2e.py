@@ -198,9 +198,15 @@ def test_the_audit_counts_a_real_wrong_route(fleet, tmp_path):
     try:
         wait(lambda: state(url)[a]["indexed_chunks"] > 0 and state(url)[b]["indexed_chunks"] == 0, 20,
              "the router to know A's chunks and none of B's")
+        # B must be a candidate when the route is chosen (a host the health check lost on a
+        # loaded box is not one, and the audit rightly ignores it).
+        wait(lambda: all(h["healthy"] for h in state(url).values()), 20, "both hosts healthy")
         code, h, _ = post(url + "/v1/chat/completions", chat(system, "through the router"))
         assert code == 200 and h["X-Simhost"] == a, h.get("X-Simhost")
-        wait(lambda: get(url + "/router/decisions?wrong=1"), 10, "the audit to report the wrong route")
+        try:
+            wait(lambda: get(url + "/router/decisions?wrong=1"), 20, "the audit to report the wrong route")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; the router's decisions: {get(url + '/router/decisions')}") from None
         row = get(url + "/router/decisions?wrong=1")[-1]
         assert row["oracle_tokens"][b] > row["oracle_tokens"][a], row
         metrics = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()

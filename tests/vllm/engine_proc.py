@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 
 def _connector(llm):  # the scheduler-side connector object, in this process (no multiprocessing)
@@ -91,7 +92,7 @@ def main() -> None:
                                 ignore_eos=bool(cmd.get("ignore_eos")))
             salt = cmd.get("salt")
             engine.add_request(cmd["id"], TokensPrompt(prompt_token_ids=cmd["prompt"], **({"cache_salt": salt} if salt else {})), sp)
-            out = {"added": cmd["id"]}
+            out = {"added": cmd["id"], "t": time.monotonic()}
         elif op in ("step", "drain"):
             steps = 0
             # The engine core's view, as `vllm serve`'s busy loop has it: it also steps while the
@@ -101,7 +102,7 @@ def main() -> None:
                 for r in engine.step():
                     if r.finished:
                         finished[r.request_id] = {"tokens": list(r.outputs[0].token_ids),
-                                                  "num_cached": r.num_cached_tokens}
+                                                  "num_cached": r.num_cached_tokens, "t": time.monotonic()}
                 steps += 1
             out = {"steps": steps, "finished": finished, "unfinished": engine.has_unfinished_requests() or core.has_requests()}
             if op == "drain":
