@@ -267,7 +267,12 @@ class Store:
         return self._raw_hashes(layout_id, tokens)[1]
 
     def _raw_hashes(self, layout_id: LayoutId, tokens: TokenInput) -> tuple[bytes, list[ChunkHash]]:
-        """:meth:`hashes`, with the tokens as uint32 little-endian bytes."""
+        """:meth:`hashes`, with the tokens as uint32 little-endian bytes.
+
+        Needs no store lock, and the request paths call it before taking the lock: SHA-256 of a
+        new prompt's chunks (about 10 us per chunk here, the GIL held for chunks under 2 KiB)
+        would otherwise hold every other caller back for as long. The layout table is only ever
+        added to, and the hash memo is safe to share without a lock (:mod:`kvcached.hashmemo`)."""
         layout, root = self._layout(layout_id)
         raw = normalize_tokens(tokens, layout.vocab_size)
         if len(raw) // 4 > self.config.max_prompt_tokens:
@@ -278,9 +283,9 @@ class Store:
 
     def lookup(self, layout_id: LayoutId, tokens: TokenInput) -> int:
         """Cached prefix length in tokens, on any tier. Pins nothing, changes no recency."""
+        raw, hashes = self._raw_hashes(layout_id, tokens)  # outside the lock (see _raw_hashes)
         with self._lock:
             self._check_open()
-            raw, hashes = self._raw_hashes(layout_id, tokens)
             layout = self._layouts[layout_id][0]
             n = len(self.index.match(hashes))
             self.prompt_shape.observe(layout_id, layout.chunk_tokens, raw, hashes, n)
@@ -318,9 +323,9 @@ class Store:
         """
         if self.remote is not None:  # whether or not the caller reads NVMe chunks itself
             self._remote_first(layout_id, tokens, placement)
+        raw, hashes = self._raw_hashes(layout_id, tokens)  # outside the lock (see _raw_hashes)
         with self._lock:
             self._check_admitting()
-            raw, hashes = self._raw_hashes(layout_id, tokens)
             return self._acquire(layout_id, hashes, session, ttl, max_chunks, promote, keep_empty, raw,
                                  self.pool.slab_for(placement))
 
@@ -490,9 +495,9 @@ class Store:
         request) validates and reports what is cached but reserves nothing. With
         ``open_empty`` False a reservation of nothing is not opened (empty id). The room is
         in the pool slab of ``placement``, the writer's device (:meth:`PackedPool.slab_for`)."""
+        hashes = self.hashes(layout_id, tokens)  # outside the lock (see _raw_hashes)
         with self._lock:
             self._check_admitting()
-            hashes = self.hashes(layout_id, tokens)
             return self._reserve(layout_id, hashes, session, ttl, store_nothing, open_empty, tokens=tokens,
                                  slab=self.pool.slab_for(placement))
 
@@ -530,9 +535,9 @@ class Store:
         """
         if self.remote is not None and not no_cache:
             self._remote_first(layout_id, tokens, placement)
+        raw, hashes = self._raw_hashes(layout_id, tokens)  # outside the lock (see _raw_hashes)
         with self._lock:
             self._check_admitting()
-            raw, hashes = self._raw_hashes(layout_id, tokens)
             slab = self.pool.slab_for(placement)
             if self._inline and promote and self.nvme is not None:
                 nodes, offsets = self.index.match_located(hashes)
@@ -597,8 +602,8 @@ class Store:
         loop's inline path that would be network I/O under the lock: WouldBlock instead (the call
         moves to a worker thread), unless everything is cached locally anyway."""
         if self._inline:
+            hashes = self.hashes(layout_id, tokens)
             with self._lock:
-                hashes = self.hashes(layout_id, tokens)
                 if len(self.index.match(hashes)) < len(hashes):
                     raise WouldBlock
             return
@@ -618,9 +623,9 @@ class Store:
         ``remote_timeout`` × the windows fetched waiting for Redis (waits for the store lock
         are not the remote's)."""
         assert self.remote is not None
+        hashes = self.hashes(layout_id, tokens)
         with self._lock:
             self._check_admitting()
-            hashes = self.hashes(layout_id, tokens)
             layout = self._layouts[layout_id][0]
             k = len(self.index.match(hashes))
         window = max(1, REMOTE_FETCH_WINDOW_BYTES // layout.chunk_bytes)

@@ -52,9 +52,9 @@ from kvcached.tiers.lmdbgate import TxnGate
 from kvcached.tiers.record import (
     FORMAT_VERSION,
     HEADER_SIZE,
+    RecordBuffer,
     copy_verified,
     decode_header,
-    encode_header,
     verified_payload,
 )
 
@@ -166,7 +166,7 @@ class NvmeTier(Tier):
         data = self._staged.get(slot.slot_id)
         if data is None:
             raise InternalInvariantError(f"NVMe slot {slot.slot_id} was committed without a write")
-        value = encode_header(meta, data) + data  # bytes + memoryview -> one new bytes
+        value = RecordBuffer().record(meta, data)
 
         def put(txn: lmdb.Transaction) -> None:
             if not txn.put(meta.chunk_hash, value, overwrite=False):
@@ -208,6 +208,7 @@ class NvmeTier(Tier):
         unchanged until this returns (the write-back thread pins their chunks).
         """
         out = BatchResult()
+        scratch = RecordBuffer()  # the records are assembled with the GIL released: readers run meanwhile
 
         def batch(txn: lmdb.Transaction) -> None:
             nonlocal out
@@ -221,7 +222,7 @@ class NvmeTier(Tier):
             for meta, data in puts:
                 old = txn.get(meta.chunk_hash)
                 replaced = len(old) if old is not None else 0
-                value = encode_header(meta, data) + data
+                value = scratch.record(meta, data)
                 txn.put(meta.chunk_hash, value)
                 out.written.append((meta.chunk_hash, len(value), replaced))
 

@@ -22,6 +22,7 @@ import kvcached.tiers.nvme as nvme_mod
 from kvcached.errors import TierFull
 from kvcached.tiers.lmdbgate import TxnGate
 from kvcached.tiers.nvme import NvmeTier
+from kvcached.tiers.record import RecordBuffer
 from tests.tiers.test_nvme import meta, put
 
 VALUE = 32 << 10
@@ -91,14 +92,14 @@ def _write_batch_inside_growth(monkeypatch) -> threading.Event:
     """Arrange: the next growth finds the write-back thread inside a write_batch transaction,
     paused there for 0.5 s. Returns the event that lets it go on."""
     inside, release = threading.Event(), threading.Event()
-    real_encode, real_grow = nvme_mod.encode_header, NvmeTier._grow_map
+    real_record, real_grow = RecordBuffer.record, NvmeTier._grow_map
     batch_thread: list[threading.Thread] = []
 
-    def paused_encode(m, data):
+    def paused_record(self, m, data):
         if batch_thread and threading.current_thread() is batch_thread[0]:
             inside.set()
             release.wait(10)
-        return real_encode(m, data)
+        return real_record(self, m, data)
 
     def grow_with_a_batch_open(self, seen, new, why):
         if not batch_thread:  # the first growth: start a write-back batch and let it enter its txn
@@ -108,7 +109,7 @@ def _write_batch_inside_growth(monkeypatch) -> threading.Event:
             assert inside.wait(10)
         real_grow(self, seen, new, why)
 
-    monkeypatch.setattr(nvme_mod, "encode_header", paused_encode)
+    monkeypatch.setattr(RecordBuffer, "record", paused_record)
     monkeypatch.setattr(NvmeTier, "_grow_map", grow_with_a_batch_open)
     release_later = threading.Timer(0.5, release.set)
     release_later.start()

@@ -21,6 +21,7 @@ from kvcached.tiers.record import (
     HEADER_SIZE,
     HEADER_SIZES,
     Header,
+    RecordBuffer,
     check_payload,
     copy_verified,
     decode_header,
@@ -105,6 +106,19 @@ def test_header_unpacks_as_the_older_triple():
 def test_encoder_reproduces_the_golden_v2_record():
     got = encode_header(GOLDEN_META, GOLDEN_PAYLOAD) + GOLDEN_PAYLOAD
     assert got.hex() == GOLDEN_V2.hex(), ORPHANS
+
+
+def test_the_record_buffer_writes_the_golden_record_and_is_reusable():
+    """The write paths assemble records in a reused scratch buffer: the same bytes as the
+    encoder's, whatever size came before (larger, then smaller, then larger again)."""
+    buf = RecordBuffer()
+    big = os.urandom(1 << 20)
+    big_meta = ChunkMeta(GOLDEN_META.chunk_hash, GOLDEN_META.parent_hash, GOLDEN_META.layout_id, 1, 4)
+    for meta, payload in ((big_meta, big), (GOLDEN_META, GOLDEN_PAYLOAD), (big_meta, memoryview(big)),
+                          (GOLDEN_META, bytearray(GOLDEN_PAYLOAD))):
+        got = buf.record(meta, payload)
+        assert bytes(got) == encode_header(meta, bytes(payload)) + bytes(payload), ORPHANS
+    assert bytes(buf.record(GOLDEN_META, GOLDEN_PAYLOAD)) == GOLDEN_V2, ORPHANS
 
 
 def test_golden_v1_matches_the_documented_layout():
