@@ -33,6 +33,9 @@ the GIL), timing each call with ``perf_counter_ns`` (gc off):
 * ``busy/writeback, store.put`` (info) the same puts through ``Store.put``, which copies the
                   payload under the store lock (an in-process writer; the daemon's clients copy
                   outside it, as above)
+* ``busy, room free`` the same puts at the same rate into the write-back store emptied first, so
+                  they all fit (no eviction, no write-back: checked): what the puts' own store
+                  work costs the reader. ``busy/writeback`` over this is write-back's own share.
 
 The reader's promotions from NVMe are counted (expected 0: its prompt stays pool-resident).
 Note: CPython's GIL serialises the threads, so any busy put thread slows the reader somewhat;
@@ -102,6 +105,7 @@ LAT_PHASES = {
     "idle (writeback=False store)": ("full/sync", "idle"),
     "busy/writeback, store.put": ("full/writeback", "busy, store.put"),
     "busy, memcpy only (GIL control)": ("full/writeback", "memcpy only"),
+    "busy, room free (same puts, no write-back)": ("full/writeback", "room free"),
 }
 COUNTERS = ("writeback_batches", "writeback_chunks", "writeback_bytes", "sync_demotions", "writeback_waits",
             "writeback_wait_seconds", "writeback_wait_timeouts", "demotions", "pool_evictions",
@@ -179,6 +183,17 @@ class Bench:
             put(t)
             each.append(pc() - a)
         return time.perf_counter() - t0, each
+
+    def paced_puts(self, n: int, rate: float) -> dict:
+        """``n`` new prompts at ``rate`` per second (tokens drawn first)."""
+        toks = [self.tokens() for _ in range(n)]
+        t0 = time.perf_counter()
+        for i, t in enumerate(toks):
+            self.put_client(t)
+            left = t0 + (i + 1) / rate - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
+        return {"puts_per_s": n / (time.perf_counter() - t0), "paced_at": rate, "counters": {"sync_demotions": 0}}
 
     def counters(self) -> dict:
         c = self.store.stats().counters
@@ -400,6 +415,16 @@ def run_full(args, rng, payload, plain_buf, *, writeback: bool) -> dict:
             b.settle()
             rate = lat["busy"]["work"]["puts_per_s"]
             lat["memcpy only"] = b.with_reader(reader, lambda: gil_control(args.puts, rate, payload))
+            # The same puts at the same rate into this pool emptied first, so that they all fit:
+            # what the puts' own store work costs the reader, with no eviction or write-back.
+            b.store.evict()
+            fresh = b.reader_prompt()
+            b.warm_reader(fresh)
+            c1 = b.counters()
+            fits = int((1 - b.cfg.writeback_low) * b.store.pool.capacity_bytes) // (PROMPT_CHUNKS * LAYOUT.chunk_bytes) - 2
+            lat["room free"] = b.with_reader(fresh, lambda: b.paced_puts(min(args.puts, fits), rate))
+            wrote = diff(c1, b.counters())
+            assert wrote["writeback_batches"] == 0 and wrote["pool_evictions"] == 0, wrote  # as it claims
         out["latency"] = lat
         out["partial_puts"] = b.partial
         return out
@@ -468,6 +493,9 @@ def summarize(args, reps: list[dict], wall: float) -> dict:
         "p99_busy_writeback_store_put_over_idle": ratio(latency["busy/writeback, store.put"]["acquire_p99_us"], idle99),
         "p99_busy_sync_over_busy_writeback": ratio(latency["busy/sync"]["acquire_p99_us"],
                                                    latency["busy/writeback"]["acquire_p99_us"]),
+        "p99_room_free_over_idle": ratio(latency["busy, room free (same puts, no write-back)"]["acquire_p99_us"], idle99),
+        "p99_busy_writeback_over_room_free": ratio(latency["busy/writeback"]["acquire_p99_us"],
+                                                   latency["busy, room free (same puts, no write-back)"]["acquire_p99_us"]),
         "p99_memcpy_only_over_idle": ratio(latency["busy, memcpy only (GIL control)"]["acquire_p99_us"], idle99),
         "p99_busy_writeback_over_memcpy_only": ratio(latency["busy/writeback"]["acquire_p99_us"],
                                                      latency["busy, memcpy only (GIL control)"]["acquire_p99_us"]),
@@ -623,6 +651,9 @@ def print_report(res: dict) -> None:
     print(f"  acquire p99 while write-back runs = {lr['p99_busy_writeback_over_idle']:.2f}x idle (<= {TARGET_P99_RATIO}x): "
           f"{'MET' if t['acquire_p99_le_1.2x_idle'] else 'NOT MET'}; with writeback=False "
           f"{lr['p99_busy_sync_over_idle']:.2f}x idle (sync / write-back = {lr['p99_busy_sync_over_busy_writeback']:.2f}x)")
+    print(f"  the same puts into a pool with room for them (no eviction, no write-back): reader p99 "
+          f"{lr['p99_room_free_over_idle']:.2f}x idle; write-back's own share: "
+          f"{lr['p99_busy_writeback_over_room_free']:.2f}x that")
     if any(res["partial_puts"].values()):
         print(f"  WARNING: puts that could not reserve every chunk: {res['partial_puts']}")
 
@@ -646,7 +677,8 @@ def plot(res: dict, path: str) -> None:
     ax1.grid(True, axis="y", alpha=0.3)
     styles = {"idle": ("k", "-"), "busy/writeback": ("#3182bd", "-"), "busy/sync": ("#e6550d", "-"),
               "idle (writeback=False store)": ("grey", ":"), "busy/writeback, store.put": ("#3182bd", "--"),
-              "busy, memcpy only (GIL control)": ("#31a354", ":")}
+              "busy, memcpy only (GIL control)": ("#31a354", ":"),
+              "busy, room free (same puts, no write-back)": ("#756bb1", "--")}
     for name, xs_ns in res["_cdf"].items():
         if not xs_ns:
             continue
