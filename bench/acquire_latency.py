@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np
 from _common import (
+    REPO_ROOT,
     RESULTS_DIR,
     format_table,
     ratio,
@@ -90,11 +93,13 @@ def build_store(fill_chunks: int, state_dir: str, seed: int) -> tuple[Store, str
     # measured prompt. Reserve + commit without writing the blocks (the bytes do not matter here).
     t0 = time.perf_counter()
     filled = 0
+    shares: list[int] = []  # tokens each filler shares with the prompt (for the SGLang side's tree)
     while filled < fill_chunks:
         toks = rng.integers(0, 128_000, PROMPT_TOKENS, dtype=np.uint32)
         if rng.random() < 0.25:
             share = int(rng.integers(1, PROMPT_CHUNKS)) * CHUNK_TOKENS
             toks[:share] = prompt[:share]
+            shares.append(share)
         res = store.reserve(lid, toks)
         store.commit(res.reservation_id)
         filled += len(res.slots)
@@ -110,6 +115,7 @@ def build_store(fill_chunks: int, state_dir: str, seed: int) -> tuple[Store, str
         "prompt_chunks": PROMPT_CHUNKS,
         "prompt_children_of_first_chunk": store.index.get(store.hashes(lid, prompt)[0]).children,
         "build_seconds": build_s,
+        "filler_shared_prefix_tokens": shares,
     }
     return store, lid, prompt, shape
 
@@ -244,7 +250,34 @@ def measure(store: Store, lid: str, prompt: np.ndarray, shape: dict, args: argpa
         "ratios": ratios,
         "target_acquire_p50": target,
         "target_met_for_bytes_input": target["bytes"]["met"],
+        "_prompt": prompt,
     }
+
+
+def print_sglang(res: dict) -> None:
+    sg = res["sglang_match_prefix"]
+    if "skipped" in sg:
+        print(f"\nSGLang's match_prefix: skipped ({sg['skipped']})")
+        return
+    ours = res["latency"]["list/acquire+release"]["p50_us"]  # SGLang's scheduler holds the ids as a list
+    ours_np = res["latency"]["np.uint32/acquire+release"]["p50_us"]
+    rows = []
+    verdict = {}
+    for page, v in sg.items():
+        for name in ("match_prefix", "match+lock+unlock"):
+            rows.append([f"SGLang {v['sglang']} {page}: {name}", v[name]["p50_us"], v[name]["p99_us"],
+                         ratio(ours, v[name]["p50_us"]), ratio(ours_np, v[name]["p50_us"])])
+        verdict[page] = {"acquire+release_list_over_match_lock_unlock": ratio(ours, v["match+lock+unlock"]["p50_us"]),
+                         "acquire+release_np_over_match_lock_unlock": ratio(ours_np, v["match+lock+unlock"]["p50_us"]),
+                         "acquire+release_list_over_match_prefix": ratio(ours, v["match_prefix"]["p50_us"])}
+    res["sglang_ratios"] = verdict
+    print(f"\nthe same {PROMPT_TOKENS}-token prompt in SGLang's RadixCache (its process, right after):")
+    print(format_table(["contender", "p50 us", "p99 us", "kvcached acq+rel (list) / this",
+                        "kvcached acq+rel (np) / this"], rows))
+    res["target_acquire_release_le_sglang_match_prefix"] = all(
+        v["acquire+release_list_over_match_prefix"] <= 1.0 for v in verdict.values())
+    print("target: in-process acquire + release <= SGLang's match_prefix on the same prompt: "
+          f"{'MET' if res['target_acquire_release_le_sglang_match_prefix'] else 'NOT MET'} (list input, both page sizes)")
 
 
 def print_report(res: dict) -> None:
@@ -274,6 +307,35 @@ def print_report(res: dict) -> None:
               f"  (acquire / hashes = {res['ratios'][k]['acquire_over_hashes_p50']:.2f}x)")
 
 
+SGLANG_PYTHON = os.path.join(REPO_ROOT, ".venv-sglang", "bin", "python")
+SGLANG_SHIMS = os.path.join(REPO_ROOT, "tests", "sglang", "cpu_shims")
+
+
+def sglang_side(prompt: np.ndarray, shape: dict, args: argparse.Namespace) -> dict:
+    """SGLang's ``RadixCache.match_prefix`` (and + lock/unlock) on the same prompt, in a tree with
+    the prompt and the fillers that share a prefix with it (the others hang off the root, where
+    they cost a match nothing), run by ``_sglang_match.py`` in SGLang's venv right after kvcached's
+    rounds. Skipped, with the reason, where that venv is missing (``KVCACHED_SGLANG=cpu
+    ./scripts/setup`` makes it)."""
+    if not os.path.exists(SGLANG_PYTHON):
+        return {"skipped": f"no SGLang venv at {SGLANG_PYTHON} (KVCACHED_SGLANG=cpu ./scripts/setup makes it)"}
+    rng = np.random.default_rng(args.seed + 7)
+    p = prompt.tolist()
+    fillers = [p[:k] + rng.integers(0, 128_000, PROMPT_TOKENS - k).tolist() for k in shape["filler_shared_prefix_tokens"]]
+    out: dict = {}
+    for page in (1, 64):
+        job = {"prompt": p, "fillers": fillers, "page_size": page, "iterations": args.iterations, "rounds": args.rounds}
+        env = {**os.environ, "PYTHONPATH": SGLANG_SHIMS}
+        r = subprocess.run([SGLANG_PYTHON, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sglang_match.py")],
+                           input=json.dumps(job), capture_output=True, text=True, env=env, timeout=600)
+        if r.returncode != 0:
+            return {"skipped": f"SGLang's side failed (exit {r.returncode}): {r.stderr.strip()[-500:]}"}
+        got = json.loads(r.stdout)
+        out[f"page_size {page}"] = {"sglang": got["sglang"], "tree_tokens": got["tree_tokens"],
+                                    **{k: summarize_ns(v) for k, v in got["samples_ns"].items()}}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small index, few iterations (a few seconds)")
@@ -289,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     res = run(args)
     res["quick"] = args.quick
     print_report(res)
+    sg = res["sglang_match_prefix"] = sglang_side(res.pop("_prompt"), res["shape"], args)
+    print_sglang(res)
     path = write_json("acquire_latency.quick" if args.quick else "acquire_latency", res, args.out)
     print(f"\nwrote {path}")
     return 0

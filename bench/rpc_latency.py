@@ -494,7 +494,8 @@ def measure_sync(sock: str, pid: int, tokens_np: np.ndarray, args) -> dict:
 # big enough for one batch of misses; see ``measure_per_request``).
 
 REQ_PING, REQ_HIT, REQ_MISS = "ping", "request full hit", "request miss"
-PER_REQUEST = (REQ_PING, REQ_HIT, REQ_MISS)
+REQ_HIT_CHUNKS = "request full hit, a view per chunk"  # the client's hit before lease.runs()
+PER_REQUEST = (REQ_PING, REQ_HIT, REQ_HIT_CHUNKS, REQ_MISS)
 #: Targets from the issue, per concurrency: request / empty RPC.
 PER_REQUEST_TARGETS = {
     "hit_p50_over_ping_p50_max": 1.3,
@@ -514,9 +515,28 @@ def req_ping(c: Client, tokens: Any, kv: Any) -> tuple[int, bool]:
 
 
 def req_hit(c: Client, tokens: Any, kv: Any) -> tuple[int, bool]:
-    """AcquireReserve of the cached prompt (the one RPC), a view of every chunk, finish (no RPC:
-    nothing reserved, the lease's release goes on the session stream). Returns (ns spent on the
-    chunk views, whether it was a full hit with nothing reserved)."""
+    """AcquireReserve of the cached prompt (the one RPC), a view of each run of chunks laid back
+    to back (``lease.runs()``: one for the whole prompt when it was stored in one piece), finish
+    (no RPC: nothing reserved, the lease's release goes on the session stream). Returns (ns spent
+    on the views, whether it was a full hit with nothing reserved)."""
+    r = c.acquire_reserve(LAYOUT, tokens)
+    t0 = time.perf_counter_ns()
+    lease = r.lease
+    runs = lease.runs()
+    ptr = 0
+    for _, v in runs:  # every view built and touched (its address), one pool element read
+        ptr ^= v.data_ptr()
+    if runs:
+        runs[-1][1][-1, 1, 0, 0, -1, -1].item()
+    read_ns = time.perf_counter_ns() - t0
+    ok = lease.matched_tokens == PROMPT_TOKENS and sum(v.shape[0] for _, v in runs) == PROMPT_CHUNKS \
+        and not r.reservation.opened
+    r.finish()
+    return read_ns, ok
+
+
+def req_hit_chunks(c: Client, tokens: Any, kv: Any) -> tuple[int, bool]:
+    """As :func:`req_hit`, with a view per chunk (``lease.chunk(i)`` for each of the 64)."""
     r = c.acquire_reserve(LAYOUT, tokens)
     t0 = time.perf_counter_ns()
     lease = r.lease
@@ -546,8 +566,8 @@ def req_miss(c: Client, tokens: Any, kv: Any) -> tuple[int, bool]:
     return write_ns, ok
 
 
-REQ_OPS = {REQ_PING: req_ping, REQ_HIT: req_hit, REQ_MISS: req_miss}
-REQ_PART = {REQ_HIT: "read", REQ_MISS: "write"}  # the client-side piece timed apart inside the request
+REQ_OPS = {REQ_PING: req_ping, REQ_HIT: req_hit, REQ_HIT_CHUNKS: req_hit_chunks, REQ_MISS: req_miss}
+REQ_PART = {REQ_HIT: "read", REQ_HIT_CHUNKS: "read", REQ_MISS: "write"}  # the client-side piece timed apart inside the request
 
 
 class RequestTally(Tally):
@@ -774,9 +794,12 @@ def measure_per_request(settings: dict, tokens_np: np.ndarray, args) -> dict:
             "rows": {
                 REQ_PING: "Client.ping(): one empty RPC",
                 REQ_HIT: f"acquire_reserve of the cached {PROMPT_TOKENS}-token prompt (a full hit, nothing "
-                         f"reserved); lease.chunk(i) for all {PROMPT_CHUNKS} chunks (zero-copy views, each touched "
-                         "by its data_ptr(); one element of the last chunk read with .item()), then finish(): no "
+                         f"reserved); lease.runs(): a zero-copy view per run of blocks laid back to back (one "
+                         f"for all {PROMPT_CHUNKS} chunks when they were stored in one piece; each touched by its "
+                         "data_ptr(), one element of the last read with .item()), then finish(): no "
                          "RPC, the lease release goes on the session stream",
+                REQ_HIT_CHUNKS: f"the same with lease.chunk(i) for each of the {PROMPT_CHUNKS} chunks (the hit "
+                                "before run views)",
                 REQ_MISS: f"acquire_reserve of a fresh random {PROMPT_TOKENS}-token prompt (distinct per request; "
                           f"nothing leased, {PROMPT_CHUNKS} chunks reserved), write(kv) of a [2, 1, 1, "
                           f"{PROMPT_TOKENS}, 8] float16 tensor into the reserved pool blocks, finish(): one Commit",
@@ -815,6 +838,9 @@ def per_request_verdicts(results: dict) -> dict:
             "miss_throughput_over_ping": mtp,
             "miss_throughput_target_met": mtp >= t["miss_throughput_over_ping_min"],
             "hit_p99_over_ping_p99": ratio(hit["p99_us"], ping["p99_us"]),
+            "hit_p50_over_hit_with_a_view_per_chunk": ratio(hit["p50_us"], level[REQ_HIT_CHUNKS]["p50_us"]),
+            "hit_read_part_p50_over_a_view_per_chunk": ratio(hit.get("part_p50_us", float("nan")),
+                                                             level[REQ_HIT_CHUNKS].get("part_p50_us", float("nan"))),
             "miss_p99_over_ping_p99": ratio(miss["p99_us"], ping["p99_us"]),
             "hit_throughput_incl_drain_over_ping": ratio(hit["throughput_incl_drain_ops_s_median"],
                                                          ping["throughput_incl_drain_ops_s_median"]),

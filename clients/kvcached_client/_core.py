@@ -120,14 +120,47 @@ def validate_kv(layout: KVLayout, kv: "torch.Tensor", n_tokens: int) -> None:
         )
 
 
+def pool_runs(offsets: "Sequence[int] | np.ndarray", chunk_bytes: int, slab_bases: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """(first index, length) of each run of pool chunks laid back to back (offset i + 1 =
+    offset i + ``chunk_bytes``), in order; an NVMe chunk (``NVME_CHUNK``) is a run of its own, as
+    is every chunk where a slab starts. The Python work is per run, not per chunk: a prompt
+    stored into free pool room is one run, however many chunks it has."""
+    off = np.asarray(offsets, dtype=np.uint64)
+    n = len(off)
+    if n == 0:
+        return []
+    nvme = off == np.uint64(NVME_CHUNK)
+    breaks = np.ones(n, dtype=bool)  # a run starts at i
+    if n > 1:
+        breaks[1:] = (off[1:] != off[:-1] + np.uint64(chunk_bytes)) | nvme[1:] | nvme[:-1]
+    if len(slab_bases) > 1:
+        breaks |= np.isin(off, np.asarray(slab_bases[1:], dtype=np.uint64))
+    starts = np.flatnonzero(breaks)
+    ends = np.append(starts[1:], n)
+    return list(zip(starts.tolist(), (ends - starts).tolist()))
+
+
 def write_slots(pool: PoolMap, layout: KVLayout, slots: Sequence[Location], kv: "torch.Tensor") -> None:
-    """Copy each reserved chunk of ``kv`` straight into its pool block."""
+    """Copy the reserved chunks of ``kv`` straight into their pool blocks: one copy per run of
+    blocks laid back to back (a whole prompt, when the pool had room for it in one piece)."""
     c = layout.chunk_tokens
     devices = set()
-    for s in slots:
-        block = pool.view(layout, s.offset, s.nbytes)
-        block.copy_(kv[:, :, :, s.position * c : (s.position + 1) * c, :], non_blocking=True)
-        devices.add(block.device)
+    if layout.chunk_bytes % 64:  # blocks start at 64-byte multiples: no two are ever back to back
+        runs = [(i, 1) for i in range(len(slots))]
+    else:
+        runs = pool_runs([s.offset for s in slots], layout.chunk_bytes, pool.slab_bases())
+    for i, n in runs:
+        first = slots[i]
+        if n > 1 and slots[i + n - 1].position - first.position != n - 1:
+            runs_of_one = [(i + j, 1) for j in range(n)]  # positions not consecutive: chunk by chunk
+        else:
+            runs_of_one = [(i, n)]
+        for j, m in runs_of_one:
+            s = slots[j]
+            block = pool.run_view(layout, s.offset, m)  # [m, 2, L, H, T, D]
+            src = kv[:, :, :, s.position * c : (s.position + m) * c, :]
+            block.copy_(src.unflatten(3, (m, c)).permute(3, 0, 1, 2, 4, 5), non_blocking=True)
+            devices.add(block.device)
     _sync(devices)  # the commit must not overtake the copies
 
 
@@ -260,9 +293,53 @@ class LeaseBase:
         c, lay = self.layout.chunk_tokens, self.layout
         out = torch.empty((2, lay.num_layers, lay.num_kv_heads, len(self) * c, lay.head_dim),
                           dtype=torch_dtype(lay.dtype), device=self._client._pool.device)
-        for i in range(len(self)):
-            self.copy_chunk(i, out[:, :, :, i * c : (i + 1) * c])
+        self.copy_into(out)
         return out
+
+    def copy_into(self, out: "torch.Tensor", first: int = 0) -> "torch.Tensor":
+        """Copy chunks ``first``.. into ``out`` ([2, layers, kv_heads, tokens, head_dim], tokens
+        a multiple of the chunk size, any device): one copy per run of pool blocks laid back to
+        back (usually the whole prompt), chunk by chunk only for chunks read from NVMe."""
+        self._check_live()
+        c = self.layout.chunk_tokens
+        n = min(len(self) - first, out.shape[3] // c)
+        for i, k in self._runs(first, n):
+            dest = out[:, :, :, (i - first) * c : (i - first + k) * c]
+            if k == 1:
+                self.copy_chunk(i, dest)
+            else:
+                dest.unflatten(3, (k, c)).copy_(self._pool_run(i, k).permute(1, 2, 3, 0, 4, 5))
+        return out
+
+    def runs(self) -> "list[tuple[int, torch.Tensor]]":
+        """The whole prefix as (first chunk, tensor [k, 2, layers, kv_heads, chunk_tokens, head_dim])
+        pairs in order: a view of the pool (no copy) per run of blocks laid back to back, usually
+        one for the whole prompt; a chunk read from NVMe is a run of one (read as :meth:`chunk`
+        does). A reader that walks runs instead of calling :meth:`chunk` per chunk does Python
+        work per run, not per chunk."""
+        self._check_live()
+        return [(i, self._pool_run(i, k) if k > 1 else self.chunk(i).unsqueeze(0))
+                for i, k in self._runs(0, len(self))]
+
+    def _runs(self, first: int, n: int) -> list[tuple[int, int]]:
+        """Runs of chunks ``first``..``first + n - 1`` (see :func:`pool_runs`)."""
+        if self.layout.chunk_bytes % 64:
+            return [(first + i, 1) for i in range(n)]
+        pool = self._client._pool
+        return [(first + i, k) for i, k in pool_runs(self._offsets[first:first + n], self.layout.chunk_bytes,
+                                                     pool.slab_bases())]
+
+    def _pool_run(self, i: int, k: int) -> "torch.Tensor":
+        """Chunks ``i``..``i + k - 1``, laid back to back in the pool, as one view [k, 2, L, H, T, D]."""
+        pool = self._client._pool
+        view = pool.run_view(self.layout, self._offsets[i], k)
+        if pool.generation != self._generation:
+            raise FailedPreconditionError("the daemon restarted since this lease was granted; "
+                                          "its chunks are gone, acquire again")
+        device = pool.device_of(self._offsets[i])
+        if device.type == "cuda":
+            self._cuda_reads.add(device)
+        return view
 
     def _read_nvme(self, i: int) -> "torch.Tensor":
         """NVMe chunk ``i``, read from the LMDB file into a new host tensor."""

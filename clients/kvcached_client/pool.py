@@ -136,6 +136,29 @@ class PoolMap:
             return chunk_view(layout, block)
         return block.view(torch_dtype(layout.dtype)).view(layout.chunk_shape)  # a CUDA slab slice
 
+    def run_view(self, layout: KVLayout, offset: int, n: int) -> "torch.Tensor":
+        """A tensor [n, 2, layers, kv_heads, chunk_tokens, head_dim] over ``n`` chunks laid back
+        to back from ``offset`` (no copy): one view for a run of contiguous pool blocks. The
+        run must lie in one slab (:func:`kvcached_client._core.pool_runs` splits runs there)."""
+        from kvcached.kv import torch_dtype
+
+        nbytes = n * layout.chunk_bytes
+        if n == 1:
+            return self.view(layout, offset, nbytes).unsqueeze(0)
+        if self._handle is None:
+            raise PoolMappingError("the pool is not mapped")
+        m, local = self._slab(offset)
+        block = m.block(local, nbytes)
+        if isinstance(block, memoryview):
+            import torch
+
+            block = torch.frombuffer(block, dtype=torch.uint8)
+        return block.view(torch_dtype(layout.dtype)).view((n, *layout.chunk_shape))
+
+    def slab_bases(self) -> "list[int]":
+        """The global offset where each slab starts (a run never crosses one)."""
+        return list(self._bases)
+
     def close(self) -> None:
         with self._lock:
             self._close_locked()
