@@ -2,8 +2,8 @@
 SGLang's ``RadixCache.match_prefix`` on the same prompt, in the same shape of tree.
 
 Reads a JSON job on stdin: ``prompt`` (token ids), ``fillers`` (other prompts to insert first),
-``page_size``, ``iterations``, ``rounds``. Writes JSON to stdout: per contender the nanoseconds
-of every sample. Contenders, interleaved round by round:
+``page_sizes``, ``iterations``, ``rounds``. Writes JSON to stdout: per page size, per contender
+the nanoseconds of every sample. Contenders, interleaved round by round:
 
 * ``match_prefix``       what SGLang's scheduler calls for a new request
 * ``match+lock+unlock``  that plus ``inc_lock_ref`` / ``dec_lock_ref`` of the matched node: the
@@ -25,20 +25,10 @@ import warnings
 warnings.filterwarnings("ignore")
 
 
-def main() -> int:
-    job = json.load(sys.stdin)
-    import sglang
-    import torch
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+def time_tree(tree, job: dict) -> dict[str, list[int]]:
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None,
-                                      page_size=job["page_size"]))
-    slot = 0
-    for toks in job["fillers"] + [job["prompt"]]:
-        tree.insert(InsertParams(key=RadixKey(toks), value=torch.arange(slot, slot + len(toks), dtype=torch.int64)))
-        slot += len(toks)
     prompt = job["prompt"]
     m = tree.match_prefix(MatchPrefixParams(key=RadixKey(prompt)))
     if m.device_prefix_len != len(prompt):
@@ -71,8 +61,27 @@ def main() -> int:
                     samples.append(pc() - t0)
     finally:
         gc.enable()
-    json.dump({"sglang": sglang.__version__, "torch": torch.__version__, "tree_tokens": slot, "samples_ns": out},
-              sys.stdout)
+    return out
+
+
+def main() -> int:
+    job = json.load(sys.stdin)
+    import sglang
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+    per_page: dict[str, dict] = {}
+    for page in job["page_sizes"]:
+        tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None,
+                                          page_size=page))
+        slot = 0
+        for toks in job["fillers"] + [job["prompt"]]:
+            tree.insert(InsertParams(key=RadixKey(toks), value=torch.arange(slot, slot + len(toks), dtype=torch.int64)))
+            slot += len(toks)
+        per_page[str(page)] = {"tree_tokens": slot, "samples_ns": time_tree(tree, job)}
+    json.dump({"sglang": sglang.__version__, "torch": torch.__version__, "page_sizes": per_page}, sys.stdout)
     return 0
 
 

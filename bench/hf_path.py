@@ -1,0 +1,211 @@
+"""Question: what does the cache cost a request through the Hugging Face integration
+(``kvcached_client.hf.prefill``) on a full hit and on a miss, next to one gRPC health check on the
+same socket, and what did reading and writing per run of pool blocks (rather than per chunk) buy?
+
+Setup: a real ``kvcached serve`` on a Unix socket (``_common.Daemon``); a tiny random Llama
+(2 layers, hidden 64, 4 heads, 2 KV heads, float32; built from a config, no download) and its
+layout from ``layout_for`` with 32-token chunks; 2,048-token prompts, so 64 chunks each.
+
+Contenders, interleaved round by round (order rotated), one sync ``Client``:
+
+* ``health check``      ``grpc.health.v1.Health/Check`` on the daemon's socket (its own channel)
+* ``hit``               ``prefill`` of the cached prompt: the cache's part of it, i.e. the acquire
+                        (one AcquireReserve), reading the 2,047 reusable tokens' KV into the
+                        model's cache, and the finish (the release goes on the session stream);
+                        the suffix forward pass (one token) is not counted
+* ``hit, a copy per chunk`` the same with ``lease.kv()`` copying chunk by chunk (the client before
+                        run reads), patched in for this row only
+* ``miss``              ``prefill`` of a fresh prompt: the cache's part, i.e. the acquire (nothing
+                        cached, 64 chunks reserved) and the store (the KV taken from the model's
+                        cache, written into the pool, one Commit); the forward pass is not counted
+* ``miss, a copy per chunk`` the same with the write copying chunk by chunk
+
+The cache's part is ``PrefillResult.cache_seconds + store_seconds``. Every hit must reuse 2,047
+tokens and every miss store 64 chunks, else the run fails. Targets: hit <= 1.5x and miss <= 2.5x
+the health check (p50).
+
+Run:   .venv/bin/python bench/hf_path.py            (~1 min on a 2-core box)
+       .venv/bin/python bench/hf_path.py --quick    (a few seconds; writes *.quick.json)
+Output: bench/results/hf_path.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np
+from _common import Daemon, format_table, ratio, summarize_ns, write_json
+
+PROMPT_TOKENS = 2048
+CHUNK_TOKENS = 32
+TARGET_HIT, TARGET_MISS = 1.5, 2.5
+ROWS = ("health check", "hit", "hit, a copy per chunk", "miss", "miss, a copy per chunk")
+
+
+def tiny_model():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@contextmanager
+def per_chunk_copies() -> Iterator[None]:
+    """The client's reads and writes as they were before runs: a view and a copy per chunk."""
+    from kvcached_client import _core
+
+    real_copy_into, real_write = _core.LeaseBase.copy_into, _core.write_slots
+
+    def copy_into(self, out, first=0):
+        c = self.layout.chunk_tokens
+        for i in range(first, min(len(self), first + out.shape[3] // c)):
+            self.copy_chunk(i, out[:, :, :, (i - first) * c:(i - first + 1) * c])
+        return out
+
+    def write_slots(pool, layout, slots, kv):
+        c = layout.chunk_tokens
+        for s in slots:
+            pool.view(layout, s.offset, s.nbytes).copy_(kv[:, :, :, s.position * c:(s.position + 1) * c, :])
+
+    _core.LeaseBase.copy_into, _core.write_slots = copy_into, write_slots
+    try:
+        yield
+    finally:
+        _core.LeaseBase.copy_into, _core.write_slots = real_copy_into, real_write
+
+
+def run(args: argparse.Namespace) -> dict:
+    import grpc
+    import torch
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvcached_client import Client
+    from kvcached_client.hf import layout_for, prefill
+
+    torch.set_num_threads(1)
+    model = tiny_model()
+    layout = layout_for(model, model_id="bench/hf-path-tiny-llama@1", chunk_tokens=CHUNK_TOKENS)
+    rng = np.random.default_rng(args.seed)
+    hit_prompt = torch.tensor(rng.integers(0, 1000, PROMPT_TOKENS))
+    chunks = PROMPT_TOKENS // CHUNK_TOKENS
+    misses_per_round = args.per_round
+    # Room for every miss of the run, so no miss evicts (and write-back never runs).
+    total_misses = 2 * (args.rounds + 1) * misses_per_round + 1
+    pool = -(-int(total_misses * chunks * layout.chunk_bytes / 0.8) // (1 << 20)) << 20
+    samples: dict[str, list[int]] = {r: [] for r in ROWS}
+    with Daemon({"pool_bytes": pool}, prefix="kvc-bench-hf-") as d, Client(d.socket) as c:
+        channel = grpc.insecure_channel(f"unix://{d.socket}")
+        health = health_pb2_grpc.HealthStub(channel)
+        check = health_pb2.HealthCheckRequest(service="")
+        c.warm_up()
+        c.register(layout)
+        first = prefill(c, model, layout, hit_prompt)
+        assert first.stored_chunks == chunks, first
+
+        def cache_part(prompt, want_cached: int, want_stored: int) -> int:
+            r = prefill(c, model, layout, prompt)
+            if r.cached_tokens != want_cached or r.stored_chunks != want_stored or r.cache_error:
+                raise RuntimeError(f"cached {r.cached_tokens} (want {want_cached}), stored {r.stored_chunks} "
+                                   f"(want {want_stored}), error {r.cache_error}")
+            return int((r.cache_seconds + r.store_seconds) * 1e9)
+
+        def health_check() -> int:
+            t0 = time.perf_counter_ns()
+            assert health.Check(check, timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+            return time.perf_counter_ns() - t0
+
+        def fresh() -> "torch.Tensor":
+            return torch.tensor(rng.integers(0, 1000, PROMPT_TOKENS))
+
+        ops: dict[str, Callable[[], int]] = {
+            "health check": health_check,
+            "hit": lambda: cache_part(hit_prompt, PROMPT_TOKENS - 1, 0),
+            "miss": lambda: cache_part(fresh(), 0, chunks),
+        }
+        per_chunk = {"hit, a copy per chunk": "hit", "miss, a copy per chunk": "miss"}
+        for rnd in range(args.rounds + 1):  # round 0 warms up
+            order = list(ROWS[rnd % len(ROWS):] + ROWS[:rnd % len(ROWS)])
+            for name in order:
+                op = ops[per_chunk.get(name, name)]
+                got: list[int] = []
+                gc.collect()
+                gc.disable()
+                try:
+                    if name in per_chunk:
+                        with per_chunk_copies():
+                            got = [op() for _ in range(misses_per_round)]
+                    else:
+                        got = [op() for _ in range(misses_per_round)]
+                finally:
+                    gc.enable()
+                if rnd:
+                    samples[name].extend(got)
+        c.sync()
+        stats = c.stats()
+        channel.close()
+    lat = {k: summarize_ns(v) for k, v in samples.items()}
+    hc = lat["health check"]["p50_us"]
+    ratios = {k: ratio(v["p50_us"], hc) for k, v in lat.items()}
+    return {
+        "question": " ".join(__doc__.strip().split("\n\n")[0].split()),
+        "model": "random LlamaForCausalLM: 2 layers, hidden 64, 4 heads, 2 KV heads, float32",
+        "layout": layout.to_dict(),
+        "prompt_tokens": PROMPT_TOKENS,
+        "prompt_chunks": chunks,
+        "rounds": args.rounds,
+        "samples_per_row": {k: len(v) for k, v in samples.items()},
+        "latency": lat,
+        "p50_over_health_check": ratios,
+        "runs_over_per_chunk_p50": {"hit": ratio(lat["hit"]["p50_us"], lat["hit, a copy per chunk"]["p50_us"]),
+                                    "miss": ratio(lat["miss"]["p50_us"], lat["miss, a copy per chunk"]["p50_us"])},
+        "targets": {"hit_over_health_check_max": TARGET_HIT, "miss_over_health_check_max": TARGET_MISS},
+        "hit_target_met": ratios["hit"] <= TARGET_HIT,
+        "miss_target_met": ratios["miss"] <= TARGET_MISS,
+        "daemon_counters": stats.get("counters"),
+    }
+
+
+def print_report(res: dict) -> None:
+    lat, r = res["latency"], res["p50_over_health_check"]
+    print(f"\nthe cache's part of an HF prefill, {res['prompt_tokens']} tokens ({res['prompt_chunks']} chunks), "
+          f"{res['samples_per_row']['hit']} samples each:")
+    print(format_table(["row", "p50 us", "p90 us", "p99 us", "p50 / health check"],
+                       [[k, v["p50_us"], v["p90_us"], v["p99_us"], r[k]] for k, v in lat.items()]))
+    rp = res["runs_over_per_chunk_p50"]
+    print(f"\nper run / per chunk (p50): hit {rp['hit']:.2f}x, miss {rp['miss']:.2f}x")
+    print(f"targets: hit <= {TARGET_HIT}x a health check: {r['hit']:.2f}x -> "
+          f"{'MET' if res['hit_target_met'] else 'NOT MET'}; miss <= {TARGET_MISS}x: {r['miss']:.2f}x -> "
+          f"{'MET' if res['miss_target_met'] else 'NOT MET'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="few rounds (a few seconds)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 8; quick 1)")
+    p.add_argument("--per-round", type=int, default=None, help="requests per row per round (default 25; quick 5)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", default=None, help="results directory (default bench/results)")
+    args = p.parse_args(argv)
+    args.rounds = args.rounds or (1 if args.quick else 8)
+    args.per_round = args.per_round or (5 if args.quick else 25)
+    res = run(args)
+    res["quick"] = args.quick
+    print_report(res)
+    path = write_json("hf_path.quick" if args.quick else "hf_path", res, args.out)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
