@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -321,6 +321,21 @@ class LeaseBase:
         return [(i, self._pool_run(i, k) if k > 1 else self.chunk(i).unsqueeze(0))
                 for i, k in self._runs(0, len(self))]
 
+    def chunk_views(self, first: int = 0, n: int | None = None) -> "list[torch.Tensor]":
+        """Chunks ``first``.. (``n`` of them, default all) as tensors [2, layers, kv_heads,
+        chunk_tokens, head_dim], as :meth:`chunk` gives them, but cut from one view per run of
+        blocks laid back to back: the per-chunk work is torch's, not a pool lookup each. For
+        readers that need each chunk apart (paged engines scatter chunks to scattered pages)."""
+        self._check_live()
+        n = len(self) - first if n is None else min(n, len(self) - first)
+        out: "list[torch.Tensor]" = []
+        for i, k in self._runs(first, max(0, n)):
+            if k == 1:
+                out.append(self.chunk(i))
+            else:
+                out.extend(self._pool_run(i, k).unbind(0))
+        return out
+
     def _runs(self, first: int, n: int) -> list[tuple[int, int]]:
         """Runs of chunks ``first``..``first + n - 1`` (see :func:`pool_runs`)."""
         if self.layout.chunk_bytes % 64:
@@ -331,15 +346,7 @@ class LeaseBase:
 
     def _pool_run(self, i: int, k: int) -> "torch.Tensor":
         """Chunks ``i``..``i + k - 1``, laid back to back in the pool, as one view [k, 2, L, H, T, D]."""
-        pool = self._client._pool
-        view = pool.run_view(self.layout, self._offsets[i], k)
-        if pool.generation != self._generation:
-            raise FailedPreconditionError("the daemon restarted since this lease was granted; "
-                                          "its chunks are gone, acquire again")
-        device = pool.device_of(self._offsets[i])
-        if device.type == "cuda":
-            self._cuda_reads.add(device)
-        return view
+        return self._pool_view(i, lambda pool: pool.run_view(self.layout, self._offsets[i], k))
 
     def _read_nvme(self, i: int) -> "torch.Tensor":
         """NVMe chunk ``i``, read from the LMDB file into a new host tensor."""
@@ -357,8 +364,12 @@ class LeaseBase:
         _sync(self._cuda_reads)
 
     def _pool_chunk(self, i: int) -> "torch.Tensor":
+        return self._pool_view(i, lambda pool: pool.view(self.layout, self._offsets[i], self._chunks.chunk_bytes))
+
+    def _pool_view(self, i: int, make: "Callable[[PoolMap], torch.Tensor]") -> "torch.Tensor":
+        """``make(pool)``: a view of pool blocks from chunk ``i`` on, checked against the lease."""
         pool = self._client._pool
-        view = pool.view(self.layout, self._offsets[i], self._chunks.chunk_bytes)
+        view = make(pool)
         if pool.generation != self._generation:
             # The daemon restarted and this client mapped the new pool: the lease's offsets point
             # into blocks the new daemon owns (tests/reliability/test_crash.py read wrong bytes).

@@ -51,6 +51,9 @@ def test_a_prompt_stored_in_one_piece_is_written_and_read_with_one_copy(make_dae
             assert torch.equal(kv, a)
             (first, run), = lease.runs()  # one view of the three blocks
             assert first == 0 and torch.equal(run.permute(1, 2, 3, 0, 4, 5).flatten(3, 4), a)
+            views = lease.chunk_views(1)  # chunks 1 and 2, cut from the run's view
+            assert [v.data_ptr() for v in views] == [lease.chunk(i).data_ptr() for i in (1, 2)]
+            assert torch.equal(torch.cat(views, dim=3), a[:, :, :, 16:48])
             out = torch.zeros(2, 4, 4, 32, 64)  # a part of the prefix, from chunk 1
             assert torch.equal(lease.copy_into(out, first=1), a[:, :, :, 16:48])
             assert [lease.chunk(i).data_ptr() for i in range(3)] == [
@@ -68,6 +71,7 @@ def test_a_prefix_split_between_the_pool_and_nvme_reads_exactly(make_daemon, mon
             assert [loc.offset == NVME_CHUNK for loc in lease.locations] == [False, True, True]
             assert torch.equal(lease.kv(), a)
             assert sizes == []  # a run of one is a chunk view, not a run view
+            assert torch.equal(torch.cat(lease.chunk_views(), dim=3), a)  # NVMe chunks read, as chunk(i)
             runs = lease.runs()
             assert [i for i, _ in runs] == [0, 1, 2]
             assert torch.equal(torch.cat([r for _, r in runs]).permute(1, 2, 3, 0, 4, 5).flatten(3, 4), a)

@@ -252,10 +252,12 @@ class WorkerSide:
                 first_pos = view.locations[0].position if len(view) else 0
                 device = self.caches[0].device
                 k = self.blocks_per_chunk
+                lo = lp.first_block // k - first_pos  # the chunks this load reads, cut from run views
+                chunks = view.chunk_views(lo, (lp.first_block + want - 1) // k - first_pos - lo + 1)
                 while done < want:
                     chunk_i, sub = divmod(lp.first_block + done, k)
                     take = min(k - sub, want - done)
-                    chunk = view.chunk(chunk_i - first_pos)
+                    chunk = chunks[chunk_i - first_pos - lo]
                     if chunk.device != device:
                         chunk = chunk.to(device, non_blocking=True)
                     for g, group_ids in enumerate(lp.block_ids):
