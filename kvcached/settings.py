@@ -15,11 +15,16 @@ import ipaddress
 import os
 import re
 import shutil
-import tomllib
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from kvcached.config import BLOCK_ALIGN, RELOADABLE_FIELDS, FileAccess, GiB, MiB, StoreConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, packaged (a dependency there; see pyproject.toml)
+    import tomli as tomllib
 
 DEFAULT_CONFIG_FILE = "/etc/kvcached/kvcached.toml"
 

@@ -38,9 +38,14 @@ The ``[semantic]`` section (off by default) turns on the response cache
 
 from __future__ import annotations
 
-import tomllib
+import sys
 from dataclasses import dataclass, field
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, packaged (a dependency there; see pyproject.toml)
+    import tomli as tomllib
 
 from kvcached.keys import KVLayout
 from kvcached_router.policy import POLICIES
