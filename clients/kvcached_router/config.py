@@ -121,6 +121,7 @@ class RouterConfig:
     health_interval: float = 1.0
     request_timeout: float = 600.0
     audit: bool = False  # ask every daemon (Lookup) at routing time whether the route was the best
+    # (a request then waits for the chosen daemon's answer, ~1 ms, at most 0.5 s, before it is forwarded)
     normalize_prompts: bool = False  # normalise prompt text before tokenising and forwarding
     semantic: SemanticConfig = SemanticConfig()
     extra: dict[str, Any] = field(default_factory=dict)

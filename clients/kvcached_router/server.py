@@ -51,6 +51,10 @@ from kvcached_router.subscriber import EventSubscriber
 
 log = logging.getLogger("kvcached_router")
 
+#: With audits on, how long a request waits for the chosen daemon's audit answer before it is
+#: forwarded (a Lookup over a local socket: about a millisecond); a later answer is not judged.
+AUDIT_WAIT_S = 0.5
+
 #: Headers that describe one hop, not the message (RFC 9110 section 7.6.1), plus those aiohttp sets.
 _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                   "transfer-encoding", "upgrade", "host", "content-length"})
@@ -253,9 +257,17 @@ class RouterService:
             host = decision.host
             record = self._record(decision, len(ids))
             if self.config.audit and ids:
-                task = asyncio.ensure_future(self._audit(decision, ids, record))
+                answered = asyncio.Event()
+                task = asyncio.ensure_future(self._audit(decision, ids, record, answered))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
+                # The chosen daemon's answer must reflect the cache the route found, not what this
+                # very request stores once forwarded (a fast host had stored it before a late
+                # lookup, and the audit then judged the route right): wait for it, bounded.
+                try:
+                    await asyncio.wait_for(answered.wait(), AUDIT_WAIT_S)
+                except asyncio.TimeoutError:
+                    record["audit_late"] = True
             queued = _Queued(host, max(len(ids) - decision.cached_chunks * ct, 0))
             host.in_flight += 1
             host.index.expect(hashes[decision.cached_chunks:])
@@ -338,27 +350,35 @@ class RouterService:
         if isinstance(cached, int):
             self.metrics.realised.labels(host.name).inc(cached)
 
-    async def _audit(self, d: Decision, ids: list[int], record: dict) -> None:
+    async def _audit(self, d: Decision, ids: list[int], record: dict, answered: asyncio.Event) -> None:
         """Ask every healthy daemon how much of this prompt it holds now (the oracle): the route
         was wrong if another host within the load bound held at least one more chunk. If the
         chosen host's daemon does not answer (it stopped just after the route: nobody could
-        have known), the route is counted unaudited, not wrong; another daemon that does not
-        answer holds nothing usable."""
+        have known), or answers only after the request was forwarded (``AUDIT_WAIT_S``: its
+        answer may then include what the request stored), the route is counted unaudited, not
+        wrong; another daemon that does not answer holds nothing usable. ``answered`` is set
+        once the chosen daemon has answered or failed."""
         live = [h for h in self.hosts if h.name in d.loads]
         bound, loads = d.bound, d.loads  # as they were when the route was chosen
+        if all(h.name != d.host.name for h in live):  # pragma: no cover - the chosen host is always live
+            answered.set()
 
         async def lookup(name: str) -> int | None:
             try:
                 return await self._audit_clients[name].lookup(self.layout, ids)
             except Exception:  # noqa: BLE001 - the daemon did not answer
                 return None
+            finally:
+                if name == d.host.name:
+                    answered.set()
 
         record["index_chunks"] = {h.name: h.index.prefix(self.chunk_hashes(ids)) for h in live}
         record["loads"], record["bound"] = loads, bound
         answers = dict(zip([h.name for h in live], await asyncio.gather(*(lookup(h.name) for h in live))))
-        if answers.get(d.host.name) is None:
+        if answers.get(d.host.name) is None or record.get("audit_late"):
             self.metrics.unaudited.inc()
-            record["audit"] = "the chosen daemon did not answer"
+            record["audit"] = ("the chosen daemon did not answer" if answers.get(d.host.name) is None else
+                               f"the chosen daemon answered after the request was forwarded (> {AUDIT_WAIT_S} s)")
             return
         got = {name: n or 0 for name, n in answers.items()}
         self.metrics.audited.inc()

@@ -247,6 +247,48 @@ def test_a_route_whose_daemon_does_not_answer_the_audit_is_unaudited_not_wrong(f
         proc.wait(20)
 
 
+def test_a_chosen_daemon_that_answers_the_audit_late_is_unaudited_and_holds_the_request_back_at_most_briefly(
+        fleet, tmp_path):
+    """The audit asks the chosen daemon before the request is forwarded (else a fast host has
+    stored the prompt before a slow answer, and the route reads right). A daemon that never
+    answers (a socket that accepts and stays silent) holds the request back AUDIT_WAIT_S, no
+    more; the route is then counted unaudited, not judged on an answer that came too late."""
+    import socket as socketlib
+
+    from kvcached_router.server import AUDIT_WAIT_S
+
+    silent = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    silent.bind(str(tmp_path / "silent.sock"))
+    silent.listen(16)
+    config = fleet.kvcached_router_config(audit=True, health_interval=0.3, provisional_ttl=0.5)
+    a = config["hosts"][0]["name"]
+    config["hosts"][0]["daemon_socket"] = str(tmp_path / "silent.sock")
+    for h in config["hosts"][1:]:
+        h["daemon_socket"] = str(tmp_path / "silent.sock")
+    assert post(fleet.url(0) + "/v1/chat/completions", chat(words(310, 70), "direct to a"))[0] == 200
+    url, proc = start_router(config, tmp_path)
+    try:
+        wait(lambda: state(url)[a]["indexed_chunks"] > 0, 20, "the router to know A's chunks")
+        t0 = time.monotonic()
+        code, h, _ = post(url + "/v1/chat/completions", chat(words(310, 250), "through the router"))
+        took = time.monotonic() - t0
+        assert code == 200 and h["X-Simhost"] == a, h.get("X-Simhost")
+        assert took >= AUDIT_WAIT_S, took  # it waited for the answer, as long as allowed
+
+        def counted() -> str:
+            m = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+            return m if "kvcached_router_unaudited_routes_total 1.0" in m else ""
+
+        wait(counted, 15, "the audit to give up on the route")
+        assert "kvcached_router_wrong_routes_total 0.0" in counted()
+        row = get(url + "/router/decisions")[-1]
+        assert row.get("audit_late") is True and row.get("audit") and "wrong" not in row, row
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        silent.close()
+
+
 def test_a_restart_storm_under_load_fails_no_request_and_routes_stay_right(router, fleet):
     """Every daemon restarted twice (SIGTERM and SIGKILL in turn; the second round while the
     router may still be catching up with the first) while four clients send requests sharing a
