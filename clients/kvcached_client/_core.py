@@ -120,11 +120,14 @@ def validate_kv(layout: KVLayout, kv: "torch.Tensor", n_tokens: int) -> None:
         )
 
 
-def pool_runs(offsets: "Sequence[int] | np.ndarray", chunk_bytes: int, slab_bases: Sequence[int] = ()) -> list[tuple[int, int]]:
+def pool_runs(offsets: "Sequence[int] | np.ndarray", chunk_bytes: int, slab_bases: Sequence[int] = (),
+              positions: "Sequence[int] | None" = None) -> list[tuple[int, int]]:
     """(first index, length) of each run of pool chunks laid back to back (offset i + 1 =
     offset i + ``chunk_bytes``), in order; an NVMe chunk (``NVME_CHUNK``) is a run of its own, as
-    is every chunk where a slab starts. The Python work is per run, not per chunk: a prompt
-    stored into free pool room is one run, however many chunks it has."""
+    is every chunk where a slab starts, and, given ``positions``, every chunk whose position does
+    not follow the one before. (Blocks start at 64-byte multiples, so chunks of a size that is not
+    one are never back to back: every run is of one.) The Python work is per run, not per chunk:
+    a prompt stored into free pool room is one run, however many chunks it has."""
     off = np.asarray(offsets, dtype=np.uint64)
     n = len(off)
     if n == 0:
@@ -133,6 +136,9 @@ def pool_runs(offsets: "Sequence[int] | np.ndarray", chunk_bytes: int, slab_base
     breaks = np.ones(n, dtype=bool)  # a run starts at i
     if n > 1:
         breaks[1:] = (off[1:] != off[:-1] + np.uint64(chunk_bytes)) | nvme[1:] | nvme[:-1]
+        if positions is not None:
+            pos = np.asarray(positions, dtype=np.int64)
+            breaks[1:] |= pos[1:] != pos[:-1] + 1
     if len(slab_bases) > 1:
         breaks |= np.isin(off, np.asarray(slab_bases[1:], dtype=np.uint64))
     starts = np.flatnonzero(breaks)
@@ -145,22 +151,13 @@ def write_slots(pool: PoolMap, layout: KVLayout, slots: Sequence[Location], kv: 
     blocks laid back to back (a whole prompt, when the pool had room for it in one piece)."""
     c = layout.chunk_tokens
     devices = set()
-    if layout.chunk_bytes % 64:  # blocks start at 64-byte multiples: no two are ever back to back
-        runs = [(i, 1) for i in range(len(slots))]
-    else:
-        runs = pool_runs([s.offset for s in slots], layout.chunk_bytes, pool.slab_bases())
-    for i, n in runs:
-        first = slots[i]
-        if n > 1 and slots[i + n - 1].position - first.position != n - 1:
-            runs_of_one = [(i + j, 1) for j in range(n)]  # positions not consecutive: chunk by chunk
-        else:
-            runs_of_one = [(i, n)]
-        for j, m in runs_of_one:
-            s = slots[j]
-            block = pool.run_view(layout, s.offset, m)  # [m, 2, L, H, T, D]
-            src = kv[:, :, :, s.position * c : (s.position + m) * c, :]
-            block.copy_(src.unflatten(3, (m, c)).permute(3, 0, 1, 2, 4, 5), non_blocking=True)
-            devices.add(block.device)
+    runs = pool_runs([s.offset for s in slots], layout.chunk_bytes, pool.slab_bases(), [s.position for s in slots])
+    for i, m in runs:
+        s = slots[i]
+        block = pool.run_view(layout, s.offset, m)  # [m, 2, L, H, T, D]
+        src = kv[:, :, :, s.position * c : (s.position + m) * c, :]
+        block.copy_(src.unflatten(3, (m, c)).permute(3, 0, 1, 2, 4, 5), non_blocking=True)
+        devices.add(block.device)
     _sync(devices)  # the commit must not overtake the copies
 
 
@@ -338,8 +335,6 @@ class LeaseBase:
 
     def _runs(self, first: int, n: int) -> list[tuple[int, int]]:
         """Runs of chunks ``first``..``first + n - 1`` (see :func:`pool_runs`)."""
-        if self.layout.chunk_bytes % 64:
-            return [(first + i, 1) for i in range(n)]
         pool = self._client._pool
         return [(first + i, k) for i, k in pool_runs(self._offsets[first:first + n], self.layout.chunk_bytes,
                                                      pool.slab_bases())]

@@ -143,8 +143,6 @@ class PoolMap:
         from kvcached.kv import torch_dtype
 
         nbytes = n * layout.chunk_bytes
-        if n == 1:
-            return self.view(layout, offset, nbytes).unsqueeze(0)
         if self._handle is None:
             raise PoolMappingError("the pool is not mapped")
         m, local = self._slab(offset)

@@ -22,6 +22,11 @@ def test_pool_runs_splits_at_gaps_nvme_chunks_and_slab_starts():
     assert pool_runs([NVME_CHUNK, NVME_CHUNK], CB) == [(0, 1), (1, 1)]
     # Contiguous offsets across the start of slab 1 (at 2 * CB) belong to two mappings.
     assert pool_runs([0, CB, 2 * CB, 3 * CB], CB, [0, 2 * CB]) == [(0, 2), (2, 2)]
+    # Blocks back to back but positions not consecutive (chunk 2 is not reserved): two runs.
+    assert pool_runs([0, CB, 2 * CB], CB, positions=[0, 1, 3]) == [(0, 2), (2, 1)]
+    # A chunk size that is not a multiple of 64: blocks are 64-byte aligned, never back to back.
+    odd = CB + 8
+    assert pool_runs([0, odd + 56, 2 * (odd + 56)], odd) == [(0, 1), (1, 1), (2, 1)]
 
 
 def count_run_views(monkeypatch) -> list[int]:
