@@ -632,8 +632,16 @@ class Store:
         window = max(1, REMOTE_FETCH_WINDOW_BYTES // layout.chunk_bytes)
         packed = normalize_tokens(tokens, layout.vocab_size) if k < len(hashes) else b""
         stored = 0
+        into_pool = self.remote.direct and self.pool.host_views
         while k < len(hashes):
             want = hashes[k: k + window]
+            if into_pool:
+                n, whole = self._fill_window_in_place(layout_id, layout, packed, k, want, placement)
+                stored += n
+                if not whole:
+                    break
+                k += len(want)
+                continue
             payloads = self.remote.fetch(layout_id, want, layout.chunk_bytes)
             if not payloads:
                 break
@@ -657,6 +665,36 @@ class Store:
             with self._lock:
                 self.counters.remote_filled_chunks += stored
         return stored
+
+    def _fill_window_in_place(self, layout_id: LayoutId, layout: KVLayout, packed: bytes, k: int,
+                              want: Sequence[ChunkHash], placement: str) -> tuple[int, bool]:
+        """One window of :meth:`_fill_from_remote` read by the remote tier straight into reserved
+        pool slots: (chunks stored, whether the whole window was). The reservation is made when
+        the first of the window's values arrives (a miss reserves, and so evicts, nothing); it
+        covers the whole window, and what did not arrive verified is aborted at the commit."""
+        assert self.remote is not None
+        end = (k + len(want)) * layout.chunk_tokens * 4
+        made: list[ReservationReceipt] = []
+
+        def dest(i: int) -> memoryview | None:  # on a remote I/O thread
+            if not made:
+                made.append(self.reserve(layout_id, packed[:end], open_empty=False, placement=placement))
+            r = made[0]
+            if not r.slots or k + i < r.slots[0].position:  # no room, or another writer has it already
+                return None
+            with self._lock:
+                return self.writes.reserved_view(r.reservation_id, k + i)
+
+        n = self.remote.fetch_into(layout_id, want, layout.chunk_bytes, dest)
+        if not made or not made[0].opened:
+            return 0, False
+        r = made[0]
+        keep = sum(1 for loc in r.slots if loc.position < k + n)  # slots: consecutive positions
+        if keep == 0:
+            self.abort(r.reservation_id)
+            return 0, False
+        c = self._commit(r.reservation_id, None, keep, publish=False)  # it came from there
+        return c.committed_chunks, n == len(want) and keep == len(r.slots) == c.committed_chunks
 
     def abort(self, reservation_id: ReservationId, session: SessionId | None = None) -> bool:
         """Free a reservation's pool room. Idempotent: False if it was already closed (or, with

@@ -186,11 +186,19 @@ class WritePath:
         return self.config.write_through and self.mover.nvme is not None
 
     def write(self, reservation_id: ReservationId, position: int, data: bytes | memoryview) -> None:
+        self.pool.write(self._slot(reservation_id, position), data)
+
+    def reserved_view(self, reservation_id: ReservationId, position: int) -> memoryview:
+        """A writable view of one reserved chunk's run (host pools only: see ``pool.reserved_view``).
+        Valid until the reservation is committed or aborted; the writer must be done by then."""
+        return self.pool.reserved_view(self._slot(reservation_id, position))
+
+    def _slot(self, reservation_id: ReservationId, position: int) -> Slot:
         pending = self.pending(reservation_id).payload
         i = position - pending.first_position
         if not 0 <= i < len(pending.slots):
             raise InvalidKV(f"chunk {position} is not part of reservation {shown(reservation_id)}")
-        self.pool.write(pending.slots[i], data)
+        return pending.slots[i]
 
     def commit(self, reservation_id: ReservationId, chunks: int | None, now: float,
                session: SessionId | None = None) -> CommitReceipt:

@@ -296,8 +296,8 @@ def test_a_long_prompt_is_fetched_in_windows(tmp_path, server, monkeypatch):
         a.put(lid, prompt(8), [payload(i) for i in range(8)])
         a.publisher.drain()
         calls = []
-        fetch = b.remote.fetch
-        monkeypatch.setattr(b.remote, "fetch", lambda *a_, **k: calls.append(len(a_[1])) or fetch(*a_, **k))
+        fetch = b.remote.fetch_into
+        monkeypatch.setattr(b.remote, "fetch_into", lambda *a_, **k: calls.append(len(a_[1])) or fetch(*a_, **k))
         lease = b.acquire(lid, prompt(10))  # 8 there, 2 more asked for
         assert lease.matched_tokens == 8 * CT
         assert [bytes(b.pool.read(c.chunk_hash)) for c in lease.chunks] == [payload(i) for i in range(8)]

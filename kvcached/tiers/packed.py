@@ -147,6 +147,14 @@ class PackedPool(Tier):
     @abc.abstractmethod
     def handle(self) -> PoolHandle: ...
 
+    #: Whether :meth:`reserved_view` works: the pool is host memory this process can write.
+    host_views: bool = False
+
+    def reserved_view(self, slot: Slot) -> memoryview:
+        """Writable view of a reserved run, for an in-process writer that fills it in place (a
+        socket read); only where :attr:`host_views`. Valid until the slot is committed or aborted."""
+        raise NotImplementedError(f"{type(self).__name__} has no host view of its slots")
+
     # -- Tier ------------------------------------------------------------------------------
 
     def reserve(self, nbytes: int, slab: int = 0) -> Slot:

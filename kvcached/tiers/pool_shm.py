@@ -58,6 +58,9 @@ class HostPool(PackedPool):
         except BaseException:
             self.close()
             raise
+        #: the background page-table fills of the daemon's own mappings (:func:`populate_pages`): the
+        #: daemon writes its slots itself too (remote fills, promotions from NVMe, in-process puts)
+        self.populating = [populate_pages(m, writable=True) for m in self._mmaps] if prefault else []
 
     @staticmethod
     def _create(path: str, size: int, prefault: bool, access: FileAccess) -> mmap.mmap:
@@ -90,6 +93,8 @@ class HostPool(PackedPool):
 
     def _fill(self, offset: int, nbytes: int, fill: Callable[[memoryview], None]) -> None:
         fill(self._span(offset, nbytes))  # straight into the run: one copy
+
+    host_views = True
 
     def reserved_view(self, slot: Slot) -> memoryview:
         """Writable view of a reserved run (what an in-process writer fills)."""
@@ -165,6 +170,33 @@ _MADV_POPULATE_READ = 22
 _MADV_POPULATE_WRITE = 23
 
 
+def populate_pages(mm: mmap.mmap, writable: bool) -> threading.Thread:
+    """Map every page of ``mm`` into this process now, on a background thread, instead of one page
+    fault per 4 KiB the first time a copy touches it. The daemon allocated the pages
+    (``posix_fallocate``); what is left is this process's page tables, and those faults were most
+    of a first store's cost: measured, 96 MiB of chunks copied out of a CPU paged cache took 40 ms
+    into freshly mapped pool pages and 17-19 ms into populated ones. ``madvise(MADV_POPULATE_WRITE)``
+    (Linux 5.14) runs without the GIL; on an older kernel it fails and nothing changes. A copy
+    racing it only takes the faults it would have taken anyway."""
+
+    def run() -> None:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            buf = ctypes.c_char.from_buffer(mm)
+            addr = ctypes.addressof(buf)
+            del buf  # no exported buffer left: close() may unmap while this runs (madvise then fails)
+            advice = _MADV_POPULATE_WRITE if writable else _MADV_POPULATE_READ
+            libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(len(mm)), ctypes.c_int(advice))
+        except (OSError, ValueError, TypeError, AttributeError):  # a closed mapping, no libc: fine
+            pass
+
+    t = threading.Thread(target=run, daemon=True, name="kvcached-pool-populate")
+    t.start()
+    return t
+
+
 class HostPoolMapping:
     """A client's mapping of a daemon's host pool, by name.
 
@@ -188,33 +220,8 @@ class HostPoolMapping:
         finally:
             os.close(fd)
         self.view = memoryview(self._mmap)
-        #: the background page-table fill (:meth:`_populate`), None when not started
-        self.populating: threading.Thread | None = None
-        if populate and size:
-            self.populating = threading.Thread(target=self._populate, args=(writable,), daemon=True,
-                                               name="kvcached-pool-populate")
-            self.populating.start()
-
-    def _populate(self, writable: bool) -> None:
-        """Map every page of the pool into this process now, in the background, instead of one
-        page fault per 4 KiB the first time a request's copy touches it. The daemon allocated
-        the pages (``posix_fallocate``); what is left is this process's page tables, and those
-        faults were most of a first store's cost: measured, 96 MiB of chunks copied out of a
-        CPU paged cache took 40 ms into freshly mapped pool pages and 17-19 ms into populated
-        ones. ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14) runs without the GIL; on an older
-        kernel it fails and nothing changes. A request racing it only takes the faults it
-        would have taken anyway."""
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            buf = ctypes.c_char.from_buffer(self._mmap)
-            addr = ctypes.addressof(buf)
-            del buf  # no exported buffer left: close() may unmap while this runs (madvise then fails)
-            advice = _MADV_POPULATE_WRITE if writable else _MADV_POPULATE_READ
-            libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(len(self._mmap)), ctypes.c_int(advice))
-        except (OSError, ValueError, TypeError, AttributeError):  # a closed mapping, no libc: fine
-            pass
+        #: the background page-table fill (:func:`populate_pages`), None when not started
+        self.populating = populate_pages(self._mmap, writable) if populate and size else None
 
     def block(self, offset: int, nbytes: int) -> memoryview:
         if offset < 0 or nbytes < 0 or offset + nbytes > self.handle.nbytes:

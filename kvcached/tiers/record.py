@@ -197,13 +197,14 @@ def record_version(value: memoryview | bytes) -> int:
     return version
 
 
-def decode_header(value: memoryview | bytes, key: bytes) -> Header:
+def decode_header(value: memoryview | bytes, key: bytes, *, value_len: int | None = None) -> Header:
     """Parse and check a value's header (either format).
 
     Raises :class:`CorruptChunk` on a short value, bad magic, unknown version,
     header CRC mismatch, a payload length that disagrees with the value size,
     or a stored hash that disagrees with the LMDB key. The payload itself is
-    not read (see :func:`check_payload`).
+    not read (see :func:`check_payload`). ``value_len``: the whole value's length
+    when ``value`` holds only its first bytes (a value read in parts).
     """
     if len(value) < _MIN_HEADER:
         raise CorruptChunk(f"value of {len(value)} bytes is shorter than the {_MIN_HEADER} byte header")
@@ -226,8 +227,9 @@ def decode_header(value: memoryview | bytes, key: bytes) -> Header:
     magic, _version, _flags, layout, chunk, parent, position, tokens, plen, psum = fields[:10]
     if magic != MAGIC:
         raise CorruptChunk(f"bad magic {magic!r}")
-    if plen != len(value) - size:
-        raise CorruptChunk(f"payload length {plen} disagrees with value size {len(value) - size}")
+    total = len(value) if value_len is None else value_len
+    if plen != total - size:
+        raise CorruptChunk(f"payload length {plen} disagrees with value size {total - size}")
     if chunk != bytes(key):
         raise CorruptChunk("stored chunk hash disagrees with its key")
     meta = ChunkMeta(ChunkHash(chunk), ChunkHash(parent), LayoutId(layout.hex()), position, tokens)
@@ -240,6 +242,12 @@ def check_payload(value: memoryview | bytes, header: Header) -> memoryview:
     if _checksum(header.version, payload) != header.checksum:
         raise _mismatch(header.version)
     return payload
+
+
+def check_payload_of(payload: memoryview | bytes, header: Header) -> None:
+    """:func:`check_payload` for a payload held apart from its header (a value read in parts)."""
+    if _checksum(header.version, payload) != header.checksum:
+        raise _mismatch(header.version)
 
 
 def verified_payload(value: memoryview | bytes, key: bytes, expected_len: int | None = None) -> memoryview:

@@ -27,7 +27,7 @@ import blake3
 from kvcached.errors import CorruptChunk
 from kvcached.keys import ChunkHash, LayoutId
 from kvcached.tiers.base import ChunkMeta
-from kvcached.tiers.record import check_payload, decode_header, encode_header
+from kvcached.tiers.record import HEADER_SIZE, check_payload, check_payload_of, decode_header, encode_header
 
 MAC_BYTES = 32
 MAC_CONTEXT = "kvcached 2026-12 remote tier value MAC v1"
@@ -58,6 +58,32 @@ def encode(meta: ChunkMeta, payload: bytes | memoryview, key: bytes) -> bytes:
     """Record header + payload + MAC, as one value."""
     record = encode_header(meta, payload) + bytes(payload)
     return record + blake3.blake3(record, key=key).digest()
+
+
+def value_size(chunk_bytes: int) -> int:
+    """The length of the value :func:`encode` makes for a payload of ``chunk_bytes``."""
+    return HEADER_SIZE + chunk_bytes + MAC_BYTES
+
+
+def verify_parts(header: memoryview, payload: memoryview, tag: memoryview, h: ChunkHash, layout_id: LayoutId,
+                 key: bytes) -> None:
+    """The checks of :func:`decode` for a value of :func:`value_size` bytes read in three parts:
+    its ``HEADER_SIZE`` header, its payload (read straight into a pool slot) and its MAC. Raises
+    :class:`RemoteValueRefused` with the same reasons; the payload stays where it is."""
+    mac = blake3.blake3(header, key=key)
+    mac.update(payload)  # BLAKE3 releases the GIL over large inputs
+    if not hmac.compare_digest(mac.digest(), tag):
+        raise RemoteValueRefused("mac", f"chunk {h.hex()[:16]}: the MAC does not hold (another key, or altered)")
+    try:
+        head = decode_header(header, bytes(h), value_len=header.nbytes + payload.nbytes)
+    except CorruptChunk as e:
+        raise RemoteValueRefused("header", str(e)) from None
+    if head.meta.layout_id != layout_id:
+        raise RemoteValueRefused("header", f"chunk {h.hex()[:16]} is of layout {head.meta.layout_id}, not {layout_id}")
+    try:
+        check_payload_of(payload, head)
+    except CorruptChunk as e:
+        raise RemoteValueRefused("checksum", str(e)) from None
 
 
 def decode(value: bytes | memoryview, h: ChunkHash, layout_id: LayoutId, key: bytes,

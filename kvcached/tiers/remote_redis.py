@@ -43,13 +43,16 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvcached.keys import ChunkHash, LayoutId
 from kvcached.tiers.base import ChunkMeta
-from kvcached.tiers.remote_codec import RemoteValueRefused, decode, encode, remote_key
+from kvcached.tiers.record import HEADER_SIZE
+from kvcached.tiers.remote_codec import (MAC_BYTES, RemoteValueRefused, decode, encode, remote_key, value_size,
+                                         verify_parts)
+from kvcached.tiers.resp import ErrorReply, RespConnection
 
 log = logging.getLogger("kvcached.remote")
 
@@ -149,8 +152,17 @@ class Breaker:
 
 class RemoteRedisTier:
     def __init__(self, config: RemoteConfig, mac_key: bytes, *, clock: Callable[[], float] = time.monotonic,
-                 client: Any = None) -> None:
+                 client: Any = None, reader: str = "direct") -> None:
+        """``reader``: how fetches read values. ``direct`` (the default): this module's own sockets
+        (:mod:`kvcached.tiers.resp`), each value read straight into its destination; redis-py
+        still keeps the cluster's slot map and serves redirections. ``redis-py``: its pipelines,
+        each value parsed into a new object, then copied (the reader before; TLS always uses it)."""
+        if reader not in ("direct", "redis-py"):
+            raise ValueError(f"reader is direct or redis-py, not {reader!r}")
         self.config = config
+        #: Whether fetches read values straight into their destinations (see ``fetch_into``).
+        self.direct = reader == "direct" and not config.ssl
+        self._idle: dict[tuple[str, int], list[RespConnection]] = {}  # direct reader's connections, by node
         self._key = mac_key
         self._lock = threading.Lock()
         self.stats = RemoteStats()
@@ -162,6 +174,11 @@ class RemoteRedisTier:
 
     def close(self) -> None:
         self._io.shutdown(wait=False)
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for c in conns:
+                c.close()
         if self._client is None:
             return
         try:
@@ -193,6 +210,49 @@ class RemoteRedisTier:
     def fetch(self, layout_id: LayoutId, hashes: Sequence[ChunkHash], chunk_bytes: int) -> list[memoryview]:
         """The verified payloads of the leading chunks of ``hashes`` the remote holds, in order;
         stops at the first one missing or refused. Returns within ``timeout`` (one round trip)."""
+        if not self.direct:
+            return self._fetch_parsed(layout_id, hashes, chunk_bytes)
+        bufs: dict[int, memoryview] = {}
+
+        def dest(i: int) -> memoryview:
+            bufs[i] = memoryview(bytearray(chunk_bytes))
+            return bufs[i]
+
+        return [bufs[i] for i in range(self.fetch_into(layout_id, hashes, chunk_bytes, dest))]
+
+    def fetch_into(self, layout_id: LayoutId, hashes: Sequence[ChunkHash], chunk_bytes: int,
+                   dest: Callable[[int], memoryview | None]) -> int:
+        """Like :meth:`fetch`, but chunk ``i``'s payload is written into ``dest(i)``: the number of
+        leading chunks of ``hashes`` now there, verified. Returns within ``timeout``.
+
+        Ownership: ``dest`` is called (on a remote I/O thread) once for each chunk the remote
+        holds, in no particular order, just before its bytes arrive; it returns where they go,
+        ``chunk_bytes`` long, or None to take no more chunks from that one on. A destination
+        past the returned count holds garbage. When this returns, nothing writes into any
+        destination any more, also after a deadline: the call's sockets are shut down and its
+        thread waited for (see :class:`_Stop`), so the caller may free or reuse them at once."""
+        if not hashes:
+            return 0
+        if not self.direct:
+            payloads = self._fetch_parsed(layout_id, hashes, chunk_bytes)
+            for i, p in enumerate(payloads):
+                d = dest(i)
+                if d is None:
+                    return i
+                d[:] = p
+            return len(payloads)
+        stop = _Stop()
+        got = self._call("fetch", lambda client: self._read_direct(client, layout_id, hashes, chunk_bytes, dest, stop),
+                         stop=stop)
+        n = 0 if got is None else got[0]
+        with self._lock:
+            self.stats.hits += n
+            self.stats.misses += len(hashes) - n
+            self.stats.bytes_fetched += n * chunk_bytes
+        return n
+
+    def _fetch_parsed(self, layout_id: LayoutId, hashes: Sequence[ChunkHash], chunk_bytes: int) -> list[memoryview]:
+        """:meth:`fetch` through redis-py: each value parsed into an object, then verified."""
         if not hashes:
             return []
         names = [self._name(layout_id, h) for h in hashes]
@@ -206,16 +266,147 @@ class RemoteRedisTier:
             try:
                 out.append(decode(v, h, layout_id, self._key, chunk_bytes))
             except RemoteValueRefused as e:
-                with self._lock:
-                    self.stats.refused[e.reason] = self.stats.refused.get(e.reason, 0) + 1
-                log.warning("remote chunk %s refused: %s", h.hex()[:16], e,
-                            extra={"event": "remote_refused", "reason": e.reason})
+                self._refused(h, e)
                 break
         with self._lock:
             self.stats.hits += len(out)
             self.stats.misses += len(hashes) - len(out)
             self.stats.bytes_fetched += sum(len(p) for p in out)
         return out
+
+    def _refused(self, h: ChunkHash, e: RemoteValueRefused) -> None:
+        with self._lock:
+            self.stats.refused[e.reason] = self.stats.refused.get(e.reason, 0) + 1
+        log.warning("remote chunk %s refused: %s", h.hex()[:16], e,
+                    extra={"event": "remote_refused", "reason": e.reason})
+
+    def _read_direct(self, client: Any, layout_id: LayoutId, hashes: Sequence[ChunkHash], chunk_bytes: int,
+                     dest: Callable[[int], memoryview | None], stop: _Stop) -> list[int]:
+        """The direct reader's fetch, on an I/O thread: ``[n]``, the leading chunks verified.
+
+        One pipeline per node that owns some of the keys (redis-py's slot map says which), all
+        sent before any is read; each value lands in ``dest(i)`` and is verified there. Keys a
+        node redirects (a slot migrating) are asked again through redis-py, which follows the
+        redirection and refreshes its map. Connections are made before the writing starts, so
+        that :meth:`_Stop.stop` never waits for a connect."""
+        names = [self._name(layout_id, h).encode() for h in hashes]
+        by_node: dict[tuple[str, int], list[int]] = {}
+        for i, name in enumerate(names):
+            by_node.setdefault(self._node_of(client, name), []).append(i)
+        conns = {addr: self._connection(addr) for addr in by_node}
+        vsize = value_size(chunk_bytes)
+        ok = [False] * len(hashes)
+        limit = [len(hashes)]  # no chunk at or past the first unusable one is worth a destination
+        header, tag = memoryview(bytearray(HEADER_SIZE)), memoryview(bytearray(MAC_BYTES))
+        replies: dict[int, int | ErrorReply | None] = {}
+        clean = False
+        if not stop.begin(conns.values()):
+            raise DeadlineMissed("abandoned before it started")
+        try:
+            for addr, idx in by_node.items():
+                conns[addr].send_many([names[i] for i in idx])
+            for addr, idx in by_node.items():
+                def sink(j: int, n: int, conn: RespConnection, idx: list[int] = idx) -> None:
+                    i = idx[j]
+                    d = dest(i) if i < limit[0] and not stop.stopped else None
+                    if d is None:
+                        limit[0] = min(limit[0], i)
+                        conn.skip(n)
+                    elif n == vsize:
+                        conn.read_into(header)
+                        conn.read_into(d)
+                        conn.read_into(tag)
+                        ok[i] = self._verified(lambda: verify_parts(header, d, tag, hashes[i], layout_id, self._key),
+                                               hashes[i])
+                    else:  # another size: the whole value, checked as redis-py's path checks it
+                        value = memoryview(bytearray(n))
+                        conn.read_into(value)
+                        payload: list[memoryview] = []
+                        ok[i] = self._verified(lambda: payload.append(
+                            decode(value, hashes[i], layout_id, self._key, chunk_bytes)), hashes[i])
+                        if ok[i]:
+                            d[:] = payload[0]
+                    if not ok[i]:
+                        limit[0] = min(limit[0], i)
+
+                for j, r in enumerate(conns[addr].read_many(len(idx), sink)):
+                    replies[idx[j]] = r
+            clean = True
+        finally:
+            stop.end()
+            for addr, c in conns.items():
+                if clean:
+                    self._release(addr, c)
+                else:
+                    c.close()
+        n = 0
+        while n < len(hashes) and ok[n]:
+            n += 1
+        if n < len(hashes) and isinstance(replies.get(n), ErrorReply):
+            err = replies[n]
+            assert isinstance(err, ErrorReply)
+            if not err.redirect:
+                raise RemoteReplyError(f"Redis answered a GET with: {err.message}")
+            n += self._redirected(layout_id, hashes, n, chunk_bytes, dest, stop)
+        return [n]
+
+    def _redirected(self, layout_id: LayoutId, hashes: Sequence[ChunkHash], start: int, chunk_bytes: int,
+                    dest: Callable[[int], memoryview | None], stop: _Stop) -> int:
+        """Chunks ``start..`` again through redis-py (a slot in migration: MOVED / ASK), copied into
+        their destinations; how many of them arrived, verified."""
+        values = self._connected().pipeline(transaction=False)
+        for h in hashes[start:]:
+            values.get(self._name(layout_id, h))
+        got = values.execute()
+        if not stop.begin(()):
+            raise DeadlineMissed("abandoned while redis-py followed a redirection")
+        try:
+            for j, v in enumerate(got):
+                i = start + j
+                if v is None:
+                    return j
+                payload: list[memoryview] = []
+                if not self._verified(lambda: payload.append(decode(v, hashes[i], layout_id, self._key, chunk_bytes)),
+                                      hashes[i]):
+                    return j
+                d = dest(i)
+                if d is None:
+                    return j
+                d[:] = payload[0]
+            return len(got)
+        finally:
+            stop.end()
+
+    def _verified(self, check: Callable[[], object], h: ChunkHash) -> bool:
+        try:
+            check()
+        except RemoteValueRefused as e:
+            self._refused(h, e)
+            return False
+        return True
+
+    def _node_of(self, client: Any, name: bytes) -> tuple[str, int]:
+        if not self.config.cluster:
+            host, _, port = self.config.nodes[0].rpartition(":")
+            return host, int(port)
+        node = client.get_node_from_key(name)
+        return node.host, int(node.port)
+
+    def _connection(self, addr: tuple[str, int]) -> RespConnection:
+        with self._lock:
+            idle = self._idle.get(addr)
+            if idle:
+                return idle.pop()
+        return RespConnection(addr[0], addr[1], timeout=self.config.timeout, username=self.config.username,
+                              password=self.config.password)
+
+    def _release(self, addr: tuple[str, int], conn: RespConnection) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(addr, [])
+            if len(idle) < IO_THREADS:
+                idle.append(conn)
+                return
+        conn.close()
 
     def publish(self, chunks: Sequence[tuple[ChunkMeta, bytes | memoryview]]) -> bool:
         """Store ``chunks`` (meta, payload), each with the TTL; False if Redis could not be reached."""
@@ -336,9 +527,10 @@ class RemoteRedisTier:
 
         return self._call(what, run, rounds=rounds)
 
-    def _bounded(self, op: Callable[[Any], list[Any]], rounds: int) -> list[Any]:
+    def _bounded(self, op: Callable[[Any], list[Any]], rounds: int, stop: _Stop | None = None) -> list[Any]:
         """``op(client)`` on an I/O thread, waited for ``timeout`` × ``rounds``; raises
-        :class:`DeadlineMissed` past it, :class:`IOBusy` when no thread is free."""
+        :class:`DeadlineMissed` past it (after ``stop.stop()``: the call writes nothing any more),
+        :class:`IOBusy` when no thread is free."""
         if not self._io_free.acquire(blocking=False):
             raise IOBusy("every remote I/O thread is still in an abandoned call")
 
@@ -357,16 +549,19 @@ class RemoteRedisTier:
         try:
             return future.result(timeout=wait)
         except FutureTimeout:
+            if stop is not None:
+                stop.stop()
             raise DeadlineMissed(f"no answer within {wait:.3f} s (the remote timeout x {rounds} round trip(s))") from None
 
-    def _call(self, what: str, op: Callable[[Any], list[Any]], *, rounds: int = 1) -> list[Any] | None:
+    def _call(self, what: str, op: Callable[[Any], list[Any]], *, rounds: int = 1,
+              stop: _Stop | None = None) -> list[Any] | None:
         """``op(client)``, past the breaker, within its deadline; None (counted, logged) on any failure."""
         with self._lock:
             if not self.breaker.allow():
                 self.stats.skipped_open += 1
                 return None
         try:
-            result = self._bounded(op, rounds)
+            result = self._bounded(op, rounds, stop)
         except IOBusy:
             with self._lock:
                 self.stats.skipped_busy += 1
@@ -408,6 +603,47 @@ ROUND_TRIP_BYTES = 64 << 20
 #: Threads that run remote calls: enough for the publisher, the demotions and a few acquires at
 #: once; more would only pile up behind a frozen Redis.
 IO_THREADS = 4
+
+
+class _Stop:
+    """How a direct fetch abandoned at its deadline is stopped before its caller frees the buffers
+    it was writing into (pool slots another chunk may get next).
+
+    The call brackets everything that writes into a destination with :meth:`begin` / :meth:`end`.
+    The caller's :meth:`stop` shuts the call's sockets down, so a read blocked on a frozen Redis
+    returns at once, and waits until the call is out of its bracket; a call not yet in it never
+    enters (``begin`` answers False). The wait is short: the bracket holds no connect and no
+    redis-py call, only reads of sockets that are now shut, copies, hashing and ``dest`` calls."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.stopped = False
+        self._conns: list[RespConnection] = []
+        self._outside = threading.Event()
+        self._outside.set()
+
+    def begin(self, conns: Iterable[RespConnection]) -> bool:
+        with self._lock:
+            if self.stopped:
+                return False
+            self._conns.extend(conns)
+            self._outside.clear()
+            return True
+
+    def end(self) -> None:
+        self._outside.set()
+
+    def stop(self) -> None:
+        with self._lock:
+            self.stopped = True
+            conns = list(self._conns)
+        for c in conns:
+            c.shutdown()
+        self._outside.wait()
+
+
+class RemoteReplyError(Exception):
+    """Redis answered a fetch's GET with an error that no redirection explains (an ACL refusal)."""
 
 
 class DeadlineMissed(Exception):
