@@ -171,9 +171,11 @@ class RemoteRedisTier:
         self._connecting = threading.Lock()
         self._io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="kvcached-remote")
         self._io_free = threading.BoundedSemaphore(IO_THREADS)
+        self._readers = ThreadPoolExecutor(max_workers=NODE_READERS, thread_name_prefix="kvcached-remote-read")
 
     def close(self) -> None:
         self._io.shutdown(wait=False)
+        self._readers.shutdown(wait=False)
         with self._lock:
             idle, self._idle = self._idle, {}
         for conns in idle.values():
@@ -285,52 +287,39 @@ class RemoteRedisTier:
         """The direct reader's fetch, on an I/O thread: ``[n]``, the leading chunks verified.
 
         One pipeline per node that owns some of the keys (redis-py's slot map says which), all
-        sent before any is read; each value lands in ``dest(i)`` and is verified there. Keys a
-        node redirects (a slot migrating) are asked again through redis-py, which follows the
-        redirection and refreshes its map. Connections are made before the writing starts, so
-        that :meth:`_Stop.stop` never waits for a connect."""
+        sent before any is read, then every node read at once (this thread and a helper per
+        further node: socket reads and BLAKE3 release the GIL); each value lands in ``dest(i)``
+        and is verified there. Keys a node redirects (a slot migrating) are asked again through
+        redis-py, which follows the redirection and refreshes its map. Connections are made
+        before the writing starts, so that :meth:`_Stop.stop` never waits for a connect."""
         names = [self._name(layout_id, h).encode() for h in hashes]
         by_node: dict[tuple[str, int], list[int]] = {}
         for i, name in enumerate(names):
             by_node.setdefault(self._node_of(client, name), []).append(i)
         conns = {addr: self._connection(addr) for addr in by_node}
-        vsize = value_size(chunk_bytes)
-        ok = [False] * len(hashes)
-        limit = [len(hashes)]  # no chunk at or past the first unusable one is worth a destination
-        header, tag = memoryview(bytearray(HEADER_SIZE)), memoryview(bytearray(MAC_BYTES))
-        replies: dict[int, int | ErrorReply | None] = {}
+        fill = _Fill(self, layout_id, hashes, chunk_bytes, dest, stop)
         clean = False
         if not stop.begin(conns.values()):
+            for c in conns.values():
+                c.close()
             raise DeadlineMissed("abandoned before it started")
         try:
             for addr, idx in by_node.items():
                 conns[addr].send_many([names[i] for i in idx])
-            for addr, idx in by_node.items():
-                def sink(j: int, n: int, conn: RespConnection, idx: list[int] = idx) -> None:
-                    i = idx[j]
-                    d = dest(i) if i < limit[0] and not stop.stopped else None
-                    if d is None:
-                        limit[0] = min(limit[0], i)
-                        conn.skip(n)
-                    elif n == vsize:
-                        conn.read_into(header)
-                        conn.read_into(d)
-                        conn.read_into(tag)
-                        ok[i] = self._verified(lambda: verify_parts(header, d, tag, hashes[i], layout_id, self._key),
-                                               hashes[i])
-                    else:  # another size: the whole value, checked as redis-py's path checks it
-                        value = memoryview(bytearray(n))
-                        conn.read_into(value)
-                        payload: list[memoryview] = []
-                        ok[i] = self._verified(lambda: payload.append(
-                            decode(value, hashes[i], layout_id, self._key, chunk_bytes)), hashes[i])
-                        if ok[i]:
-                            d[:] = payload[0]
-                    if not ok[i]:
-                        limit[0] = min(limit[0], i)
-
-                for j, r in enumerate(conns[addr].read_many(len(idx), sink)):
-                    replies[idx[j]] = r
+            work = [(conns[addr], idx) for addr, idx in by_node.items()]
+            helpers = [self._readers.submit(fill.read_node, c, idx) for c, idx in work[1:]]
+            failed: list[BaseException] = []
+            try:
+                fill.read_node(*work[0])
+            except BaseException as e:  # noqa: BLE001 - raised below, once every helper is done
+                failed.append(e)
+            for f in helpers:  # each ends: its pipeline read to the end, or its socket shut by stop()
+                try:
+                    f.result()
+                except BaseException as e:  # noqa: BLE001
+                    failed.append(e)
+            if failed:
+                raise failed[0]
             clean = True
         finally:
             stop.end()
@@ -339,11 +328,9 @@ class RemoteRedisTier:
                     self._release(addr, c)
                 else:
                     c.close()
-        n = 0
-        while n < len(hashes) and ok[n]:
-            n += 1
-        if n < len(hashes) and isinstance(replies.get(n), ErrorReply):
-            err = replies[n]
+        n = fill.leading()
+        if n < len(hashes) and isinstance(fill.replies.get(n), ErrorReply):
+            err = fill.replies[n]
             assert isinstance(err, ErrorReply)
             if not err.redirect:
                 raise RemoteReplyError(f"Redis answered a GET with: {err.message}")
@@ -604,6 +591,9 @@ ROUND_TRIP_BYTES = 64 << 20
 #: once; more would only pile up behind a frozen Redis.
 IO_THREADS = 4
 
+#: Threads that read a direct fetch's further nodes while its I/O thread reads the first.
+NODE_READERS = 2 * IO_THREADS
+
 
 class _Stop:
     """How a direct fetch abandoned at its deadline is stopped before its caller frees the buffers
@@ -640,6 +630,73 @@ class _Stop:
         for c in conns:
             c.shutdown()
         self._outside.wait()
+
+
+class _Fill:
+    """One direct fetch's state, shared by the threads that read its nodes: which chunks arrived
+    verified, the first one known to be unusable (no destination is asked for past it), each
+    key's reply. ``dest`` is called under a lock: one call at a time, whichever thread asks."""
+
+    def __init__(self, tier: RemoteRedisTier, layout_id: LayoutId, hashes: Sequence[ChunkHash], chunk_bytes: int,
+                 dest: Callable[[int], memoryview | None], stop: _Stop) -> None:
+        self.tier, self.layout_id, self.hashes, self.chunk_bytes = tier, layout_id, hashes, chunk_bytes
+        self.dest, self.stop = dest, stop
+        self.ok = [False] * len(hashes)
+        self.replies: dict[int, int | ErrorReply | None] = {}
+        self._limit = len(hashes)
+        self._lock = threading.Lock()
+
+    def read_node(self, conn: RespConnection, idx: list[int]) -> None:
+        """Read one node's replies (to the GETs of chunks ``idx``, sent already)."""
+        header, tag = memoryview(bytearray(HEADER_SIZE)), memoryview(bytearray(MAC_BYTES))
+        vsize = value_size(self.chunk_bytes)
+        h, lid, key = self.hashes, self.layout_id, self.tier._key
+
+        def sink(j: int, n: int, conn: RespConnection) -> None:
+            i = idx[j]
+            d = self._dest(i)
+            if d is None:
+                conn.skip(n)
+                return
+            if n == vsize:
+                conn.read_into(header)
+                conn.read_into(d)
+                conn.read_into(tag)
+                self.ok[i] = self.tier._verified(lambda: verify_parts(header, d, tag, h[i], lid, key), h[i])
+            else:  # another size: the whole value, checked as the redis-py reader checks it
+                value = memoryview(bytearray(n))
+                conn.read_into(value)
+                payload: list[memoryview] = []
+                self.ok[i] = self.tier._verified(lambda: payload.append(decode(value, h[i], lid, key, self.chunk_bytes)),
+                                                 h[i])
+                if self.ok[i]:
+                    d[:] = payload[0]
+            if not self.ok[i]:
+                self._unusable(i)
+
+        for j, r in enumerate(conn.read_many(len(idx), sink)):
+            self.replies[idx[j]] = r
+            if r is None or isinstance(r, ErrorReply):
+                self._unusable(idx[j])
+
+    def leading(self) -> int:
+        n = 0
+        while n < len(self.ok) and self.ok[n]:
+            n += 1
+        return n
+
+    def _dest(self, i: int) -> memoryview | None:
+        with self._lock:
+            if i >= self._limit or self.stop.stopped:
+                return None
+            d = self.dest(i)
+            if d is None:
+                self._limit = min(self._limit, i)
+            return d
+
+    def _unusable(self, i: int) -> None:
+        with self._lock:
+            self._limit = min(self._limit, i)
 
 
 class RemoteReplyError(Exception):

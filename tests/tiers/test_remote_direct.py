@@ -117,12 +117,35 @@ class TricklingProxy:
             pass
 
 
-def test_a_fetch_abandoned_at_its_deadline_writes_nothing_after_it_returns(redis_server):
+class TwoNodeMap:
+    """The slot map of a two-node "cluster" whose nodes are one Redis, directly and through a
+    proxy: chunk 1's key is the proxy's. Only the map is made up; every byte comes from Redis."""
+
+    def __init__(self, direct: int, proxy: int, proxy_key: str) -> None:
+        self.direct, self.proxy, self.proxy_key = direct, proxy, proxy_key.encode()
+
+    def get_node_from_key(self, name: bytes):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(host="127.0.0.1", port=self.proxy if name == self.proxy_key else self.direct)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("reader", ["the call's thread", "a helper thread"])
+def test_a_fetch_abandoned_at_its_deadline_writes_nothing_after_it_returns(redis_server, reader):
     big = 1 << 20
     cs = [(m, os.urandom(big)) for m, _ in chunks(2)]
     assert tier(redis_server.port).publish(cs)
-    proxy = TricklingProxy(redis_server.port, fast=big + big // 4)  # slows down inside the 2nd value
-    t = tier(proxy.port, timeout=0.3)
+    if reader == "the call's thread":  # one node, behind the proxy: slows down inside the 2nd value
+        proxy = TricklingProxy(redis_server.port, fast=big + big // 4)
+        t = tier(proxy.port, timeout=0.3)
+    else:  # chunk 0 read directly by the call's thread, chunk 1 through the proxy by a helper
+        proxy = TricklingProxy(redis_server.port, fast=big // 4)
+        cfg = RemoteConfig(nodes=(f"127.0.0.1:{redis_server.port}",), domain="d", cluster=True, timeout=0.3)
+        t = RemoteRedisTier(cfg, KEY, client=TwoNodeMap(redis_server.port, proxy.port,
+                                                        remote_key("d", LAYOUT, cs[1][0].chunk_hash)))
     arena = bytearray(2 * big)
     t0 = time.monotonic()
     n = t.fetch_into(LAYOUT, hashes(cs), big, lambda i: memoryview(arena)[i * big: (i + 1) * big])
@@ -136,43 +159,79 @@ def test_a_fetch_abandoned_at_its_deadline_writes_nothing_after_it_returns(redis
     t.close()
 
 
-def test_a_slot_in_migration_is_read_through_its_redirection(tmp_path):
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
     require_redis()
-    cluster = RedisCluster(str(tmp_path / "cluster")).start()
+    c = RedisCluster(str(tmp_path_factory.mktemp("cluster"))).start()
+    yield c
+    c.stop()
+
+
+def test_one_frozen_primary_is_a_bounded_miss_and_nothing_is_written_after_it(cluster):
+    """A real frozen node among live ones. (Here each frozen read also ends at its socket timeout,
+    the deadline's length; the trickling proxy above is what needs the deadline's stop.)"""
+    nodes = tuple(f"{h}:{p}" for h, p in cluster.startup_nodes)
+    t = RemoteRedisTier(RemoteConfig(nodes=nodes, domain="frozen", cluster=True, timeout=0.3), KEY)
+    big = 1 << 20
+    cs = [(m, os.urandom(big)) for m, _ in chunks(12)]
+    assert t.publish(cs)
+    arena = bytearray(12 * big)
+
+    def dest(i: int) -> memoryview:
+        return memoryview(arena)[i * big: (i + 1) * big]
+
+    assert t.fetch_into(LAYOUT, hashes(cs), big, dest) == 12
+    frozen = cluster.primaries()[1]
+    arena[:] = bytes(len(arena))
+    frozen.freeze()
     try:
-        nodes = tuple(f"{h}:{p}" for h, p in cluster.startup_nodes)
-        t = RemoteRedisTier(RemoteConfig(nodes=nodes, domain="d", cluster=True), KEY)
-        cs = chunks(8)
-        assert t.publish(cs)
-        assert [bytes(g) for g in t.fetch(LAYOUT, hashes(cs), CHUNK)] == [p for _, p in cs]
-        # move chunk 3's slot to another primary by hand: first half-way (ASK), then for good (MOVED)
-        r = redis.cluster.RedisCluster(host="127.0.0.1", port=cluster.startup_nodes[0][1])
-        name = remote_key("d", LAYOUT, cs[3][0].chunk_hash)
-        slot = r.keyslot(name)
-        src = r.get_node_from_key(name)
-        dst = next(n for n in r.get_primaries() if n.port != src.port)
-        src_id = cli(src.port, "CLUSTER", "MYID").strip()
-        dst_id = cli(dst.port, "CLUSTER", "MYID").strip()
-        cli(dst.port, "CLUSTER", "SETSLOT", str(slot), "IMPORTING", src_id)
-        cli(src.port, "CLUSTER", "SETSLOT", str(slot), "MIGRATING", dst_id)
-        for k in cli(src.port, "CLUSTER", "GETKEYSINSLOT", str(slot), "100").split():
-            cli(src.port, "MIGRATE", "127.0.0.1", str(dst.port), k, "0", "5000")
-        assert "ASK" in cli(src.port, "GET", name)
-        redirected = []
-        inner = t._redirected
-        t._redirected = lambda *a, **k: redirected.append(a[2]) or inner(*a, **k)
-        assert [bytes(g) for g in t.fetch(LAYOUT, hashes(cs), CHUNK)] == [p for _, p in cs]
-        assert redirected == [3]
-        for n in r.get_primaries():
-            cli(n.port, "CLUSTER", "SETSLOT", str(slot), "NODE", dst_id)
-        redirected.clear()
-        assert [bytes(g) for g in t.fetch(LAYOUT, hashes(cs), CHUNK)] == [p for _, p in cs]  # MOVED once
-        assert [bytes(g) for g in t.fetch(LAYOUT, hashes(cs), CHUNK)] == [p for _, p in cs]
-        assert len(redirected) <= 1  # redis-py followed the MOVED and refreshed its map
-        assert t.stats.errors == 0 and t.stats.refused == {}
-        t.close(), r.close()
+        t0 = time.monotonic()
+        assert t.fetch_into(LAYOUT, hashes(cs), big, dest) == 0  # a miss, bounded
+        assert time.monotonic() - t0 < 0.3 + 0.05 and t.stats.deadline_missed == 1
+        seen = bytes(arena)
     finally:
-        cluster.stop()
+        frozen.thaw()
+    time.sleep(0.5)  # the thawed node answers now: a reader left running would write it
+    assert bytes(arena) == seen
+    assert t.fetch_into(LAYOUT, hashes(cs), big, dest) == 12  # fresh connections, full hit again
+    assert bytes(arena) == b"".join(p for _, p in cs)
+    t.close()
+
+
+def test_a_slot_in_migration_is_read_through_its_redirection(cluster):
+    nodes = tuple(f"{h}:{p}" for h, p in cluster.startup_nodes)
+    t = RemoteRedisTier(RemoteConfig(nodes=nodes, domain="d", cluster=True), KEY)
+    cs = chunks(8)
+    assert t.publish(cs)
+    assert [bytes(g) for g in t.fetch(LAYOUT, hashes(cs), CHUNK)] == [p for _, p in cs]
+    # move chunk 3's slot to another primary by hand: first half-way (ASK), then for good (MOVED)
+    r = redis.cluster.RedisCluster(host="127.0.0.1", port=cluster.startup_nodes[0][1])
+    name = remote_key("d", LAYOUT, cs[3][0].chunk_hash)
+    slot = r.keyslot(name)
+    src = r.get_node_from_key(name)
+    dst = next(n for n in r.get_primaries() if n.port != src.port)
+    src_id = cli(src.port, "CLUSTER", "MYID").strip()
+    dst_id = cli(dst.port, "CLUSTER", "MYID").strip()
+    cli(dst.port, "CLUSTER", "SETSLOT", str(slot), "IMPORTING", src_id)
+    cli(src.port, "CLUSTER", "SETSLOT", str(slot), "MIGRATING", dst_id)
+    for k in cli(src.port, "CLUSTER", "GETKEYSINSLOT", str(slot), "100").split():
+        cli(src.port, "MIGRATE", "127.0.0.1", str(dst.port), k, "0", "5000")
+    assert "ASK" in cli(src.port, "GET", name)
+    redirected = []
+    inner = t._redirected
+    t._redirected = lambda *a, **k: redirected.append(a[2]) or inner(*a, **k)
+    assert [bytes(g) for g in t.fetch(LAYOUT, hashes(cs), CHUNK)] == [p for _, p in cs]
+    assert redirected == [3]
+    for n in r.get_primaries():
+        cli(n.port, "CLUSTER", "SETSLOT", str(slot), "NODE", dst_id)
+    redirected.clear()
+    assert [bytes(g) for g in t.fetch(LAYOUT, hashes(cs), CHUNK)] == [p for _, p in cs]
+    assert redirected == [3]  # MOVED: through redis-py, which follows it and updates its slot map
+    redirected.clear()
+    assert [bytes(g) for g in t.fetch(LAYOUT, hashes(cs), CHUNK)] == [p for _, p in cs]
+    assert redirected == []  # so the next fetch reads the slot's new owner directly
+    assert t.stats.errors == 0 and t.stats.refused == {}
+    t.close(), r.close()
 
 
 def test_the_reader_refuses_what_is_not_resp():
