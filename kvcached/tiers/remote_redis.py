@@ -7,11 +7,15 @@ the index or of when chunks should go there.
 * One key and one value per chunk (:mod:`kvcached.tiers.remote_codec`), every key with a TTL
   (``ttl``) so that Redis's ``volatile-*`` eviction policies can make room.
 * A probe or a fetch is one pipelined round trip per node: chained hashes give every key of a
-  prompt up front, and redis-py's cluster pipeline groups the commands by the node that owns
-  their slot. It reads the nodes one after another; reading them at once (a thread per node)
-  measured no faster on this 2-core box (bench/remote_tier.py: 0.66-0.68 vs 0.65-0.70 GB/s at
-  16 MiB): the fetch is bound by the CPU (reply parsing and copies under the GIL), not the
-  network.
+  prompt up front, grouped by the node that owns their slot (redis-py keeps the slot map).
+* **Fetches read values in place** (``fetch_into``, the default ``direct`` reader): this
+  module's own connections (:mod:`kvcached.tiers.resp`) read each value with ``recv_into``
+  straight into its destination (the Store's reserved pool slot), every node at once on its
+  own thread, and verify it there. redis-py's reader parsed each value into a new object under
+  the GIL and the Store copied it again: one core, 0.59-0.64 GB/s end to end; the direct
+  reader measured 2x that and 2.3x the bytes per CPU-second (bench/remote_tier.py). A slot in
+  migration (``MOVED``/``ASK``) is read through redis-py, which follows it. TLS uses redis-py's
+  reader (``RemoteRedisTier.direct`` is then False).
 * **Fail-open.** Nothing here raises a Redis error to its caller: an unreachable, slow or
   failing-over Redis is a miss (``probe`` 0, ``fetch`` nothing, ``publish`` False), counted in
   ``stats`` and logged. After ``breaker_failures`` failures in a row the breaker opens and the
@@ -30,9 +34,11 @@ the index or of when chunks should go there.
   header, length, checksum); a refused value is counted by reason, logged, and ends the fetch
   there (a chunk is only usable with its whole prefix).
 
-Thread-safety: the redis-py clients are thread-safe (a connection pool); the counters and the
-breaker are guarded by one small lock. Calls block (up to their deadline): callers run them off
-the event loop.
+Thread-safety: the redis-py clients are thread-safe (a connection pool); the direct reader's
+idle connections, the counters and the breaker are guarded by one small lock. Calls block (up to
+their deadline): callers run them off the event loop. A direct fetch abandoned at its deadline
+is stopped (its sockets shut down, its threads waited for) before ``fetch_into`` returns, so its
+caller can free the destinations at once (:class:`_Stop`).
 """
 
 from __future__ import annotations

@@ -232,11 +232,16 @@ def check_remote_tier(d: dict) -> None:
         for cn, v in m["verdicts"].items():
             if isinstance(v, dict) and "kvcached_gb_s" in v:
                 assert positive(v["kvcached_gb_s"]) and positive(v["kvcached_over_redis_py"]), (size, cn)
-        assert m["tier_errors_during_timing"] == 0 and m["verified"]["kvcached fetch (all chunks, CRC of every payload)"]
+            if isinstance(v, dict) and "direct_over_redis_py_reader" in v:  # both readers, per core too
+                assert positive(v["direct_over_redis_py_reader"]) and positive(v["gb_per_client_cpu_s"]["kvcached"])
+        assert m["tier_errors_during_timing"] == 0
+        assert m["verified"]["kvcached fetch, both readers and fetch_into (all chunks, CRC of every payload)"]
     assert d["lmcache"]["status"] in ("ran", "skipped") and (d["lmcache"]["status"] == "ran" or d["lmcache"]["reason"])
     e = d["e2e"]
     assert positive(e["median"]["cold_acquire_s"]) and positive(e["cold_acquire_us_per_token"])
     assert positive(e["cold_acquire_gb_s"])
+    assert {r["reader"] for r in e["reps_detail"]} == {"direct", "redis-py"}
+    assert all(positive(x) for x in e["direct_over_redis_py_reader"].values())
     assert all(positive(g["fill_over_break_even"]) for g in d["gpu_break_even"]["models"].values())
     mi = d["miss"]
     assert positive(mi["saved_per_miss_us_by_a_perfect_filter"]) and mi["remote_errors"] == 0
