@@ -25,6 +25,7 @@ from kvcached_client.errors import (
     UnavailableError,
 )
 from kvcached_client.pool import PoolMap
+from kvcached_client.receipts import PutReceipt
 
 if TYPE_CHECKING:
     import torch
@@ -237,6 +238,12 @@ class LeaseBase:
     def __len__(self) -> int:
         return len(self._offsets)
 
+    def ticket(self) -> LeaseTicket:
+        """What another client (another process on this host) needs to read this lease's chunks
+        with ``open_lease``: picklable, a few bytes per chunk. The lease must stay held until
+        that reader is done."""
+        return LeaseTicket(self.layout, self._response.SerializeToString())
+
     @property
     def locations(self) -> tuple[Location, ...]:
         return locations(self._chunks)
@@ -374,3 +381,91 @@ class LeaseBase:
         if device.type == "cuda":
             self._cuda_reads.add(device)
         return view
+
+
+class ReservationBase:
+    """What both clients' reservations hold and do without a call: the slots to write, their
+    pool views, tickets, the receipt of a put that wrote nothing. The clients add ``commit``
+    and ``abort`` (a call, blocking or awaited)."""
+
+    def __init__(self, client: Any, layout: KVLayout, resp: pb.ReserveResponse, session_id: str) -> None:
+        self._client = client
+        self.layout = layout
+        self._response = resp
+        self.reservation_id: str = resp.reservation_id
+        self.session_id = session_id
+        self.slots: tuple[Location, ...] = locations(resp.slots)
+        self.cached_tokens: int = resp.cached_tokens
+        self.in_flight_tokens: int = resp.in_flight_tokens
+        self.durable_tokens: int = resp.durable_tokens
+        self.write_through: bool = resp.write_through
+        #: Full chunks after the reserved ones that found no room (a full pool), and why.
+        self.not_reserved_tokens: int = resp.not_reserved_tokens
+        self.not_reserved_reason: str = resp.not_reserved_reason
+        self._generation: str = resp.pool_generation
+        self.done = not self.reservation_id  # nothing was reserved: nothing to commit
+
+    @property
+    def opened(self) -> bool:
+        """Whether the daemon opened a reservation (False: nothing to write, nothing to commit)."""
+        return bool(self.reservation_id)
+
+    def receipt(self) -> PutReceipt:
+        """What a put that wrote nothing reports: the prompt as cached when reserved."""
+        return PutReceipt(0, self.cached_tokens, self.durable_tokens, self.in_flight_tokens, self.write_through,
+                          self.not_reserved_tokens, self.not_reserved_reason)
+
+    def view(self, slot: Location) -> "torch.Tensor":
+        """The pool block reserved for ``slot`` (no copy): write the chunk's KV into it."""
+        if self.done:
+            raise FailedPreconditionError("the reservation was committed or aborted")
+        pool = self._client._pool
+        if pool.generation != self._generation:
+            raise FailedPreconditionError("the daemon restarted since this reservation was made; reserve again")
+        return pool.view(self.layout, slot.offset, slot.nbytes)
+
+    def ticket(self) -> ReservationTicket:
+        """What another client on this host needs to write this reservation's slots
+        (``open_reservation``); this reservation's holder still commits it."""
+        return ReservationTicket(self.layout, self._response.SerializeToString())
+
+    def _commit_request(self, release: "Sequence[LeaseBase]", chunks: int | None
+                        ) -> "pb.CommitRequest | pb.CommitReleaseRequest":
+        """The commit's request (CommitRelease when it also gives ``release`` back), after
+        synchronising the devices that wrote the slots and those that read the leases; marks
+        this reservation and those leases done: a commit is not retried."""
+        if self.done:
+            raise FailedPreconditionError("the reservation was already committed or aborted")
+        if self.slots and self._client._pool.generation == self._generation:
+            sync_devices(self._client._pool, [s.offset for s in self.slots])
+        self.done = True
+        ids = [lease.lease_id for lease in release if not lease.released and lease.lease_id]
+        for lease in release:
+            lease._sync_device()
+            lease.released = True
+        if not ids:
+            return pb.CommitRequest(reservation_id=self.reservation_id, session_id=self.session_id, chunks=chunks)
+        return pb.CommitReleaseRequest(reservation_id=self.reservation_id, lease_ids=ids, session_id=self.session_id,
+                                       chunks=chunks)
+
+
+class CacheRequestBase:
+    """One request's lease and reservation (see ``acquire_reserve``); the clients add ``finish``."""
+
+    def __init__(self, client: Any, lease: LeaseBase, reservation: ReservationBase) -> None:
+        self._client = client
+        self.lease = lease
+        self.reservation = reservation
+
+    @property
+    def matched_tokens(self) -> int:
+        return self.lease.matched_tokens
+
+    def write(self, kv: "torch.Tensor") -> None:
+        """Copy the reserved chunks of ``kv`` ([2, layers, kv_heads, >= tokens, head_dim], the
+        prompt's KV from its first token) into their pool room."""
+        slots = self.reservation.slots
+        if slots:
+            layout = self.reservation.layout
+            validate_kv(layout, kv, (slots[-1].position + 1) * layout.chunk_tokens)
+            write_slots(self._client._pool, layout, slots, kv)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence, TypeVar
 import grpc
 
 from kvcached.keys import KVLayout, TokenInput
+from kvcached.tiers.packed import PoolHandle
 from kvcached.v1 import kvcached_pb2 as pb
 from kvcached.v1 import kvcached_pb2_grpc as pb_grpc
 from kvcached_client import _core
@@ -75,12 +76,91 @@ class AsyncLease(_core.LeaseBase):
         await self.release()
 
 
+class AsyncLeaseView(_core.LeaseBase):
+    """Read access to a lease another client holds (see :meth:`AsyncClient.open_lease`); as
+    :class:`kvcached_client.client.LeaseView`."""
+
+    async def release(self, *, synced: bool = False) -> None:
+        """Stop this view (``synced``: as for :meth:`kvcached_client.client.LeaseView.release`)."""
+        if not self.released:
+            if not synced:
+                self._sync_device()
+            self.released = True
+
+
+class AsyncReservation(_core.ReservationBase):
+    """:class:`kvcached_client.client.Reservation`, with ``commit`` and ``abort`` awaited."""
+
+    async def commit(self, release: Sequence[AsyncLease] = (), *, chunks: int | None = None) -> PutReceipt:
+        """Publish the written chunks (``chunks``: only the first N); with ``release``, give those
+        leases back in the same round trip. A reservation that holds nothing costs no call."""
+        if not self.opened:
+            for lease in release:
+                await lease.release()
+            return self.receipt()
+        req = self._commit_request(release, chunks)
+        c = self._client
+        if isinstance(req, pb.CommitRequest):
+            return put_receipt(await c._call(c._stub.Commit, req), self.in_flight_tokens)
+        return put_receipt((await c._call(c._stub.CommitRelease, req)).commit, self.in_flight_tokens)
+
+    async def abort(self) -> None:
+        """Give the slots back. Never raises for a reservation the daemon no longer holds."""
+        if self.done:
+            return
+        self.done = True
+        try:
+            await self._client._call(self._client._stub.Abort, pb.AbortRequest(
+                reservation_ids=[self.reservation_id], session_id=self.session_id))
+        except _core.GONE:
+            pass  # its session or daemon is gone, and the reservation with it
+
+
+class AsyncReservationView(AsyncReservation):
+    """Write access to a reservation another client holds (see
+    :meth:`AsyncClient.open_reservation`): :meth:`view` its slots; the holder commits."""
+
+    async def commit(self, release: Sequence[AsyncLease] = (), *, chunks: int | None = None) -> PutReceipt:
+        raise FailedPreconditionError("a reservation view cannot commit: the client that reserved commits")
+
+    async def abort(self) -> None:
+        self.done = True  # stops this view; the holder's reservation is untouched
+
+
+class AsyncCacheRequest(_core.CacheRequestBase):
+    """:class:`kvcached_client.client.CacheRequest`, with ``finish`` awaited; ``async with`` it."""
+
+    lease: AsyncLease
+    reservation: AsyncReservation
+
+    async def finish(self, *, commit: bool = True) -> PutReceipt:
+        """Commit what :meth:`write` stored (unless ``commit`` is False: abort it) and release
+        the lease: one round trip with something to commit."""
+        if commit:
+            return await self.reservation.commit(release=[self.lease])
+        await self.reservation.abort()
+        await self.lease.release()
+        return self.reservation.receipt()
+
+    async def __aenter__(self) -> "AsyncCacheRequest":
+        return self
+
+    async def __aexit__(self, exc_type: object, *exc: object) -> None:
+        if not self.reservation.done or not self.lease.released:
+            await self.finish(commit=exc_type is None)
+
+
 class AsyncClient:
+    """:class:`kvcached_client.Client` over grpc.aio: the same calls, each awaited (a test
+    compares their public surfaces). Releases and aborts are awaited RPCs here, not messages on
+    the session stream, so :meth:`sync` has nothing to wait for."""
+
     def __init__(self, socket: str | None = None, *, timeout: float = 10.0, client_name: str | None = None,
-                 nvme_read: str = _core.NVME_READ_DEFAULT, placement: Any = None) -> None:
-        """``nvme_read`` and ``placement``: as for :class:`~kvcached_client.Client`."""
+                 session: bool = True, nvme_read: str = _core.NVME_READ_DEFAULT, placement: Any = None) -> None:
+        """``session``, ``nvme_read`` and ``placement``: as for :class:`~kvcached_client.Client`."""
         if nvme_read not in _core.NVME_READ_MODES:
             raise ValueError("nvme_read must be 'promote' or 'direct'")
+        self._use_session = session
         self.nvme_read = nvme_read
         self.target = _core.target(socket)
         self.timeout = timeout
@@ -102,6 +182,9 @@ class AsyncClient:
             raise from_rpc_error(e) from None
 
     async def session_id(self) -> str:
+        """This client's session id, opening the session stream if needed ("" without sessions)."""
+        if not self._use_session:
+            return ""
         call = self._session_call
         if self._session_id is None or call is None or call.done():
             call = self._stub.Session()
@@ -207,6 +290,84 @@ class AsyncClient:
         req = pb.KeepAliveRequest(lease_ids=list(lease_ids), ttl_seconds=ttl or 0, session_id=self._sid(session_id))
         return (await self._call(self._stub.KeepAlive, req)).ttl_seconds
 
+    async def open_lease(self, ticket: _core.LeaseTicket) -> AsyncLeaseView:
+        """:meth:`kvcached_client.Client.open_lease`, awaitable."""
+        resp = pb.AcquireResponse.FromString(ticket.response)
+        view = AsyncLeaseView(self, ticket.layout, resp)
+        if view._offsets:
+            await self._ensure_pool(resp.pool_generation)
+            if resp.chunks.nvme_keys and self._nvme.path is None:
+                assert self._handle is not None
+                self._nvme.open(self._handle.nvme_path)
+        return view
+
+    async def open_reservation(self, ticket: _core.ReservationTicket) -> AsyncReservationView:
+        """:meth:`kvcached_client.Client.open_reservation`, awaitable."""
+        resp = pb.ReserveResponse.FromString(ticket.response)
+        view = AsyncReservationView(self, ticket.layout, resp, "")
+        if view.slots:
+            await self._ensure_pool(resp.pool_generation)
+        return view
+
+    async def reserve(self, layout: KVLayout, tokens: TokenInput, *, skip_empty: bool = False,
+                      ttl: float | None = None, map_pool: bool = True, placement: str | None = None
+                      ) -> AsyncReservation:
+        """:meth:`kvcached_client.Client.reserve`, awaitable."""
+        packed = _core.pack_tokens(tokens)
+        where = self.placement if placement is None else placement
+
+        def reserve(lid: str) -> Awaitable[tuple[pb.ReserveResponse, str]]:
+            return self._with_session(lambda sid: self._call(self._stub.Reserve, pb.ReserveRequest(
+                layout_id=lid, tokens=packed, session_id=sid, skip_empty=skip_empty, ttl_seconds=ttl or 0,
+                placement=where)))
+
+        r, sid = await self._with_layout(layout, reserve)
+        res = AsyncReservation(self, layout, r, sid)
+        if res.slots and map_pool:
+            try:
+                await self._ensure_pool(r.pool_generation)
+            except BaseException:
+                await res.abort()
+                raise
+        return res
+
+    async def acquire_reserve(self, layout: KVLayout, tokens: TokenInput, *, no_cache: bool = False,
+                              no_store: bool = False, ttl: float | None = None,
+                              reservation_ttl: float | None = None, map_pool: bool = True,
+                              placement: str | None = None) -> AsyncCacheRequest:
+        """:meth:`kvcached_client.Client.acquire_reserve`, awaitable: one AcquireReserve call."""
+        packed = _core.pack_tokens(tokens)
+        direct = self.nvme_read == "direct"
+        where = self.placement if placement is None else placement
+
+        def go(lid: str) -> Awaitable[tuple[pb.AcquireReserveResponse, str]]:
+            return self._with_session(lambda sid: self._call(self._stub.AcquireReserve, pb.AcquireReserveRequest(
+                layout_id=lid, tokens=packed, session_id=sid, lease_ttl_seconds=ttl or 0,
+                reservation_ttl_seconds=reservation_ttl or 0, read_nvme_directly=direct, no_cache=no_cache,
+                no_store=no_store, placement=where)))
+
+        resp, sid = await self._with_layout(layout, go)
+        lease = AsyncLease(self, layout, resp.lease)
+        lease.session_id = sid
+        res = AsyncReservation(self, layout, resp.reservation, sid)
+        if not map_pool:
+            return AsyncCacheRequest(self, lease, res)
+        try:
+            if lease._offsets or res.slots:
+                await self._ensure_pool(resp.lease.pool_generation or resp.reservation.pool_generation)
+            if lease._offsets and direct and resp.lease.chunks.nvme_keys and self._nvme.path is None:
+                assert self._handle is not None
+                self._nvme.open(self._handle.nvme_path)
+        except BaseException:
+            await res.abort()
+            await lease.release()
+            raise
+        return AsyncCacheRequest(self, lease, res)
+
+    async def sync(self, timeout: float | None = None) -> None:
+        """:meth:`kvcached_client.Client.sync`: here every release and abort was an awaited call,
+        done when it returned, so there is nothing to wait for."""
+
     async def put(self, layout: KVLayout, tokens: TokenInput, kv: "torch.Tensor") -> PutReceipt:
         """:meth:`kvcached_client.Client.put`, awaitable."""
         packed = _core.pack_tokens(tokens)
@@ -236,14 +397,57 @@ class AsyncClient:
         return dataclasses.replace(receipt, not_stored_tokens=r.not_reserved_tokens,
                                    not_stored_reason=r.not_reserved_reason)
 
-    async def stats(self) -> dict:
-        resp = await self._call(self._stub.Stats, pb.StatsRequest())
+    async def put_bytes(self, layout: KVLayout, tokens: TokenInput, chunks: Sequence[bytes]) -> PutReceipt:
+        """:meth:`kvcached_client.Client.put_bytes` (the KV bytes over gRPC: slow), awaitable."""
+        packed = _core.pack_tokens(tokens)
+        resp = await self._with_layout(layout, lambda lid: self._call(
+            self._stub.PutBytes, pb.PutBytesRequest(layout_id=lid, tokens=packed, chunks=list(chunks),
+                                                    placement=self.placement)))
+        return put_receipt(resp)
+
+    async def get_bytes(self, layout: KVLayout, tokens: TokenInput) -> list[bytes]:
+        """:meth:`kvcached_client.Client.get_bytes` (copied over gRPC: slow), awaitable."""
+        packed = _core.pack_tokens(tokens)
+        resp = await self._with_layout(layout, lambda lid: self._call(
+            self._stub.GetBytes, pb.GetBytesRequest(layout_id=lid, tokens=packed)))
+        return list(resp.chunks)
+
+    async def pool_handle(self) -> PoolHandle:
+        return _core.handle_from_proto(await self._call(self._stub.GetPoolHandle, pb.PoolHandleRequest()))
+
+    async def warm_up(self) -> None:
+        """Open the session and map the pool now, not on the first acquire or put."""
+        await self.session_id()
+        msg = await self._call(self._stub.GetPoolHandle, pb.PoolHandleRequest())
+        await self._ensure_pool(msg.generation)
+
+    async def stats(self, *, doctor: bool = False) -> dict:
+        """The daemon's counters; ``doctor`` adds the troubleshooting probes (``d["doctor"]``)."""
+        resp = await self._call(self._stub.Stats, pb.StatsRequest(doctor=doctor))
         d = json.loads(resp.json)
         d.update(version=resp.version, uptime_seconds=resp.uptime_seconds, listen=resp.listen)
         return d
 
     async def ping(self) -> None:
         await self._call(self._stub.Ping, pb.PingRequest())
+
+    async def evict(self, layout_id: str = "", prefix: TokenInput | None = None) -> tuple[int, int]:
+        """:meth:`kvcached_client.Client.evict`, awaitable."""
+        packed = _core.pack_tokens(prefix) if prefix is not None else b""
+        r = await self._call(self._stub.Evict, pb.EvictRequest(layout_id=layout_id, prefix_tokens=packed))
+        return r.chunks, r.bytes
+
+    async def flush(self) -> int:
+        return (await self._call(self._stub.Flush, pb.FlushRequest(), timeout=max(self.timeout, 300))).chunks
+
+    async def drain(self) -> tuple[int, int]:
+        r = await self._call(self._stub.Drain, pb.DrainRequest(), timeout=max(self.timeout, 300))
+        return r.flushed_chunks, r.leases_active
+
+    @property
+    def pool_maps(self) -> int:
+        """How many times this client mapped a pool (once per daemon generation)."""
+        return self._pool.maps
 
     async def close(self) -> None:
         if self._session_call is not None:

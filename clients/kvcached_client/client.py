@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 import grpc
 
 from kvcached.keys import KVLayout, TokenInput
+from kvcached.tiers.packed import PoolHandle
 from kvcached.v1 import kvcached_pb2 as pb
 from kvcached.v1 import kvcached_pb2_grpc as pb_grpc
 from kvcached_client import _core
@@ -82,12 +83,6 @@ class Lease(_core.LeaseBase):
     def __exit__(self, *exc: object) -> None:
         self.release()
 
-    def ticket(self) -> _core.LeaseTicket:
-        """What another client (another process on this host) needs to read this lease's chunks
-        with :meth:`Client.open_lease`: picklable, a few bytes per chunk. This lease must stay
-        held until that reader is done."""
-        return _core.LeaseTicket(self.layout, self._response.SerializeToString())
-
 
 class LeaseView(_core.LeaseBase):
     """Read access to a lease another client holds (see :meth:`Client.open_lease`).
@@ -106,7 +101,7 @@ class LeaseView(_core.LeaseBase):
             self.released = True
 
 
-class Reservation:
+class Reservation(_core.ReservationBase):
     """Chunks reserved for writing in place: write each slot's pool block, then commit.
 
     ``slots`` are the chunks of the prompt that were not cached and that no other writer is
@@ -118,46 +113,6 @@ class Reservation:
     the daemon never publishes a block whose copy is still queued.
     """
 
-    def __init__(self, client: "Client", layout: KVLayout, resp: pb.ReserveResponse, session_id: str) -> None:
-        self._client = client
-        self.layout = layout
-        self._response = resp
-        self.reservation_id: str = resp.reservation_id
-        self.session_id = session_id
-        self.slots: tuple[_core.Location, ...] = _core.locations(resp.slots)
-        self.cached_tokens: int = resp.cached_tokens
-        self.in_flight_tokens: int = resp.in_flight_tokens
-        self.durable_tokens: int = resp.durable_tokens
-        self.write_through: bool = resp.write_through
-        #: Full chunks after the reserved ones that found no room (a full pool), and why.
-        self.not_reserved_tokens: int = resp.not_reserved_tokens
-        self.not_reserved_reason: str = resp.not_reserved_reason
-        self._generation: str = resp.pool_generation
-        self.done = not self.reservation_id  # nothing was reserved: nothing to commit
-
-    @property
-    def opened(self) -> bool:
-        """Whether the daemon opened a reservation (False: nothing to write, nothing to commit)."""
-        return bool(self.reservation_id)
-
-    def receipt(self) -> PutReceipt:
-        """What a put that wrote nothing reports: the prompt as cached when reserved."""
-        return PutReceipt(0, self.cached_tokens, self.durable_tokens, self.in_flight_tokens, self.write_through)
-
-    def view(self, slot: _core.Location) -> "torch.Tensor":
-        """The pool block reserved for ``slot`` (no copy): write the chunk's KV into it."""
-        if self.done:
-            raise FailedPreconditionError("the reservation was committed or aborted")
-        pool = self._client._pool
-        if pool.generation != self._generation:
-            raise FailedPreconditionError("the daemon restarted since this reservation was made; reserve again")
-        return pool.view(self.layout, slot.offset, slot.nbytes)
-
-    def ticket(self) -> _core.ReservationTicket:
-        """What another client on this host needs to write this reservation's slots
-        (:meth:`Client.open_reservation`); this reservation's holder still commits it."""
-        return _core.ReservationTicket(self.layout, self._response.SerializeToString())
-
     def commit(self, release: Sequence[Lease] = (), *, chunks: int | None = None) -> PutReceipt:
         """Publish the written chunks (``chunks``: only the first N slots; the rest are given
         back); with ``release``, give those leases back in the same round trip (CommitRelease).
@@ -166,21 +121,10 @@ class Reservation:
             for lease in release:
                 lease.release()
             return self.receipt()
-        if self.done:
-            raise FailedPreconditionError("the reservation was already committed or aborted")
-        if self.slots and self._client._pool.generation == self._generation:
-            _core.sync_devices(self._client._pool, [s.offset for s in self.slots])
-        self.done = True
-        ids = [lease.lease_id for lease in release if not lease.released and lease.lease_id]
-        for lease in release:
-            lease._sync_device()
-            lease.released = True
-        if not ids:
-            req = pb.CommitRequest(reservation_id=self.reservation_id, session_id=self.session_id, chunks=chunks)
+        req = self._commit_request(release, chunks)
+        if isinstance(req, pb.CommitRequest):
             return put_receipt(self._client._call(self._client._stub.Commit, req), self.in_flight_tokens)
-        resp = self._client._call(self._client._stub.CommitRelease, pb.CommitReleaseRequest(
-            reservation_id=self.reservation_id, lease_ids=ids, session_id=self.session_id, chunks=chunks))
-        return put_receipt(resp.commit, self.in_flight_tokens)
+        return put_receipt(self._client._call(self._client._stub.CommitRelease, req).commit, self.in_flight_tokens)
 
     def abort(self) -> None:
         """Give the slots back, without waiting (on the session stream). Never raises for a
@@ -202,7 +146,7 @@ class ReservationView(Reservation):
         self.done = True  # stops this view; the holder's reservation is untouched
 
 
-class CacheRequest:
+class CacheRequest(_core.CacheRequestBase):
     """One request's cache work in two round trips (see :meth:`Client.acquire_reserve`):
     ``lease`` pins the cached prefix (read it with ``lease.chunk(i)``/``lease.kv()``),
     ``reservation`` holds pool room for the uncached full chunks after it (write them with
@@ -210,23 +154,8 @@ class CacheRequest:
     releases the lease in one call; without a commit the release costs no wait at all.
     """
 
-    def __init__(self, client: "Client", lease: Lease, reservation: Reservation) -> None:
-        self._client = client
-        self.lease = lease
-        self.reservation = reservation
-
-    @property
-    def matched_tokens(self) -> int:
-        return self.lease.matched_tokens
-
-    def write(self, kv: "torch.Tensor") -> None:
-        """Copy the reserved chunks of ``kv`` ([2, layers, kv_heads, >= tokens, head_dim], the
-        prompt's KV from its first token) into their pool room."""
-        slots = self.reservation.slots
-        if slots:
-            layout = self.reservation.layout
-            _core.validate_kv(layout, kv, (slots[-1].position + 1) * layout.chunk_tokens)
-            _core.write_slots(self._client._pool, layout, slots, kv)
+    lease: Lease
+    reservation: Reservation
 
     def finish(self, *, commit: bool = True) -> PutReceipt:
         """Commit what :meth:`write` stored (unless ``commit`` is False: abort it) and release
@@ -615,7 +544,7 @@ class Client:
             self._stub.GetBytes, pb.GetBytesRequest(layout_id=lid, tokens=packed)))
         return list(resp.chunks)
 
-    def pool_handle(self):  # -> PoolHandle
+    def pool_handle(self) -> PoolHandle:
         return _core.handle_from_proto(self._call(self._stub.GetPoolHandle, pb.PoolHandleRequest()))
 
     def warm_up(self) -> None:
