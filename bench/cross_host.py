@@ -9,7 +9,7 @@ when each is run for much longer, under continuous load?
    frozen for ``--freeze`` seconds while several client threads acquire prompts no tier holds
    (each goes to the remote). Acquire latency p50 / p99 / max while frozen against the tests'
    bound, ``remote_timeout`` x round trips + 50 ms (round trips: the fetch windows the prompt
-   needs, :data:`kvcached.store.REMOTE_FETCH_WINDOW_BYTES` each; one here, as in the tests),
+   needs, :data:`kvcached.remotefill.FETCH_WINDOW_BYTES` each; one here, as in the tests),
    errors (target 0), and the time from SIGCONT until a chunk published before the freeze is a
    hit (target: within the tests' 15 s).
 2. Restart storm (``tests/router/test_router_e2e.py``, the restart-storm test): three simulated
@@ -68,7 +68,8 @@ if REPO_ROOT not in sys.path:
 import pytest  # noqa: E402  (require_redis skips through pytest's outcomes)
 
 from kvcached.keys import write_new_key  # noqa: E402
-from kvcached.store import REMOTE_FETCH_WINDOW_BYTES, Store  # noqa: E402
+from kvcached.remotefill import FETCH_WINDOW_BYTES  # noqa: E402
+from kvcached.store import Store  # noqa: E402
 from kvcached_client import Client  # noqa: E402
 from tests import test_remote_daemons as remote_daemons  # noqa: E402
 from tests import test_remote_deadline as deadline  # noqa: E402
@@ -88,8 +89,8 @@ STEP_HITS_RESUME_S_MAX = 30.0  # the resharding test's wait after every step
 
 def round_trips(chunks: int) -> int:
     """Remote round trips an acquire of ``chunks`` TINY chunks may wait for: one per fetch window
-    (Store._fill_from_remote); the bound is ``remote_timeout`` x this + the tests' margin."""
-    return max(1, math.ceil(chunks * TINY.chunk_bytes / REMOTE_FETCH_WINDOW_BYTES))
+    (kvcached.remotefill.RemoteFill); the bound is ``remote_timeout`` x this + the tests' margin."""
+    return max(1, math.ceil(chunks * TINY.chunk_bytes / FETCH_WINDOW_BYTES))
 
 
 def acquire_misses(store: Store, lid: object, threads: int, seconds: float, base: int,

@@ -1049,7 +1049,7 @@ def measure_e2e(cluster, args: argparse.Namespace, notes: list[str]) -> dict:
 
     import numpy as np
 
-    import kvcached.store as store_mod
+    import kvcached.remotefill as fill_mod
 
     from kvcached.config import StoreConfig
     from kvcached.store import Store
@@ -1074,7 +1074,7 @@ def measure_e2e(cluster, args: argparse.Namespace, notes: list[str]) -> dict:
     out: dict = {"tokens": tokens_n, "chunks": n_chunks, "chunk_bytes": layout.chunk_bytes,
                  "prompt_bytes": n_chunks * layout.chunk_bytes, "layout": layout.to_dict(), "pool_bytes": pool_bytes,
                  "nvme_bytes": nvme_bytes, "reps": args.e2e_reps,
-                 "store_remote_fetch_window_bytes": getattr(store_mod, "REMOTE_FETCH_WINDOW_BYTES", None)}
+                 "store_remote_fetch_window_bytes": getattr(fill_mod, "FETCH_WINDOW_BYTES", None)}
     try:
         a = Store(cfg("a", writeback=False))
         try:
@@ -1313,13 +1313,13 @@ def measure_miss(cluster, args: argparse.Namespace, notes: list[str]) -> dict:
     pf = ttft_prefill(MISS_CHUNKS * layout.chunk_tokens)
     prefill_s = (pf["cold_s"] if pf["tokens"] == MISS_CHUNKS * layout.chunk_tokens
                  else pf["prefill_s_per_token"] * MISS_CHUNKS * layout.chunk_tokens) if pf["usable"] else None
-    import kvcached.store as store_mod
+    import kvcached.remotefill as fill_mod
 
     out = {
         "latency": lat,
         "store_miss_remote_fetch_calls": counted["calls"],
         "store_miss_keys_per_fetch": counted["keys"] / counted["calls"] if counted["calls"] else None,
-        "store_remote_fetch_window_bytes": getattr(store_mod, "REMOTE_FETCH_WINDOW_BYTES", None),
+        "store_remote_fetch_window_bytes": getattr(fill_mod, "FETCH_WINDOW_BYTES", None),
         "bloom_filter": "rbloom" if bloom is not None else None,
         "bloom_false_positive_rate_measured": fp,
         "known_keys": KNOWN_KEYS, "keys_per_check": MISS_CHUNKS,

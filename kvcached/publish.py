@@ -20,6 +20,11 @@ Both queues are bounded, by chunks (``max_queue``) and the demote queue also by 
 outage nothing grows without bound, and sending resumes with what is recent once Redis is back.
 
 Fail-open: the remote tier never raises; a failed batch is counted there and dropped here.
+
+Collaborators, handed in as the write-back thread's are: the remote tier (sends, outside any
+lock), and the store's lock, index, pool, mover and clock (pinning and unpinning a batch, under
+that lock). ``offer`` and ``offer_demoted`` are called with the store lock held and take only
+this module's own condition; the thread never holds both.
 """
 
 from __future__ import annotations
@@ -27,24 +32,29 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, ContextManager
 
-from kvcached.index import Node
+from kvcached.index import Node, PrefixIndex
 from kvcached.keys import ChunkHash
 from kvcached.locations import POOL
 from kvcached.tiers.base import ChunkMeta
+from kvcached.tiers.packed import PackedPool
 
 if TYPE_CHECKING:
-    from kvcached.store import Store
+    from kvcached.movement import Mover
+    from kvcached.tiers.remote_redis import RemoteRedisTier
 
 log = logging.getLogger("kvcached.remote")
 
 
 class RemotePublisher:
-    def __init__(self, store: "Store", *, max_queue: int = 4096, max_bytes: int = 256 << 20, batch: int = 64,
-                 publish: bool = True) -> None:
-        self._store = store
+    def __init__(self, remote: "RemoteRedisTier", lock: ContextManager[object], index: PrefixIndex,
+                 pool: PackedPool, mover: "Mover", clock: Callable[[], float], *, max_queue: int = 4096,
+                 max_bytes: int = 256 << 20, batch: int = 64, publish: bool = True) -> None:
+        self._remote = remote
+        self._lock = lock  # the store's: guards index, pool and mover
+        self._index, self._pool, self._mover, self._clock = index, pool, mover, clock
         self._queue: deque[ChunkHash] = deque()  # committed chunks to publish, read from the pool
         self._demoted: deque[tuple[ChunkMeta, bytes]] = deque()  # copies of chunks that left this host
         self._demoted_bytes = 0
@@ -112,8 +122,7 @@ class RemotePublisher:
             demoted = [self._demoted.popleft() for _ in range(min(self._batch, len(self._demoted)))]
             self._demoted_bytes -= sum(len(d) for _, d in demoted)
             todo = [] if demoted else [self._queue.popleft() for _ in range(min(self._batch, len(self._queue)))]
-        remote = self._store.remote
-        assert remote is not None
+        remote = self._remote
         if demoted:
             if remote.demote(demoted):
                 self.batches += 1
@@ -136,25 +145,24 @@ class RemotePublisher:
     def _pin(self, hashes: list[ChunkHash]) -> tuple[list[Node], list[tuple[ChunkMeta, memoryview]]]:
         """Under the store lock: pin the chunks still in the pool (no recency change) and return
         them with (meta, a view of their pool bytes), valid until :meth:`_unpin`."""
-        store = self._store
+        index = self._index
         nodes: list[Node] = []
         items: list[tuple[ChunkMeta, memoryview]] = []
-        with store._lock:
+        with self._lock:
             for h in hashes:
-                node = store.index.get(h)
-                if node is None or not node.tiers & POOL or store.index.is_detached(node):
+                node = index.get(h)
+                if node is None or not node.tiers & POOL or index.is_detached(node):
                     self.skipped += 1
                     continue
                 nodes.append(node)
-                items.append((store._mover.meta_of(node), store.pool.read(h)))
-            store.index.pin(nodes, store._clock(), touch=False)
+                items.append((self._mover.meta_of(node), self._pool.read(h)))
+            index.pin(nodes, self._clock(), touch=False)
         return nodes, items
 
     def _unpin(self, nodes: list[Node]) -> None:
-        store = self._store
-        with store._lock:
-            for node in store.index.unpin(nodes, store._clock(), touch=False):
-                store._mover.free_detached(node)
+        with self._lock:
+            for node in self._index.unpin(nodes, self._clock(), touch=False):
+                self._mover.free_detached(node)
 
     def drain(self) -> int:
         """Send everything queued now, the batch the thread may be sending included (tests,
@@ -173,8 +181,7 @@ class RemotePublisher:
                     self._cond.wait(1.0)
                 if self._stop:
                     return
-                remote = self._store.remote
-                if remote is not None and not remote.available():
+                if not self._remote.available():
                     # The breaker is open: keep what is queued (the bounds drop the oldest) and
                     # look again shortly, rather than spin through the queue sending nothing.
                     self._cond.wait(0.25)

@@ -73,6 +73,7 @@ from kvcached.rebuild import rebuild_index
 from kvcached.reads import ReadPath
 from kvcached.writes import WritePath
 from kvcached.publish import RemotePublisher
+from kvcached.remotefill import RemoteFill
 from kvcached.stats import (
     SlabStats,
     Counters,
@@ -87,15 +88,13 @@ from kvcached.stats import (
 from kvcached.tiers.nvme import NvmeTier
 from kvcached.tiers.packed import PoolHandle
 from kvcached.tiers.remote_codec import mac_key
-from kvcached.tiers.remote_redis import ROUND_TRIP_BYTES, RemoteRedisTier
+from kvcached.tiers.remote_redis import RemoteRedisTier
 from kvcached.tiers.registry import make_pool
 from kvcached.writeback import WriteBack
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SESSION = SessionId("local")
-#: How many bytes of chunks one remote fetch asks for at most (a window; see _fill_from_remote).
-REMOTE_FETCH_WINDOW_BYTES = ROUND_TRIP_BYTES
 
 T = TypeVar("T")
 
@@ -114,14 +113,11 @@ class Store:
                       else load_or_create_key(os.path.join(config.state_dir, "hash.key")))
         self._hasher = ChunkHasher(domain_key)
         self.remote: RemoteRedisTier | None = None
+        self.remote_fill: RemoteFill | None = None
         self.publisher: RemotePublisher | None = None
         self.events: KvEventLog | None = None  # the KV event stream's source (kvcached.events)
         if config.remote is not None:  # hosts sharing it share the hash key: same hashes, same MAC key
             self.remote = RemoteRedisTier(dataclasses.replace(config.remote, domain=config.domain), mac_key(domain_key))
-            if config.remote_write != "off":
-                self.publisher = RemotePublisher(self, max_queue=config.remote_queue_chunks,
-                                                 max_bytes=config.remote_queue_bytes,
-                                                 publish=config.remote_write == "async")
         self._memo = HashMemo(config.hash_memo_bytes)
         self._layouts: dict[LayoutId, tuple[KVLayout, ChunkHash]] = {}
         self.index = PrefixIndex(make_policy(config.eviction_policy, weight=config.eviction_weight,
@@ -143,7 +139,13 @@ class Store:
                     access=config.file_access,
                 )
             self._mover = Mover(config, self.index, self.pool, self.nvme, self.counters, self._layout, self._io_check)
-            if self.publisher is not None:
+            if self.remote is not None:
+                self.remote_fill = RemoteFill(self.remote, self, in_place=self.pool.host_views)
+            if self.remote is not None and config.remote_write != "off":
+                self.publisher = RemotePublisher(self.remote, self._lock, self.index, self.pool, self._mover, clock,
+                                                 max_queue=config.remote_queue_chunks,
+                                                 max_bytes=config.remote_queue_bytes,
+                                                 publish=config.remote_write == "async")
                 self._mover.demote = self.publisher.offer_demoted
             self.reads = ReadPath(self.index, self.pool, self._mover, self.counters, lambda: self.config, self._unpin)
             self.writeback: WriteBack | None = None
@@ -319,7 +321,7 @@ class Store:
         with zero chunks is still a valid lease (release it like any other),
         unless ``keep_empty`` is False: then no lease is made and the receipt's
         id is empty. With a remote tier, the chunks after the local prefix are looked for
-        there first (:meth:`_fill_from_remote`). ``placement`` is the reader's device (its UUID,
+        there first (:class:`kvcached.remotefill.RemoteFill`). ``placement`` is the reader's device (its UUID,
         or ``host:K``): chunks promoted or fetched for it go to that device's pool slab.
         """
         if self.remote is not None:  # whether or not the caller reads NVMe chunks itself
@@ -608,93 +610,33 @@ class Store:
                 if len(self.index.match(hashes)) < len(hashes):
                     raise WouldBlock
             return
-        self._fill_from_remote(layout_id, tokens, placement)
+        assert self.remote_fill is not None
+        self.remote_fill.fill(layout_id, tokens, placement)
 
-    def _fill_from_remote(self, layout_id: LayoutId, tokens: TokenInput, placement: str = "") -> int:
-        """Fetch the chunks after the locally cached prefix from the remote tier, verified, and
-        store them here (pool, then NVMe as any chunk), so the acquire that follows finds them.
+    # -- what a remote fill needs (kvcached.remotefill.FillTarget) ------------------------------
 
-        No separate probe: a GET of a key Redis lacks costs what an EXISTS does, so each window
-        is one pipelined round trip per node that returns the chunks it holds. Windows of
-        :data:`REMOTE_FETCH_WINDOW_BYTES` bound the memory a long prompt's fetch takes; the next
-        window is fetched only if this one was found and stored whole. The network round trips
-        run without the store lock. Returns the chunks stored; 0 on any remote trouble (the
-        remote tier fails open). The remote part has a hard bound: each window's fetch (one
-        pipelined round trip) returns within ``remote_timeout``, so the call spends at most
-        ``remote_timeout`` × the windows fetched waiting for Redis (waits for the store lock
-        are not the remote's)."""
-        assert self.remote is not None
-        hashes = self.hashes(layout_id, tokens)
+    def local_prefix(self, layout_id: LayoutId, hashes: Sequence[ChunkHash]) -> tuple[KVLayout, int]:
+        """The layout, and how many leading ``hashes`` are cached here."""
         with self._lock:
             self._check_admitting()
-            layout = self._layouts[layout_id][0]
-            k = len(self.index.match(hashes))
-        window = max(1, REMOTE_FETCH_WINDOW_BYTES // layout.chunk_bytes)
-        packed = normalize_tokens(tokens, layout.vocab_size) if k < len(hashes) else b""
-        stored = 0
-        into_pool = self.remote.direct and self.pool.host_views
-        while k < len(hashes):
-            want = hashes[k: k + window]
-            if into_pool:
-                n, whole = self._fill_window_in_place(layout_id, layout, packed, k, want, placement)
-                stored += n
-                if not whole:
-                    break
-                k += len(want)
-                continue
-            payloads = self.remote.fetch(layout_id, want, layout.chunk_bytes)
-            if not payloads:
-                break
-            n = k + len(payloads)
-            r = self.reserve(layout_id, packed[: n * layout.chunk_tokens * 4], open_empty=False, placement=placement)
-            if not r.opened:
-                break
-            try:
-                for loc in r.slots:  # positions k..n-1 (or fewer, if another writer got there first)
-                    self.write_reserved(r.reservation_id, loc.position, payloads[loc.position - k])
-            except BaseException:
-                self.abort(r.reservation_id)
-                raise
-            c = self._commit(r.reservation_id, None, None, publish=False)  # it came from there
-            stored += c.committed_chunks
-            whole = len(payloads) == len(want) and len(r.slots) == len(payloads) == c.committed_chunks
-            if not whole:
-                break
-            k = n
-        if stored:
-            with self._lock:
-                self.counters.remote_filled_chunks += stored
-        return stored
+            return self._layouts[layout_id][0], len(self.index.match(hashes))
 
-    def _fill_window_in_place(self, layout_id: LayoutId, layout: KVLayout, packed: bytes, k: int,
-                              want: Sequence[ChunkHash], placement: str) -> tuple[int, bool]:
-        """One window of :meth:`_fill_from_remote` read by the remote tier straight into reserved
-        pool slots: (chunks stored, whether the whole window was). The reservation is made when
-        the first of the window's values arrives (a miss reserves, and so evicts, nothing); it
-        covers the whole window, and what did not arrive verified is aborted at the commit."""
-        assert self.remote is not None
-        end = (k + len(want)) * layout.chunk_tokens * 4
-        made: list[ReservationReceipt] = []
+    @staticmethod
+    def packed_tokens(layout: KVLayout, tokens: TokenInput) -> bytes:
+        return normalize_tokens(tokens, layout.vocab_size)
 
-        def dest(i: int) -> memoryview | None:  # on a remote I/O thread
-            if not made:
-                made.append(self.reserve(layout_id, packed[:end], open_empty=False, placement=placement))
-            r = made[0]
-            if not r.slots or k + i < r.slots[0].position:  # no room, or another writer has it already
-                return None
-            with self._lock:
-                return self.writes.reserved_view(r.reservation_id, k + i)
+    def reserved_view(self, reservation_id: ReservationId, position: int) -> memoryview:
+        """A writable view of one reserved chunk's pool run (host pools only), for an in-process
+        writer that fills it in place; the writer must be done before the commit or abort."""
+        with self._lock:
+            return self.writes.reserved_view(reservation_id, position)
 
-        n = self.remote.fetch_into(layout_id, want, layout.chunk_bytes, dest)
-        if not made or not made[0].opened:
-            return 0, False
-        r = made[0]
-        keep = sum(1 for loc in r.slots if loc.position < k + n)  # slots: consecutive positions
-        if keep == 0:
-            self.abort(r.reservation_id)
-            return 0, False
-        c = self._commit(r.reservation_id, None, keep, publish=False)  # it came from there
-        return c.committed_chunks, n == len(want) and keep == len(r.slots) == c.committed_chunks
+    def commit_filled(self, reservation_id: ReservationId, chunks: int | None) -> CommitReceipt:
+        return self._commit(reservation_id, None, chunks, publish=False)  # it came from the remote
+
+    def count_filled(self, chunks: int) -> None:
+        with self._lock:
+            self.counters.remote_filled_chunks += chunks
 
     def abort(self, reservation_id: ReservationId, session: SessionId | None = None) -> bool:
         """Free a reservation's pool room. Idempotent: False if it was already closed (or, with

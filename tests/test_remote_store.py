@@ -285,9 +285,9 @@ def test_doctor_judges_reachability_acl_and_memory_policy(tmp_path, server):
 
 
 def test_a_long_prompt_is_fetched_in_windows(tmp_path, server, monkeypatch):
-    import kvcached.store as store_mod
+    import kvcached.remotefill as fill_mod
 
-    monkeypatch.setattr(store_mod, "REMOTE_FETCH_WINDOW_BYTES", 3 * TINY.chunk_bytes)  # 3 chunks a window
+    monkeypatch.setattr(fill_mod, "FETCH_WINDOW_BYTES", 3 * TINY.chunk_bytes)  # 3 chunks a window
     a = host(tmp_path, "a", server, pool_chunks=32)
     b = host(tmp_path, "b", server, key_from=a.config.state_dir, pool_chunks=32)
     try:
