@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run(args)
     res["quick"] = args.quick
     print_report(res)
-    sg = res["sglang_match_prefix"] = sglang_side(res.pop("_prompt"), res["shape"], args)
+    res["sglang_match_prefix"] = sglang_side(res.pop("_prompt"), res["shape"], args)
     print_sglang(res)
     path = write_json("acquire_latency.quick" if args.quick else "acquire_latency", res, args.out)
     print(f"\nwrote {path}")

@@ -241,7 +241,8 @@ def time_matches(name: str, index, queries: list[list[bytes]], reps: int, expect
     out: dict[str, list[int]] = {}
     if name == "flat":
         fns = {"match": index.match}
-        conv = lambda q: q
+        def conv(q):  # the flat map takes the query as it is
+            return q
     else:
         fns = {"longest_prefix+parents": index.match_longest, "prefixes": index.match_prefixes}
         conv = tuple  # key conversion is part of the pygtrie call

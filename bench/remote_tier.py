@@ -1045,8 +1045,6 @@ def e2e_rep(cfg, root: str, key_file: str, layout, lid, tokens, crc: list[int], 
 
 
 def measure_e2e(cluster, args: argparse.Namespace, notes: list[str]) -> dict:
-    import resource
-
     import numpy as np
 
     import kvcached.remotefill as fill_mod

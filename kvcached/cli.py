@@ -219,10 +219,12 @@ def _status(c: Any, args: argparse.Namespace) -> int:
                    + (", DRAINING" if s["draining"] else "")),
         ("chunks", f"{s['indexed_chunks']} indexed in {s['layouts']} layouts, hit rate {s['hit_rate']:.1%}"),
         ("pool", f"{human_bytes(p['payload_bytes'])} of KV in {p['chunks']} chunks ({p['leased_chunks']} leased), "
-                 f"{human_bytes(p['reserved_bytes'])} reserved, {human_bytes(p['free_bytes'])} free of {human_bytes(p['capacity_bytes'])}"),
+                 f"{human_bytes(p['reserved_bytes'])} reserved, {human_bytes(p['free_bytes'])} free of "
+                 f"{human_bytes(p['capacity_bytes'])}"),
         *[(f"  slab {k}", f"{sl['placement']}: {human_bytes(sl['used_bytes'])} used of {human_bytes(sl['capacity_bytes'])}")
           for k, sl in enumerate(p.get("slabs") or []) if len(p["slabs"]) > 1],
-        ("nvme", f"{n['chunks']} chunks, {human_bytes(n['used_bytes'])} of {human_bytes(n['capacity_bytes'])}" if n else "disabled"),
+        ("nvme", f"{n['chunks']} chunks, {human_bytes(n['used_bytes'])} of {human_bytes(n['capacity_bytes'])}"
+                 if n else "disabled"),
         ("clients", f"{s['sessions_open']} sessions, {s['leases_active']} leases, {s['reservations_active']} reservations"),
     ]
     return _out(args, data, rows)

@@ -58,7 +58,7 @@ from kvcached.hashmemo import HashMemo
 from kvcached.keys import (CLIENT_KEYS, ChunkHash, ChunkHasher, KVLayout, LayoutId, Namespace, TokenInput, load_or_create_key,
                            load_shared_key, normalize_tokens)
 from kvcached.leases import Entry, LeaseId, ReservationId, SessionId, TimedTable
-from kvcached.locations import NVME, POOL
+from kvcached.locations import POOL
 from kvcached.movement import Mover
 from kvcached.promptshape import PromptShape
 from kvcached.receipts import (

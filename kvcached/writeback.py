@@ -356,7 +356,6 @@ class WriteBack:
         result = batch.result
         assert result is not None and batch.slot is not None
         self.nvme.settle(result, [batch.slot])
-        now = self._clock()
         if result.error is not None:
             self._leftover.extend(batch.deletes)
             log.warning("write-back of %d chunks failed: %s", len(batch.dirty), result.error,

@@ -12,8 +12,8 @@ import pytest
 import zmq
 
 from kvcached.config import StoreConfig
-from kvcached.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventLog, decoder
-from kvcached.service.kv_events import END_SEQ, KvEventPublisher, KvEventsConfig, check_endpoint
+from kvcached.events import AllBlocksCleared, BlockRemoved, BlockStored, decoder
+from kvcached.service.kv_events import END_SEQ, check_endpoint
 from kvcached.settings import SettingsError, load_settings
 from kvcached.store import Store
 from kvcached.tiers.record import HEADER_SIZE

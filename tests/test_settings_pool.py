@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import kvcached.settings as settings_mod
-from kvcached.config import BLOCK_ALIGN, GiB, KiB, MiB, StoreConfig
+from kvcached.config import BLOCK_ALIGN, GiB, KiB, MiB
 from kvcached.keys import KVLayout
-from kvcached.settings import DaemonSettings, SettingsError, load_settings
+from kvcached.settings import DaemonSettings, load_settings
 from kvcached.tiers.pool_shm import HostPool
 
 BF16 = KVLayout("test/align@1", num_layers=1, num_kv_heads=1, head_dim=1, dtype="bfloat16", chunk_tokens=1)

@@ -86,7 +86,7 @@ BAD: dict[str, list[object] | None] = {
     "report_prefill_tokens_per_s": ["x", -0.5],
 }
 
-GOOD: dict[str, object] = {"device": "cuda:0,1", "cache_ttl": 60, "eviction_policy": "lru", "pool_bytes": "2M", "writeback_low": 0.05,
+GOOD: dict[str, object] = {"cache_ttl": 60, "eviction_policy": "lru", "pool_bytes": "2M", "writeback_low": 0.05,
                            "socket_mode": "0600", "device": "cpu", "log_level": "WARNING", "prefetch_distance": 0}
 
 

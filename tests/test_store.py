@@ -11,7 +11,6 @@ from kvcached.errors import (
     LeaseExpired,
     ReservationClosed,
     SessionNotOpen,
-    TierFull,
     UnknownLayout,
     UnknownLease,
     UnknownReservation,

@@ -103,7 +103,9 @@ def test_the_workload_keeps_the_traces_prefix_sharing(workload, fleet):
     tok = load_tokenizer(fleet.tokenizer_dir)
     a, b = pair_with_shared_prefix(workload)
     ta, tb = workload.token_ids(a, chat=True), workload.token_ids(b, chat=True)
-    render = lambda r: tok.apply_chat_template(workload.messages(r), tokenize=False, add_generation_prompt=True)
+    def render(r):
+        return tok.apply_chat_template(workload.messages(r), tokenize=False, add_generation_prompt=True)
+
     assert tok(render(a))["input_ids"] == ta and tok(render(b))["input_ids"] == tb  # the real tokenizer agrees
     assert tok(workload.prompt(b))["input_ids"] == workload.token_ids(b)
     shared = workload.shared_prefix_tokens(a, b, chat=True)

@@ -102,7 +102,7 @@ def test_leaf_first_whatever_the_ranks():
     for t in (1, 2, 3):
         use(ix, [p], t)  # p: hits 4, key 3 + 30
     q = insert(ix, "q", 4, parent=p)  # q: hits 1, key 4
-    r = insert(ix, "r", 5)  # r: key 5
+    insert(ix, "r", 5)  # r: key 5
     assert p not in ix.pool_lru and ix.pool_lru.key(p) == 33
     assert ix.pool_lru.pop() is q
     ix.drop_tier(q, P)
@@ -114,7 +114,7 @@ def test_leaf_first_whatever_the_ranks():
 
 def test_a_pinned_chunk_is_never_a_candidate():
     ix = PrefixIndex(frequency(tau=10.0))
-    a, b = insert(ix, "a", 0), insert(ix, "b", 1)
+    a, _ = insert(ix, "a", 0), insert(ix, "b", 1)
     ix.pin([a], 2)
     assert order(ix.pool_lru) == ["b"]
     ix.unpin([a], 3)

@@ -175,8 +175,9 @@ def test_insert_chain_equals_repeated_insert():
     nodes = b.insert_chain(chain, root_b, L, P, 1.0, offsets)
     a.check_invariants()
     b.check_invariants()
-    shape = lambda ix: sorted((n.hash, n.depth, n.children, n.pool_children, n.pool_offset, n in ix.leaves)
-                              for n in ix.nodes())
+    def shape(ix):
+        return sorted((n.hash, n.depth, n.children, n.pool_children, n.pool_offset, n in ix.leaves) for n in ix.nodes())
+
     assert shape(a) == shape(b)
     assert [n.depth for n in nodes] == [1, 2, 3, 4, 5]
     assert len(b.leaves._heap) < len(a.leaves._heap)  # no stale entries for the inner nodes

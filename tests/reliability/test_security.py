@@ -506,7 +506,7 @@ def test_lease_ids_are_unguessable_and_session_bound(make_daemon, tmp_path):
     b_sock = str(tmp_path / "b.sock")
     d = make_daemon(domains={"tenant_b": {"socket": b_sock}})
     toks = list(range(FULL))
-    with Client(d.socket) as h, Client(d.socket) as m, Client(b_sock) as b:
+    with Client(d.socket) as h, Client(d.socket) as m, Client(b_sock) as _b:
         h.put(LAYOUT, toks, kv_for("lease"))
         lease = h.acquire(LAYOUT, toks, ttl=60)
         lid = lease.lease_id

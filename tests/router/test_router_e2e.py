@@ -222,7 +222,7 @@ def test_a_route_whose_daemon_does_not_answer_the_audit_is_unaudited_not_wrong(f
     route. Set up as the wrong-route test above, where it would count wrong: B holds the whole
     prompt, A (chosen) "holds nothing" when its silence reads as 0 tokens."""
     config = fleet.kvcached_router_config(audit=True, health_interval=0.3, provisional_ttl=0.5)
-    a, b = config["hosts"][0]["name"], config["hosts"][1]["name"]
+    a = config["hosts"][0]["name"]
     config["hosts"][0]["daemon_socket"] = str(tmp_path / "no-daemon.sock")
     config["hosts"][1]["events"] = f"ipc://{tmp_path}/nobody-events"
     config["hosts"][1]["replay"] = f"ipc://{tmp_path}/nobody-replay"

@@ -5,7 +5,6 @@ numbered from 0 again, its index rebuilt from NVMe) is followed."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 from kvcached.keys import ChunkHasher, Namespace, load_shared_key, write_new_key

@@ -192,8 +192,6 @@ def test_one_acquire_reserve_pins_and_the_lease_ends_with_the_request(side, vdae
 def test_a_miss_is_stored_with_one_more_call(side, vdaemon):
     """AcquireReserve reserved the prompt's 4 full chunks; the worker writes them (here: a
     stand-in report); the scheduler side commits them: the request's second and last call."""
-    from kvcached_client.vllm.plan import KvcachedWorkerMetadata
-
     s = side()
     p = prompt(600, 40)
     r = Req("a", p)
