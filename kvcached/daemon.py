@@ -18,7 +18,11 @@ import dataclasses
 import logging
 import signal
 import sys
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvcached.service.kv_events import KvEventPublisher
 
 from kvcached import __version__
 from kvcached.journal import JournalHandler, stderr_is_journal, stream_is_journal
@@ -50,7 +54,7 @@ def run(settings: DaemonSettings, *, config_file: str | None = None, overrides: 
     try:
         import uvloop
 
-        runner = uvloop.run
+        runner: Callable[[Coroutine[Any, Any, int]], int] = uvloop.run
     except ImportError:  # pragma: no cover - uvloop is a dependency; keep working without it
         runner = asyncio.run
     return runner(_serve(settings, config_file, overrides or {}))
@@ -88,7 +92,7 @@ async def _serve(settings: DaemonSettings, config_file: str | None, overrides: d
         except OSError as e:  # a busy port must not keep the cache down
             log.error("cannot serve metrics on %s: %s; running without /metrics", settings.metrics_addr, e)
     runnings: list[Any] = []
-    event_pubs: list[Any] = []
+    event_pubs: "list[KvEventPublisher]" = []
     try:
         for d, st in zip(domains, stores):
             cfg = d.kv_events_config()
@@ -122,8 +126,8 @@ async def _serve(settings: DaemonSettings, config_file: str | None, overrides: d
         lambda: asyncio.ensure_future(_reload(domains, stores, runnings, config_file, overrides, notify)),
     )
     for d, st, r in zip(domains, stores, runnings):
-        pub = next((p for p in event_pubs if p.source is st.events), None)
-        _announce(d, st, r.tcp_port, metrics_port if d is settings else None, pub)
+        own = next((p for p in event_pubs if p.source is st.events), None)
+        _announce(d, st, r.tcp_port, metrics_port if d is settings else None, own)
     notify.ready(_status_line(stores[0]))  # only now: every socket is bound and every index rebuilt
     tasks = [asyncio.create_task(_expire_loop(st, settings.expire_interval, notify if i == 0 else None))
              for i, st in enumerate(stores)]

@@ -59,6 +59,10 @@ class Run:
     hashes: tuple[ChunkHash, ...]  # one per chunk
 
 
+#: ``bytes``, under a name the class's ``bytes`` property does not hide from annotations.
+Bytes = bytes
+
+
 def _cost(key: tuple[ChunkHash, bytes], run: Run) -> int:
     return len(run.tokens) + len(key[1]) + _RUN_OVERHEAD + _HASH_OVERHEAD * len(run.hashes)
 
@@ -86,7 +90,7 @@ class HashMemo:
     def bytes(self) -> int:
         return self._young_bytes + self._old_bytes
 
-    def chain(self, root: ChunkHash, tokens: bytes, step: int, compute: HashRange) -> list[ChunkHash]:
+    def chain(self, root: ChunkHash, tokens: Bytes, step: int, compute: HashRange) -> list[ChunkHash]:
         """Hashes of every full ``step``-byte chunk of ``tokens`` under ``root``.
 
         ``compute`` is the real chain; it is called once, for the chunks after
@@ -113,7 +117,7 @@ class HashMemo:
             out.extend(rest)
         return out
 
-    def _find(self, key: tuple[ChunkHash, bytes]) -> Run | None:
+    def _find(self, key: tuple[ChunkHash, Bytes]) -> Run | None:
         run = self._young.get(key)
         if run is None:
             run = self._old.pop(key, None)
@@ -122,7 +126,7 @@ class HashMemo:
                 self._add(key, run)
         return run
 
-    def _add(self, key: tuple[ChunkHash, bytes], run: Run) -> None:
+    def _add(self, key: tuple[ChunkHash, Bytes], run: Run) -> None:
         cost = _cost(key, run)
         if cost > self.max_bytes // 2:
             return  # a single run larger than a generation would evict everything for itself

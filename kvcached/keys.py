@@ -265,14 +265,14 @@ class ChunkHasher:
         chain continuing from ``parent``, the hash of chunk ``start - 1`` (or the root)."""
         out: list[ChunkHash] = []
         append = out.append
-        prev = parent
+        prev: bytes = parent
         copy = self._chunk.copy
         for off in range(start * step, end * step, step):
             h = copy()
             h.update(prev)
             h.update(tokens[off : off + step])
             prev = h.digest()[:HASH_BYTES]
-            append(prev)  # type: ignore[arg-type]
+            append(prev)  # type: ignore[arg-type]  # a ChunkHash, without NewType's call per chunk
         return out
 
 
@@ -385,18 +385,18 @@ def normalize_tokens(tokens: TokenInput, vocab_size: int = 0) -> bytes:
             raise InvalidTokens(f"token id {max(tokens)} is out of range for vocab_size {vocab_size}")
         return tokens.tobytes()
     try:
-        arr = array("I", tokens)
+        words = array("I", tokens)
     except OverflowError:
         seq = list(tokens)
         bad = next((t for t in seq if not 0 <= t <= MAX_TOKEN_ID), None)
         raise InvalidTokens(f"token id {bad} is out of range 0..{MAX_TOKEN_ID}") from None
     except TypeError as e:
         raise InvalidTokens(f"token ids must be integers: {e}") from None
-    if arr.itemsize != 4:  # pragma: no cover - every Linux ABI has 4-byte unsigned int
+    if words.itemsize != 4:  # pragma: no cover - every Linux ABI has 4-byte unsigned int
         raise InvalidTokens("platform unsigned int is not 4 bytes")
-    if vocab_size and len(arr) and max(arr) >= vocab_size:
-        raise InvalidTokens(f"token id {max(arr)} is out of range for vocab_size {vocab_size}")
-    return arr.tobytes()
+    if vocab_size and len(words) and max(words) >= vocab_size:
+        raise InvalidTokens(f"token id {max(words)} is out of range for vocab_size {vocab_size}")
+    return words.tobytes()
 
 
 def _check_range(lo: int, hi: int, vocab_size: int) -> None:

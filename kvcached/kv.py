@@ -67,7 +67,7 @@ def chunk_payloads(layout: KVLayout, kv: "torch.Tensor") -> list[memoryview]:
     out = []
     for i in range(n):
         t = kv[:, :, :, i * c : (i + 1) * c, :].contiguous().cpu()
-        out.append(memoryview(t.view(-1).view(dtype=_byte_dtype()).numpy()))
+        out.append(memoryview(t.view(-1).view(dtype=_byte_dtype()).numpy()))  # type: ignore[arg-type]  # an ndarray is a buffer (typeshed < 3.12 cannot say)
     return out
 
 

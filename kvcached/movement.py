@@ -31,7 +31,7 @@ Rules it keeps:
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, cast
 
 from kvcached.config import StoreConfig
 from kvcached.errors import ChunkNotCached, CorruptChunk, TierFull
@@ -87,7 +87,7 @@ class Mover:
             if node.tiers & POOL:
                 data = bytes(self.pool.read(node.hash))
             elif node.tiers & NVME and self.nvme is not None:
-                data = self.nvme.read(node.hash).obj  # already a checked copy
+                data = cast(bytes, self.nvme.read(node.hash).obj)  # already a checked copy
             else:
                 return
         except (ChunkNotCached, CorruptChunk):

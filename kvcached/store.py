@@ -365,6 +365,7 @@ class Store:
         except BaseException:
             self._unpin(nodes, now)  # an I/O error must not leave pins behind
             raise
+        entry: Entry[tuple[Node, ...]]
         if not nodes and not keep_empty:
             entry = Entry("", session, (), now, now)  # no lease: nothing to release
         else:
@@ -596,7 +597,7 @@ class Store:
             r = self.writes.commit(reservation_id, chunks, self._clock(), session)
             if self.writeback is not None:
                 self.writeback.kick()
-            if publish and entry is not None and r.committed_chunks:
+            if publish and entry is not None and r.committed_chunks and self.publisher is not None:
                 self.publisher.offer(entry.payload.hashes[: r.committed_chunks])
             return r
 

@@ -303,9 +303,10 @@ class WriteBack:
             if later and (head is None or later[0][0] <= lru.key(head)):
                 node = heapq.heappop(later)[2]
             else:
-                node = lru.pop()
-                if node is None:
+                popped = lru.pop()
+                if popped is None:
                     break
+                node = popped
             if only and pool.slab_of(node.pool_offset) != slab:
                 if node.refcount == 0 and not node.pool_children:
                     elsewhere.append(node)

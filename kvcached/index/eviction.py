@@ -90,7 +90,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Generic, Protocol, Sequence, TypeVar
 
 from kvcached.index.minisim import MiniSims
 from kvcached.index.sketch import FrequencySketch
@@ -106,6 +106,9 @@ class Queued(Protocol):
     last_use: float
     hits: int
     qflags: int
+
+
+N = TypeVar("N", bound=Queued)  # what a queue holds: the index's nodes
 
 
 class EvictionPolicy(Protocol):
@@ -136,6 +139,10 @@ class EvictionPolicy(Protocol):
     def requested(self, hashes: Sequence[ChunkHash], now: float) -> bool:
         """A request asked for a prompt of these chunk hashes (all of them, cached or not).
         True when the policy's keys changed scale: the queues must re-rank their members."""
+        ...
+
+    def describe(self) -> dict[str, float | int | str]:
+        """What the policy is doing now, for stats: at least ``policy`` and ``admission``."""
         ...
 
 
@@ -308,29 +315,29 @@ def make_policy(name: str, *, weight: float = 1.0, scale_chunks: int = 1, memory
     raise ValueError(f"unknown eviction policy {name!r}; one of {', '.join(POLICIES)}")
 
 
-class EvictionQueue:
+class EvictionQueue(Generic[N]):
     """Evictable members in ``key`` order (None: last use). Not thread-safe."""
 
     __slots__ = ("_bit", "_heap", "_key", "_live", "_seq")
 
-    def __init__(self, bit: int, key: Callable[[Queued], float] | None = None) -> None:
+    def __init__(self, bit: int, key: Callable[[N], float] | None = None) -> None:
         self._bit = bit
         self._key = key
-        self._heap: list[tuple[float, int, Queued, float, int]] = []
+        self._heap: list[tuple[float, int, N, float, int]] = []
         self._live = 0
         self._seq = itertools.count()
 
     def __len__(self) -> int:
         return self._live
 
-    def __contains__(self, node: Queued) -> bool:
+    def __contains__(self, node: N) -> bool:
         return bool(node.qflags & self._bit)
 
-    def key(self, node: Queued) -> float:
+    def key(self, node: N) -> float:
         """The rank ``node`` would have if pushed now (lower leaves first)."""
         return node.last_use if self._key is None else self._key(node)
 
-    def add(self, node: Queued) -> None:
+    def add(self, node: N) -> None:
         """Make ``node`` a member (no-op if it already is)."""
         if node.qflags & self._bit:
             return
@@ -338,17 +345,17 @@ class EvictionQueue:
         self._live += 1
         self._push(node)
 
-    def discard(self, node: Queued) -> None:
+    def discard(self, node: N) -> None:
         if node.qflags & self._bit:
             node.qflags &= ~self._bit
             self._live -= 1
 
-    def touched(self, node: Queued) -> None:
+    def touched(self, node: N) -> None:
         """Call after changing a member's ``last_use`` or ``hits``: re-queues it at its new rank."""
         if node.qflags & self._bit:
             self._push(node)
 
-    def peek(self) -> Queued | None:
+    def peek(self) -> N | None:
         """The member to evict first, or None. Does not remove it."""
         heap = self._heap
         bit = self._bit
@@ -359,7 +366,7 @@ class EvictionQueue:
             heapq.heappop(heap)
         return None
 
-    def pop(self) -> Queued | None:
+    def pop(self) -> N | None:
         node = self.peek()
         if node is not None:
             heapq.heappop(self._heap)
@@ -374,7 +381,7 @@ class EvictionQueue:
         self._heap = [(key(n), seq, n, lu, h) for (_, seq, n, lu, h) in self._live_entries()]
         heapq.heapify(self._heap)
 
-    def _push(self, node: Queued) -> None:
+    def _push(self, node: N) -> None:
         key = node.last_use if self._key is None else self._key(node)
         heapq.heappush(self._heap, (key, next(self._seq), node, node.last_use, node.hits))
         if len(self._heap) > 2 * self._live + 1024:
@@ -384,9 +391,9 @@ class EvictionQueue:
         self._heap = self._live_entries()
         heapq.heapify(self._heap)
 
-    def _live_entries(self) -> list[tuple[float, int, Queued, float, int]]:
+    def _live_entries(self) -> list[tuple[float, int, N, float, int]]:
         """The heap's valid entries, one per member: the newest push holds the current rank."""
-        best: dict[int, tuple[float, int, Queued, float, int]] = {}
+        best: dict[int, tuple[float, int, N, float, int]] = {}
         bit = self._bit
         for entry in self._heap:
             node = entry[2]

@@ -86,12 +86,12 @@ class Node:
     )
 
     def __init__(
-        self, h: ChunkHash, parent: "Node | None", layout_id: LayoutId, tiers: TierId, now: float
+        self, h: ChunkHash, parent: "Node | None", layout_id: LayoutId, tiers: int, now: float
     ) -> None:
         self.hash = h
         self.parent = parent
         self.layout_id = layout_id
-        self.depth = 0 if parent is None else parent.depth + 1
+        self.depth: int = 0 if parent is None else parent.depth + 1
         self.children = 0
         self.pool_children = 0
         self.refcount = 0
@@ -113,10 +113,10 @@ class PrefixIndex:
     def __init__(self, policy: EvictionPolicy | None = None) -> None:
         self._nodes: dict[ChunkHash, Node] = {}
         self.policy: EvictionPolicy = policy if policy is not None else LruPolicy()
-        self.leaves = EvictionQueue(_IN_LEAVES)  # by last use: TTL expiry walks it oldest first
+        self.leaves: EvictionQueue[Node] = EvictionQueue(_IN_LEAVES)  # by last use: TTL expiry walks it oldest first
         key = None if isinstance(self.policy, LruPolicy) else self.policy.key  # None: last use, inline
-        self.pool_lru = EvictionQueue(_IN_POOL_LRU, key)
-        self.nvme_leaves = EvictionQueue(_IN_NVME_LEAVES, key)
+        self.pool_lru: EvictionQueue[Node] = EvictionQueue(_IN_POOL_LRU, key)
+        self.nvme_leaves: EvictionQueue[Node] = EvictionQueue(_IN_NVME_LEAVES, key)
         self.pinned_in_pool = 0  # nodes with refcount > 0 and a pool copy: the pool's leased chunks
         self.newest_use = 0.0  # the latest last_use given to any node (the recency span's young end)
         self.observer: TierObserver | None = None
@@ -156,7 +156,7 @@ class PrefixIndex:
     # -- structure ----------------------------------------------------------
 
     def insert(
-        self, h: ChunkHash, parent: Node | None, layout_id: LayoutId, tiers: TierId, now: float,
+        self, h: ChunkHash, parent: Node | None, layout_id: LayoutId, tiers: int, now: float,
         pool_offset: int = -1,
     ) -> Node:
         """Add a chunk whose parent is already indexed (or a first chunk). A chunk with a pool
@@ -187,7 +187,7 @@ class PrefixIndex:
         return node
 
     def insert_chain(
-        self, hashes: list[ChunkHash], parent: Node | None, layout_id: LayoutId, tiers: TierId, now: float,
+        self, hashes: list[ChunkHash], parent: Node | None, layout_id: LayoutId, tiers: int, now: float,
         pool_offsets: Sequence[int] = (), tokens: object = None,
     ) -> list[Node]:
         """Insert consecutive chunks under ``parent`` in one go.
@@ -256,7 +256,7 @@ class PrefixIndex:
         node.tiers = 0
         node.pool_offset = -1
 
-    def add_tier(self, node: Node, tier: TierId, pool_offset: int = -1) -> None:
+    def add_tier(self, node: Node, tier: int, pool_offset: int = -1) -> None:
         """Record a new copy of ``node``; a pool copy comes with its byte offset."""
         if node.tiers & tier:
             return
@@ -274,7 +274,7 @@ class PrefixIndex:
         if self.observer is not None:
             self.observer.stored((node,), int(tier))
 
-    def drop_tier(self, node: Node, tier: TierId) -> int:
+    def drop_tier(self, node: Node, tier: int) -> int:
         """Forget that ``node`` lives in ``tier``; returns the tiers left.
 
         The caller removes the node when none are left (it must be a leaf).

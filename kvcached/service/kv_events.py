@@ -154,7 +154,7 @@ class KvEventPublisher:
             beat = self.config.heartbeat
             if beat <= 0 or time.monotonic() - self._last_sent < beat:
                 return
-            events = [None]  # one empty batch: lets subscribers see lag, gaps and restarts while idle
+            events = [None]  # type: ignore[list-item]  # one empty batch: lets subscribers see lag, gaps and restarts while idle
         step = self.config.max_batch_events
         for i in range(0, len(events), step):
             part = [e for e in events[i: i + step] if e is not None]

@@ -37,7 +37,7 @@ import grpc
 from kvcached import __version__
 from kvcached.errors import ErrorKind, InvalidArgument, KvcacheError, SessionNotOpen, WouldBlock, shown
 from kvcached.keys import LayoutId
-from kvcached.leases import ReservationId, SessionId
+from kvcached.leases import LeaseId, ReservationId, SessionId
 from kvcached.receipts import CommitReceipt, EvictReceipt, LeaseReceipt, ReservationReceipt
 from kvcached.service import convert
 from kvcached.store import DEFAULT_SESSION, Store
@@ -71,10 +71,18 @@ def _ttl(ttl: float) -> float | None:
     return ttl
 
 
-def _ids(ids: Any, what: str) -> list[str]:
+def _ids(ids: Any, what: str) -> list[Any]:
     if len(ids) > MAX_IDS_PER_CALL:
         raise InvalidArgument(f"at most {MAX_IDS_PER_CALL} {what} per call, got {len(ids)}")
     return list(ids)
+
+
+def _lease_ids(ids: Any) -> list[LeaseId]:
+    return _ids(ids, "lease ids")
+
+
+def _reservation_ids(ids: Any) -> list[ReservationId]:
+    return _ids(ids, "reservation ids")
 
 
 class KVCacheServicer(pb_grpc.KVCacheServicer):
@@ -173,7 +181,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             if len(request.tokens) > MAX_IDS_PER_CALL:  # counted before any prompt is copied out
                 raise InvalidArgument(f"at most {MAX_IDS_PER_CALL} prompts per Lookup")
             prompts = [convert.tokens_from_proto(t) for t in request.tokens]  # all checked before any lookup
-            return [self.store.lookup(request.layout_id, t) for t in prompts]
+            return [self.store.lookup(LayoutId(request.layout_id), t) for t in prompts]
 
         return pb.LookupResponse(cached_tokens=await self._run(context, lookup_all, inline=True))
 
@@ -185,7 +193,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         tokens = request.tokens
 
         def acquire() -> LeaseReceipt:
-            return self.store.acquire(request.layout_id, convert.tokens_from_proto(tokens),
+            return self.store.acquire(LayoutId(request.layout_id), convert.tokens_from_proto(tokens),
                                       self._session(request.session_id), ttl=_ttl(request.ttl_seconds),
                                       promote=not request.read_nvme_directly,
                                       max_chunks=0 if request.no_cache else None,
@@ -196,13 +204,13 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         def release() -> int:  # ids are bound to their session
-            return self.store.release_many(_ids(request.lease_ids, "lease ids"), self._session(request.session_id))
+            return self.store.release_many(_lease_ids(request.lease_ids), self._session(request.session_id))
 
         return pb.ReleaseResponse(released=await self._run(context, release, inline=True))
 
     async def KeepAlive(self, request: pb.KeepAliveRequest, context) -> pb.KeepAliveResponse:
         def renew() -> float | None:
-            return self.store.renew_many(_ids(request.lease_ids, "lease ids"), self._session(request.session_id),
+            return self.store.renew_many(_lease_ids(request.lease_ids), self._session(request.session_id),
                                          ttl=_ttl(request.ttl_seconds))
 
         deadline = await self._run(context, renew, inline=True)
@@ -212,7 +220,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         tokens = request.tokens
 
         def reserve() -> ReservationReceipt:
-            return self.store.reserve(request.layout_id, convert.tokens_from_proto(tokens),
+            return self.store.reserve(LayoutId(request.layout_id), convert.tokens_from_proto(tokens),
                                       self._session(request.session_id), ttl=_ttl(request.ttl_seconds),
                                       store_nothing=self._bypass(request), open_empty=not request.skip_empty,
                                       placement=convert.placement_from_proto(request.placement))
@@ -232,7 +240,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         def abort() -> int:
-            return self.store.abort_many(_ids(request.reservation_ids, "reservation ids"),
+            return self.store.abort_many(_reservation_ids(request.reservation_ids),
                                          self._session(request.session_id))
 
         return pb.AbortResponse(aborted=await self._run(context, abort, inline=True))
@@ -242,7 +250,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
 
         def both() -> tuple[LeaseReceipt, ReservationReceipt]:
             return self.store.acquire_reserve(
-                request.layout_id, convert.tokens_from_proto(tokens), self._session(request.session_id),
+                LayoutId(request.layout_id), convert.tokens_from_proto(tokens), self._session(request.session_id),
                 ttl=_ttl(request.lease_ttl_seconds), reservation_ttl=_ttl(request.reservation_ttl_seconds),
                 promote=not request.read_nvme_directly, no_cache=request.no_cache, store_nothing=self._bypass(request),
                 placement=convert.placement_from_proto(request.placement))
@@ -257,7 +265,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         chunks = request.chunks if request.HasField("chunks") else None
 
         def both() -> tuple[CommitReceipt | None, int]:
-            lease_ids = _ids(request.lease_ids, "lease ids")
+            lease_ids = _lease_ids(request.lease_ids)
             return self.store.commit_release(ReservationId(request.reservation_id) or None, lease_ids,
                                              self._session(request.session_id), chunks=chunks)
 
@@ -326,9 +334,9 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         def put() -> CommitReceipt | None:
             checked, session = convert.tokens_from_proto(tokens), self._session(request.session_id)
             if self._bypass(request):
-                self.store.hashes(request.layout_id, checked)  # still validated
+                self.store.hashes(LayoutId(request.layout_id), checked)  # still validated
                 return None
-            return self.store.put(request.layout_id, checked, list(request.chunks), session,
+            return self.store.put(LayoutId(request.layout_id), checked, list(request.chunks), session,
                                   convert.placement_from_proto(request.placement))
 
         c = await self._run(context, put)
@@ -341,8 +349,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             checked, session = convert.tokens_from_proto(tokens), self._session(request.session_id)
             # The reply must fit in one message: return the longest cached prefix that does
             # (matched_tokens says how much), rather than fail in the transport after the work.
-            fits = (self.max_message_bytes - 4096) // (self.store.layout(request.layout_id).chunk_bytes + 16)
-            r = self.store.acquire(request.layout_id, checked, session, max_chunks=max(fits, 0))
+            fits = (self.max_message_bytes - 4096) // (self.store.layout(LayoutId(request.layout_id)).chunk_bytes + 16)
+            r = self.store.acquire(LayoutId(request.layout_id), checked, session, max_chunks=max(fits, 0))
             try:
                 return r.matched_tokens, [bytes(self.store.read_chunk(r, i)) for i in range(len(r.offsets))]
             finally:
@@ -373,8 +381,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             if prefix:
                 if not request.layout_id:
                     raise InvalidArgument("evict by prefix needs a layout_id")
-                return self.store.evict_prefix(request.layout_id, convert.tokens_from_proto(prefix))
-            return self.store.evict(request.layout_id or None)
+                return self.store.evict_prefix(LayoutId(request.layout_id), convert.tokens_from_proto(prefix))
+            return self.store.evict(LayoutId(request.layout_id) if request.layout_id else None)
 
         r = await self._run(context, evict)
         return pb.EvictResponse(chunks=r.chunks, bytes=r.bytes)

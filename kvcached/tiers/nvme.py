@@ -229,12 +229,14 @@ class NvmeTier(Tier):
         try:
             self._write_txn(batch)
         except lmdb.MapFullError as e:
-            out = BatchResult(error=TierFull(f"LMDB map of {self.map_size} bytes is full in {self.path}"))
-            out.error.__cause__ = e
+            full = TierFull(f"LMDB map of {self.map_size} bytes is full in {self.path}")
+            full.__cause__ = e
+            out = BatchResult(error=full)
         except lmdb.Error as e:
             what = "disk full" if _is_enospc(e) else f"write failed ({e}; disk full or failing)"
-            out = BatchResult(error=TierFull(f"{what} under {self.path}"))
-            out.error.__cause__ = e
+            failed = TierFull(f"{what} under {self.path}")
+            failed.__cause__ = e
+            out = BatchResult(error=failed)
         return out
 
     def settle(self, result: BatchResult, slots: Sequence[Slot]) -> None:
@@ -258,6 +260,7 @@ class NvmeTier(Tier):
     def read(self, h: ChunkHash) -> memoryview:
         """A checked copy of the payload (the LMDB buffer dies with the transaction)."""
         out: bytes | None = None
+        err: CorruptChunk | None = None
         with self._gate.txn(), self._env.begin(db=self._chunks, buffers=True) as txn:
             value = txn.get(h)
             if value is not None:
@@ -315,7 +318,8 @@ class NvmeTier(Tier):
 
         return self._write_txn(delete, headroom=True)
 
-    def _write_txn(self, fn: "Callable[[lmdb.Transaction], T]", *, db: object = None, headroom: bool = False) -> T:
+    def _write_txn(self, fn: "Callable[[lmdb.Transaction], T]", *, db: "lmdb._Database | None" = None,
+                   headroom: bool = False) -> T:
         """``fn(txn)`` in one write transaction (on ``chunks``, or ``db``); returns its result.
 
         On a full map, a chunk write grows the map by a quarter (up to ``max_map_size``) and runs

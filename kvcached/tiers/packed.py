@@ -149,6 +149,10 @@ class PackedPool(Tier):
 
     #: Whether :meth:`reserved_view` works: the pool is host memory this process can write.
     host_views: bool = False
+    #: A new random value per pool: clients holding offsets from an older pool must not use them.
+    generation: str
+    #: What the pool's memory is called (its shared-memory name, or its device), for logs.
+    name: str
 
     def reserved_view(self, slot: Slot) -> memoryview:
         """Writable view of a reserved run, for an in-process writer that fills it in place (a

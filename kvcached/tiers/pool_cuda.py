@@ -163,7 +163,7 @@ class CudaPool(PackedPool):
 
     def _read(self, offset: int, nbytes: int) -> memoryview:
         k, local = self.local(offset)
-        return memoryview(self._slabs[k].tensor[local : local + nbytes].cpu().numpy())
+        return memoryview(self._slabs[k].tensor[local : local + nbytes].cpu().numpy())  # type: ignore[arg-type]  # an ndarray is a buffer (typeshed < 3.12 cannot say)
 
     def _fill(self, offset: int, nbytes: int, fill: Callable[[memoryview], None]) -> None:
         import torch
@@ -171,7 +171,7 @@ class CudaPool(PackedPool):
         k, local = self.local(offset)
         slab = self._slabs[k]
         staging = slab.stage(nbytes)
-        fill(memoryview(staging.numpy()))
+        fill(memoryview(staging.numpy()))  # type: ignore[arg-type]  # an ndarray is a buffer (typeshed < 3.12 cannot say)
         slab.tensor[local : local + nbytes].copy_(staging, non_blocking=True)
         torch.cuda.synchronize(slab.device)
 

@@ -130,7 +130,7 @@ def remove_stale_segments(name_prefix: str) -> list[str]:
     A segment's name carries its creator's pid; one whose pid no longer runs
     is unreachable memory (tmpfs keeps it until unlinked). Returns the names removed.
     """
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(SHM_DIR)
     except FileNotFoundError:  # pragma: no cover - every Linux has /dev/shm

@@ -176,7 +176,7 @@ class RecordBuffer:
         need = HEADER_SIZE + src.size
         if self._buf.size < need:
             self._buf = np.empty(need, dtype=np.uint8)
-        out = memoryview(self._buf)[:need]
+        out = memoryview(self._buf)[:need]  # type: ignore[arg-type]  # an ndarray is a buffer (typeshed < 3.12 cannot say)
         out[:HEADER_SIZE] = encode_header(meta, payload)
         np.copyto(self._buf[HEADER_SIZE:need], src)  # the GIL released for the copy
         return out

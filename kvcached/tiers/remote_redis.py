@@ -648,6 +648,7 @@ class _Fill:
         self.tier, self.layout_id, self.hashes, self.chunk_bytes = tier, layout_id, hashes, chunk_bytes
         self.dest, self.stop = dest, stop
         self.ok = [False] * len(hashes)
+        self.refused: dict[int, RemoteValueRefused] = {}  # counted by leading(): only the one that ends the prefix
         self.replies: dict[int, int | ErrorReply | None] = {}
         self._limit = len(hashes)
         self._lock = threading.Lock()
@@ -668,13 +669,12 @@ class _Fill:
                 conn.read_into(header)
                 conn.read_into(d)
                 conn.read_into(tag)
-                self.ok[i] = self.tier._verified(lambda: verify_parts(header, d, tag, h[i], lid, key), h[i])
+                self.ok[i] = self._verified(i, lambda: verify_parts(header, d, tag, h[i], lid, key))
             else:  # another size: the whole value, checked as the redis-py reader checks it
                 value = memoryview(bytearray(n))
                 conn.read_into(value)
                 payload: list[memoryview] = []
-                self.ok[i] = self.tier._verified(lambda: payload.append(decode(value, h[i], lid, key, self.chunk_bytes)),
-                                                 h[i])
+                self.ok[i] = self._verified(i, lambda: payload.append(decode(value, h[i], lid, key, self.chunk_bytes)))
                 if self.ok[i]:
                     d[:] = payload[0]
             if not self.ok[i]:
@@ -686,10 +686,24 @@ class _Fill:
                 self._unusable(idx[j])
 
     def leading(self) -> int:
+        """How many leading chunks arrived verified. A refused value that ends them is counted
+        and logged here, once: the nodes are read at once, so values past it may have been
+        checked (and refused) too, and the redis-py reader would never have looked at those."""
         n = 0
         while n < len(self.ok) and self.ok[n]:
             n += 1
+        refused = self.refused.get(n)
+        if refused is not None:
+            self.tier._refused(self.hashes[n], refused)
         return n
+
+    def _verified(self, i: int, check: Callable[[], object]) -> bool:
+        try:
+            check()
+        except RemoteValueRefused as e:
+            self.refused[i] = e
+            return False
+        return True
 
     def _dest(self, i: int) -> memoryview | None:
         with self._lock:
