@@ -1,9 +1,11 @@
 """Filling a prompt from the remote tier before an acquire: the chunks after the local prefix.
 
 The store calls :meth:`RemoteFill.fill` off the event loop (it blocks on the network, up to the
-remote tier's deadline per window). Its collaborators are handed in: the remote tier, and a
-:class:`FillTarget`, the store's side (prefix matching, reservations, commits), each of whose
-calls takes the store lock itself; nothing here holds it across a network call.
+remote tier's deadline per window), and never with the store lock held: the in-place path
+reserves from the remote tier's I/O thread, which takes that lock while the caller waits for
+it. Its collaborators are handed in: the remote tier, and a :class:`FillTarget`, the store's
+side (prefix matching, reservations, commits), each of whose calls takes the store lock itself;
+nothing here holds it across a network call.
 
 * **Windows.** A long prompt is fetched :data:`FETCH_WINDOW_BYTES` of chunks at a time (one
   pipelined round trip per Redis node each); the next window only if this one arrived whole.

@@ -77,6 +77,24 @@ def test_an_error_reply_is_a_failed_call_not_a_value(redis_server):
     t.close()
 
 
+def test_time_in_the_callers_dest_is_not_the_remotes(redis_server):
+    """A fill's reservation may wait for local room (write-back) inside ``dest``: that wait must
+    not count against Redis's deadline (a miss, a breaker failure) when Redis answered in time."""
+    cs = chunks(3)
+    t = tier(redis_server.port, timeout=0.2)
+    assert t.publish(cs)
+    arena = bytearray(3 * CHUNK)
+
+    def slow_dest(i: int) -> memoryview:
+        time.sleep(0.15)  # three of these: 0.45 s in all, past the 0.2 s deadline
+        return memoryview(arena)[i * CHUNK: (i + 1) * CHUNK]
+
+    assert t.fetch_into(LAYOUT, hashes(cs), CHUNK, slow_dest) == 3
+    assert t.stats.deadline_missed == 0 and t.stats.errors == 0
+    assert bytes(arena) == b"".join(p for _, p in cs)
+    t.close()
+
+
 class TricklingProxy:
     """Forwards one Redis connection, but after ``fast`` bytes of the server's answer sends the rest
     16 KiB at a time, 50 ms apart: a Redis (or a link) that slows down in the middle of a value.
