@@ -43,13 +43,13 @@ from kvcached.tiers.packed import PackedPool
 
 if TYPE_CHECKING:
     from kvcached.movement import Mover
-    from kvcached.tiers.remote_redis import RemoteRedisTier
+    from kvcached.tiers.remote import RemoteTier
 
 log = logging.getLogger("kvcached.remote")
 
 
 class RemotePublisher:
-    def __init__(self, remote: "RemoteRedisTier", lock: ContextManager[object], index: PrefixIndex,
+    def __init__(self, remote: "RemoteTier", lock: ContextManager[object], index: PrefixIndex,
                  pool: PackedPool, mover: "Mover", clock: Callable[[], float], *, max_queue: int = 4096,
                  max_bytes: int = 256 << 20, batch: int = 64, publish: bool = True) -> None:
         self._remote = remote

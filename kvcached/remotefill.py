@@ -27,7 +27,8 @@ from typing import Protocol
 from kvcached.keys import ChunkHash, KVLayout, LayoutId, TokenInput
 from kvcached.leases import ReservationId
 from kvcached.receipts import CommitReceipt, ReservationReceipt
-from kvcached.tiers.remote_redis import ROUND_TRIP_BYTES, RemoteRedisTier
+from kvcached.tiers.remote import RemoteTier
+from kvcached.tiers.remote_redis import ROUND_TRIP_BYTES
 
 #: How many bytes of chunks one remote fetch asks for at most: what one round trip carries
 #: within the remote timeout.
@@ -60,7 +61,7 @@ class FillTarget(Protocol):
 
 
 class RemoteFill:
-    def __init__(self, remote: RemoteRedisTier, target: FillTarget, *, in_place: bool) -> None:
+    def __init__(self, remote: RemoteTier, target: FillTarget, *, in_place: bool) -> None:
         """``in_place``: the pool is host memory this process writes (``reserved_view`` works)."""
         self.remote = remote
         self._target = target
