@@ -110,7 +110,7 @@ class NvmeReader:
             raise PoolMappingError("the NVMe tier is not open")
         if not out.is_contiguous() or out.device.type != "cpu" or out.numel() * out.element_size() != layout.chunk_bytes:
             raise ValueError(f"out must be a contiguous CPU tensor of {layout.chunk_bytes} bytes")
-        dest = memoryview(out.view(-1).view(dtype=_u8()).numpy())
+        dest = memoryview(out.view(-1).view(dtype=_u8()).numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
         for attempt in (0, 1):
             try:
                 with gate.txn(), env.begin(db=self._db, buffers=True) as txn:

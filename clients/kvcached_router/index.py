@@ -28,9 +28,10 @@ class HostIndex:
     def __init__(self, provisional_ttl: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.provisional_ttl = provisional_ttl
         self._clock = clock
-        self._held: dict[bytes, int] = {}  # chunk hash -> how many media hold it
-        self._media: dict[str, set[bytes]] = {}
-        self._provisional: dict[bytes, float] = {}  # chunk hash -> until when it counts as held
+        # Chunk hashes are the daemon's 16-byte ids; the event format also allows vLLM's int ids.
+        self._held: dict[bytes | int, int] = {}  # chunk hash -> how many media hold it
+        self._media: dict[str, set[bytes | int]] = {}
+        self._provisional: dict[bytes | int, float] = {}  # chunk hash -> until when it counts as held
         self._expiry: deque[tuple[float, list[bytes]]] = deque()
         self.cleared = 0  # AllBlocksCleared seen (daemon starts, resyncs)
         self.events = 0
@@ -54,12 +55,12 @@ class HostIndex:
                         self._held[h] = self._held.get(h, 0) + 1
                     self._provisional.pop(h, None)
             elif isinstance(ev, BlockRemoved):
-                medium = self._media.get(ev.medium or "")
-                if medium is None:
+                held_there = self._media.get(ev.medium or "")
+                if held_there is None:
                     continue
                 for h in ev.block_hashes:
-                    if h in medium:
-                        medium.discard(h)
+                    if h in held_there:
+                        held_there.discard(h)
                         left = self._held[h] - 1
                         if left:
                             self._held[h] = left

@@ -42,7 +42,7 @@ import numpy as np
 from aiohttp import ClientConnectionError, ClientSession, ClientTimeout, TCPConnector, web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvcached.keys import ChunkHasher, Namespace, load_shared_key
+from kvcached.keys import ChunkHash, ChunkHasher, Namespace, load_shared_key
 from kvcached_client.text import normalize, normalize_messages
 from kvcached_router.config import HostConfig, RouterConfig, RouterConfigError, load_config
 from kvcached_router.index import HostIndex
@@ -191,14 +191,14 @@ class RouterService:
                 list(tok(prompt[0])["input_ids"]) if prompt else []
         return list(tok(str(prompt))["input_ids"])
 
-    def chunk_hashes(self, ids: Sequence[int]) -> list[bytes]:
+    def chunk_hashes(self, ids: Sequence[int]) -> list[ChunkHash]:
         packed = np.asarray(ids, dtype="<u4").tobytes()
         return self._hasher.chain(self._root, packed, self.layout.chunk_tokens)
 
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         ids: list[int] = []
-        hashes: list[bytes] = []
+        hashes: list[ChunkHash] = []
         capture = None
         try:
             body = json.loads(raw)
@@ -246,7 +246,7 @@ class RouterService:
             host.in_flight -= 1
 
     async def _route_and_forward(self, request: web.Request, raw: bytes, ids: list[int],
-                                 hashes: list[bytes], capture: Any = None) -> web.StreamResponse:
+                                 hashes: list[ChunkHash], capture: Any = None) -> web.StreamResponse:
         tried: set[str] = set()
         ct = self.layout.chunk_tokens
         while True:

@@ -231,7 +231,9 @@ class SemanticCache:
                 self.expirations += 1
                 return Lookup(MISS, "expired", sim, vector=vector)
             self._entries.move_to_end(e.key)
-            return Lookup(SEMANTIC, r.reason, sim, e.value, e.id, vector, float(getattr(r, "similarity", None) or sim))
+            judged = getattr(r, "similarity", None) or sim
+            assert judged is not None  # an entry was matched: it has a similarity
+            return Lookup(SEMANTIC, r.reason, sim, e.value, e.id, vector, float(judged))
 
     # -- stores -----------------------------------------------------------------------------------
 

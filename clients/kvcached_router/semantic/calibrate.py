@@ -122,7 +122,7 @@ class Calibration:
     smoothing: float = DEFAULT_SMOOTHING
     confidence: float = 0.5  # of the overall bound, as used (0.5: the rate itself, too few traps)
     pairs: int = 0
-    expected: dict[str, float] = field(default_factory=dict)  # recall, false_hit_rate on the pairs
+    expected: dict[str, float | None] = field(default_factory=dict)  # recall, false_hit_rate on the pairs
     table: tuple[TableRow, ...] = ()
     reference_similarities: tuple[float, ...] = ()
     #: Per language group (features.LANGUAGE_GROUPS), its own per-tier thresholds, chosen on that
@@ -222,14 +222,14 @@ def evaluate(thresholds: dict[str, float] | Calibration, scored: Iterable[Scored
         scored = list(scored)
         outs = [evaluate({t: cal.threshold(t, g) for t in TIERS}, [s for s in scored if s.group == g], guards)
                 for g in {s.group for s in scored}]
-        by_cat: dict[str, dict[str, int]] = {}
+        merged: dict[str, dict[str, int]] = {}
         for o in outs:
-            for c, d in o.by_category.items():
-                e = by_cat.setdefault(c, {"pairs": 0, "served": 0})
+            for cat, d in o.by_category.items():
+                e = merged.setdefault(cat, {"pairs": 0, "served": 0})
                 e["pairs"] += d["pairs"]
                 e["served"] += d["served"]
         return Outcome(sum(o.served for o in outs), sum(o.hits for o in outs), sum(o.false_hits for o in outs),
-                       sum(o.should_hit for o in outs), sum(o.traps for o in outs), by_cat)
+                       sum(o.should_hit for o in outs), sum(o.traps for o in outs), merged)
     served = hits = false_hits = should_hit = traps = 0
     by_cat: dict[str, dict[str, int]] = {}
     for s in scored:
@@ -279,7 +279,7 @@ def calibrate(scored: Sequence[Scored], target: float, *, model: str, dim: int,
         if len(mine) >= min_group_pairs and len({s.group for s in scored}) > 1:
             languages[g] = choose_thresholds(mine, target, category_targets, min_threshold, smoothing, confidence)
     out = evaluate(Calibration(thresholds=th, languages=languages), scored)
-    grid = [round(x, 2) for x in np.arange(0.5, 1.0001, 0.01)]
+    grid = [round(float(x), 2) for x in np.arange(0.5, 1.0001, 0.01)]
     used = effective_confidence(target, out.traps, confidence)
     return Calibration(thresholds=th, target=target, category_targets=dict(category_targets or {}), model=model,
                        dim=dim, min_threshold=min_threshold, smoothing=smoothing, confidence=used, pairs=len(scored),

@@ -17,7 +17,7 @@ import os
 import re
 import threading
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -73,7 +73,7 @@ class MiniLMEmbedder:
     def __init__(self, threads: int = 1, batch_size: int = 64) -> None:
         self.threads = threads
         self.batch_size = batch_size
-        self._model = None
+        self._model: Any = None
         self._lock = threading.Lock()
 
     def _load(self):
@@ -112,7 +112,7 @@ class USEEmbedder:
 
     def __init__(self, threads: int = 1) -> None:
         self.threads = threads
-        self._model = None
+        self._model: Any = None
         self._lock = threading.Lock()
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
@@ -152,7 +152,8 @@ class AutoEmbedder:
         if isinstance(texts, str):
             raise TypeError("encode takes a sequence of texts, not one string")
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
-        cjk, rest = [], []
+        cjk: list[int] = []
+        rest: list[int] = []
         for i, t in enumerate(texts):
             (cjk if _CJK_TEXT.search(t) else rest).append(i)
         if cjk:

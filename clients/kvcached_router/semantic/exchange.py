@@ -110,7 +110,7 @@ def cache_request(path: str, body: dict, tenant: str, *, cache_sampled: bool = F
     rest = messages[k:]
     last = rest[-1] if rest else None
     query = _text_of(last.get("content")) if last is not None and last.get("role") == "user" else None
-    if query is not None and set(last) <= {"role", "content"}:
+    if query is not None and last is not None and set(last) <= {"role", "content"}:
         history, semantic = rest[:-1], True
     else:
         history, query, semantic = rest, "", False

@@ -132,7 +132,7 @@ AUDIENCES: tuple[str, ...] = (
 COLOURS = frozenset("red blue green yellow black white orange purple pink brown grey gray silver gold".split())
 
 #: Number words (values); "one" is left out: "a quick one", "which one" are not numbers.
-NUMBER_WORDS: dict[str, int] = {
+NUMBER_WORDS: dict[str, float] = {  # "half", "quarter": fractions
     "zero": 0, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8,
     "nine": 9, "ten": 10, "eleven": 11, "twelve": 12, "thirteen": 13, "fourteen": 14,
     "fifteen": 15, "sixteen": 16, "seventeen": 17, "eighteen": 18, "nineteen": 19, "twenty": 20,

@@ -102,7 +102,8 @@ def choose_thresholds(scored: Sequence[Scored], target: float, category_targets:
     limits = {c: t * cat_traps.get(c, 0) + 1e-9 for c, t in category_targets.items()}
     limits[""] = target * n_traps + 1e-9
 
-    hits, false = [], {k: [] for k in limits}
+    hits: list[np.ndarray] = []
+    false: dict[str, list[np.ndarray]] = {k: [] for k in limits}
     for tier in TIERS:
         live = [s for s in scored if s.tier == tier and s.refusal is None]
         hit_sims = np.array([s.similarity for s in live if s.pair.same_answer])
