@@ -239,8 +239,7 @@ def decode_header(value: memoryview | bytes, key: bytes, *, value_len: int | Non
 def check_payload(value: memoryview | bytes, header: Header) -> memoryview:
     """The payload of ``value`` (whose header decoded to ``header``) after its checksum check."""
     payload = memoryview(value)[header.header_size:]
-    if _checksum(header.version, payload) != header.checksum:
-        raise _mismatch(header.version)
+    check_payload_of(payload, header)
     return payload
 
 

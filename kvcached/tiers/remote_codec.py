@@ -27,7 +27,7 @@ import blake3
 from kvcached.errors import CorruptChunk
 from kvcached.keys import ChunkHash, LayoutId
 from kvcached.tiers.base import ChunkMeta
-from kvcached.tiers.record import HEADER_SIZE, check_payload, check_payload_of, decode_header, encode_header
+from kvcached.tiers.record import HEADER_SIZE, check_payload_of, decode_header, encode_header
 
 MAC_BYTES = 32
 MAC_CONTEXT = "kvcached 2026-12 remote tier value MAC v1"
@@ -72,18 +72,8 @@ def verify_parts(header: memoryview, payload: memoryview, tag: memoryview, h: Ch
     :class:`RemoteValueRefused` with the same reasons; the payload stays where it is."""
     mac = blake3.blake3(header, key=key)
     mac.update(payload)  # BLAKE3 releases the GIL over large inputs
-    if not hmac.compare_digest(mac.digest(), tag):
-        raise RemoteValueRefused("mac", f"chunk {h.hex()[:16]}: the MAC does not hold (another key, or altered)")
-    try:
-        head = decode_header(header, bytes(h), value_len=header.nbytes + payload.nbytes)
-    except CorruptChunk as e:
-        raise RemoteValueRefused("header", str(e)) from None
-    if head.meta.layout_id != layout_id:
-        raise RemoteValueRefused("header", f"chunk {h.hex()[:16]} is of layout {head.meta.layout_id}, not {layout_id}")
-    try:
-        check_payload_of(payload, head)
-    except CorruptChunk as e:
-        raise RemoteValueRefused("checksum", str(e)) from None
+    _check_mac(mac.digest(), tag, h)
+    _check_rest(header, header.nbytes + payload.nbytes, payload, h, layout_id, None)
 
 
 def decode(value: bytes | memoryview, h: ChunkHash, layout_id: LayoutId, key: bytes,
@@ -93,17 +83,31 @@ def decode(value: bytes | memoryview, h: ChunkHash, layout_id: LayoutId, key: by
     if len(view) <= MAC_BYTES:
         raise RemoteValueRefused("truncated", f"{len(view)} bytes")
     record, tag = view[:-MAC_BYTES], view[-MAC_BYTES:]
-    if not hmac.compare_digest(blake3.blake3(record, key=key).digest(), tag):
+    _check_mac(blake3.blake3(record, key=key).digest(), tag, h)
+    return _check_rest(record, len(record), None, h, layout_id, expected_len)
+
+
+def _check_mac(digest: bytes, tag: memoryview, h: ChunkHash) -> None:
+    if not hmac.compare_digest(digest, tag):
         raise RemoteValueRefused("mac", f"chunk {h.hex()[:16]}: the MAC does not hold (another key, or altered)")
+
+
+def _check_rest(record: memoryview, record_len: int, payload: memoryview | None, h: ChunkHash, layout_id: LayoutId,
+                expected_len: int | None) -> memoryview:
+    """After the MAC: header, layout, length, payload checksum. ``record`` holds the header (and,
+    without ``payload``, the payload after it); returns the payload."""
     try:
-        header = decode_header(record, bytes(h))
+        header = decode_header(record, bytes(h), value_len=record_len)
     except CorruptChunk as e:
         raise RemoteValueRefused("header", str(e)) from None
     if header.meta.layout_id != layout_id:
         raise RemoteValueRefused("header", f"chunk {h.hex()[:16]} is of layout {header.meta.layout_id}, not {layout_id}")
     if expected_len is not None and header.payload_len != expected_len:
         raise RemoteValueRefused("length", f"chunk {h.hex()[:16]} holds {header.payload_len} bytes, not {expected_len}")
+    if payload is None:
+        payload = record[header.header_size:]
     try:
-        return check_payload(record, header)
+        check_payload_of(payload, header)
     except CorruptChunk as e:
         raise RemoteValueRefused("checksum", str(e)) from None
+    return payload

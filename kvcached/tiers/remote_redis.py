@@ -266,9 +266,18 @@ class RemoteRedisTier:
             return []
         names = [self._name(layout_id, h) for h in hashes]
         values = self._pipelined("fetch", lambda p: [p.get(n) for n in names])
+        out = [] if values is None else self._leading_decoded(values, hashes, layout_id, chunk_bytes)
+        with self._lock:
+            self.stats.hits += len(out)
+            self.stats.misses += len(hashes) - len(out)
+            self.stats.bytes_fetched += sum(len(p) for p in out)
+        return out
+
+    def _leading_decoded(self, values: Sequence[bytes | None], hashes: Sequence[ChunkHash], layout_id: LayoutId,
+                         chunk_bytes: int) -> list[memoryview]:
+        """The verified payloads of the leading values redis-py returned (views into them); stops
+        at the first one missing or refused (counted and logged)."""
         out: list[memoryview] = []
-        if values is None:
-            return out
         for h, v in zip(hashes, values):
             if v is None:
                 break
@@ -277,10 +286,6 @@ class RemoteRedisTier:
             except RemoteValueRefused as e:
                 self._refused(h, e)
                 break
-        with self._lock:
-            self.stats.hits += len(out)
-            self.stats.misses += len(hashes) - len(out)
-            self.stats.bytes_fetched += sum(len(p) for p in out)
         return out
 
     def _refused(self, h: ChunkHash, e: RemoteValueRefused) -> None:
@@ -351,37 +356,22 @@ class RemoteRedisTier:
         values = self._connected().pipeline(transaction=False)
         for h in hashes[start:]:
             values.get(self._name(layout_id, h))
-        got = values.execute()
+        payloads = self._leading_decoded(values.execute(), hashes[start:], layout_id, chunk_bytes)
         if not stop.begin(()):
             raise DeadlineMissed("abandoned while redis-py followed a redirection")
         try:
-            for j, v in enumerate(got):
-                i = start + j
-                if v is None:
-                    return j
-                payload: list[memoryview] = []
-                if not self._verified(lambda: payload.append(decode(v, hashes[i], layout_id, self._key, chunk_bytes)),
-                                      hashes[i]):
-                    return j
+            for j, payload in enumerate(payloads):
                 stop.local_begin()
                 try:
-                    d = dest(i)
+                    d = dest(start + j)
                 finally:
                     stop.local_end()
                 if d is None:
                     return j
-                d[:] = payload[0]
-            return len(got)
+                d[:] = payload
+            return len(payloads)
         finally:
             stop.end()
-
-    def _verified(self, check: Callable[[], object], h: ChunkHash) -> bool:
-        try:
-            check()
-        except RemoteValueRefused as e:
-            self._refused(h, e)
-            return False
-        return True
 
     def _node_of(self, client: Any, name: bytes) -> tuple[str, int]:
         if not self.config.cluster:

@@ -71,6 +71,7 @@ def test_every_call_of_the_async_client_against_a_daemon(daemon):
             assert await c.lookup(LAYOUT, prompt) == 3 * CT
             # tickets: another client reads a lease and fills a reservation this one holds
             lease = await c.acquire(LAYOUT, prompt)
+            assert (await c.stats())["leases_active"] == 1  # the count the check below expects at 0 sees one
             view = await other.open_lease(lease.ticket())
             assert torch.equal(view.kv(), kv)
             await view.release()
@@ -86,6 +87,7 @@ def test_every_call_of_the_async_client_against_a_daemon(daemon):
                 assert bool((lease.chunk(3) == 7).all())
             # an aborted request stores nothing and releases its lease
             req = await c.acquire_reserve(LAYOUT, prompt + list(range(20_000, 20_000 + CT)))
+            assert (await c.stats())["reservations_active"] == 1
             receipt = await req.finish(commit=False)
             assert receipt.stored_chunks == 0 and req.lease.released
             await c.sync()
