@@ -71,7 +71,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np
 from _common import RESULTS_DIR, TRACE_DIR, format_table, write_json
-from workloads import WORKLOADS
+from workloads import BOUNDED, WORKLOADS, online_bound
 
 from kvcached.config import StoreConfig
 from kvcached.errors import TierFull
@@ -375,6 +375,7 @@ def replay_workload(name: str, reqs: list[Request], caps: list[int | None], chec
     print(f"{name}: {stats['requests']:,} requests, {stats['full_blocks']:,} full blocks, "
           f"{stats['distinct_full_block_ids']:,} distinct full-block ids", flush=True)
     infinite_rate = replay_lru(reqs, None)["hit_rate"]  # every re-used full block hits
+    bound = bound_of(name, len(reqs), [c for c in caps if c is not None])
     rows = []
     for cap in caps:
         lru = replay_lru(reqs, cap)
@@ -403,15 +404,32 @@ def replay_workload(name: str, reqs: list[Request], caps: list[int | None], chec
             "plain_lru_over_optimum": ratio(lru["hit_rate"], opt["hit_rate"]),
             "default_vs_engine_lru_per_request": cmp_,
         }
+        if cap in bound:
+            row["online_bound"] = bound[cap]
+            row["online_bound_over_optimum"] = ratio(bound[cap], opt["hit_rate"])
+            row["over_online_bound"] = {p: ratio(r["hit_rate"], bound[cap]) for p, r in engines.items()}
         rows.append(row)
         print(f"  C={label:>7}: " + "  ".join(f"{p} {r['hit_rate']:.4f}" for p, r in engines.items())
               + f"  plain lru {lru['hit_rate']:.4f}  optimum {opt['hit_rate']:.4f}  "
               f"default/lru engine {row['over_engine_lru'][POLICIES[0]]:.3f}  default/optimum "
-              f"{ratio(e, opt['hit_rate']):.3f}", flush=True)
+              f"{ratio(e, opt['hit_rate']):.3f}"
+              + (f"  online bound {bound[cap]:.4f} (default {ratio(e, bound[cap]):.3f} of it, "
+                 f"{ratio(bound[cap], opt['hit_rate']):.3f} of the optimum)" if cap in bound else ""), flush=True)
     out = {"stats": stats, "capacities": rows, "infinite_capacity_hit_rate": infinite_rate}
     if name in PAPER_MAX:
         out["paper_max_hit_rate"] = PAPER_MAX[name]
     return out
+
+
+def bound_of(name: str, n_requests: int, caps: list[int]) -> dict[int, float]:
+    """The online bound of ``workloads.online_bound`` at ``caps``, for the workloads whose generator
+    records what a policy could know (the same requests as ``load_workload``'s, its first
+    ``n_requests``); empty for the others."""
+    if name not in BOUNDED or not caps:
+        return {}
+    active: list[list[list[int]]] = []
+    reqs = WORKLOADS[name](active_out=active)[:n_requests]
+    return online_bound(active[:n_requests], reqs, caps)
 
 
 def judge(name: str, w: dict) -> dict:
@@ -421,9 +439,12 @@ def judge(name: str, w: dict) -> dict:
     the stricter; the frequency-signal ratio is reported against both."""
     rows = w["capacities"]
     d = POLICIES[0]
+    def floor(r: dict, base: float) -> bool:  # as a product: a baseline of 0 hits is no ratio
+        return bool(r["engines"][d]["hit_rate"] >= LRU_FLOOR * base)
+
     t: dict = {
-        "floor_vs_engine_lru": {r["label"]: r["over_engine_lru"][d] >= LRU_FLOOR for r in rows},
-        "floor_vs_plain_lru": {r["label"]: r["over_plain_lru"][d] >= LRU_FLOOR for r in rows},
+        "floor_vs_engine_lru": {r["label"]: floor(r, r["engines"]["lru"]["hit_rate"]) for r in rows},
+        "floor_vs_plain_lru": {r["label"]: floor(r, r["lru"]["hit_rate"]) for r in rows},
     }
     if name in SIGNAL:
         r = rows[SIGNAL[name]]
@@ -434,6 +455,10 @@ def judge(name: str, w: dict) -> dict:
                        "over_engine_lru_met": r["over_engine_lru"][d] >= SIGNAL_TARGET["over_lru"],
                        "over_optimum": r["over_optimum"][d],
                        "over_optimum_met": r["over_optimum"][d] >= SIGNAL_TARGET["over_optimum"]}
+        if "online_bound" in r:
+            # Whether the optimum target is within what any online policy can expect at all.
+            t["signal"]["online_bound_over_optimum"] = r["online_bound_over_optimum"]
+            t["signal"]["over_online_bound"] = r["over_online_bound"][d]
     inf = next((r for r in rows if r["capacity"] is None), None)
     if inf is not None:
         t["infinite_equal"] = abs(inf["engines"][d]["hit_rate"] - w["infinite_capacity_hit_rate"]) < 1e-12
@@ -486,9 +511,11 @@ def print_report(res: dict) -> None:
             e = r["engines"]
             rows.append([r["label"]] + [e[p]["hit_rate"] for p in res["policies"]]
                         + [r["lru"]["hit_rate"], r["optimum"]["hit_rate"], r["over_engine_lru"][d],
-                           r["over_engine_lru"]["frequency"], r["over_optimum"][d]])
+                           r["over_engine_lru"]["frequency"], r["over_optimum"][d]]
+                        + ([r["online_bound"]] if "online_bound" in r else []))
+        bound = ["online bound"] if any("online_bound" in r for r in w["capacities"]) else []
         print(format_table(["capacity"] + list(res["policies"]) + ["plain lru", "optimum", f"{d}/lru",
-                                                                   "frequency/lru", f"{d}/opt"], rows))
+                                                                   "frequency/lru", f"{d}/opt"] + bound, rows))
         t = w["targets"]
         yes = {True: "met", False: "NOT met"}
         line = (f"  targets: >= {res['lru_floor']}x the lru engine everywhere: "
@@ -499,6 +526,9 @@ def print_report(res: dict) -> None:
                      f"engine (>= {res['signal_target']['over_lru']}: {yes[g['over_plain_lru_met']]}, "
                      f"{yes[g['over_engine_lru_met']]}), {g['over_optimum']:.2f}x optimum (>= "
                      f"{res['signal_target']['over_optimum']}: {yes[g['over_optimum_met']]})")
+            if "online_bound_over_optimum" in g:
+                line += (f"; any online policy can expect at most {g['online_bound_over_optimum']:.2f}x the optimum "
+                         f"there (the default reaches {g['over_online_bound']:.2f}x that bound)")
         if "infinite_equal" in t:
             line += f"; infinite equal: {yes[t['infinite_equal']]}"
         print(line)

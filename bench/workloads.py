@@ -83,9 +83,11 @@ def shift(seed: int = 2, requests: int = 6000) -> list[dict]:
 
 
 def agentic(seed: int = 3, sessions: int = 40, in_flight: int = 32, tools_blocks: int = 0,
-            turn: tuple[int, int] = (2, 8)) -> list[dict]:
+            turn: tuple[int, int] = (2, 8), active_out: list[list[list[int]]] | None = None) -> list[dict]:
     """Agent sessions: each turn re-sends the whole context plus ``turn`` new blocks; a turn may
-    start a sub-agent whose context begins with its parent's."""
+    start a sub-agent whose context begins with its parent's. The session a request continues is
+    drawn uniformly from the active ones; with ``active_out``, each request appends the contexts
+    of every active session at the moment of the draw (what an online policy could know)."""
     rng = random.Random(seed)
     ids = _Ids()
     tools = ids.new(tools_blocks)
@@ -102,6 +104,8 @@ def agentic(seed: int = 3, sessions: int = 40, in_flight: int = 32, tools_blocks
         while started < sessions and sum(not a["sub"] for a in active) < in_flight:
             active.append(start(None))
             started += 1
+        if active_out is not None:
+            active_out.append([a["ctx"] for a in active])  # contexts are replaced, never mutated
         a = rng.choice(active)
         ts += rng.expovariate(4.0)
         out.append(_request(ts, a["ctx"]))
@@ -141,9 +145,42 @@ def tenants(seed: int = 4, requests: int = 7000) -> list[dict]:
     return out
 
 
-def agents_shared(seed: int = 5) -> list[dict]:
+def agents_shared(seed: int = 5, active_out: list[list[list[int]]] | None = None) -> list[dict]:
     """More, shorter-stepped agent sessions behind one 16-block tool-definition prefix."""
-    return agentic(seed, sessions=96, tools_blocks=16, turn=(1, 4))
+    return agentic(seed, sessions=96, tools_blocks=16, turn=(1, 4), active_out=active_out)
 
+
+def online_bound(active: list[list[list[int]]], requests: list[dict], capacities: list[int]) -> dict[int, float]:
+    """An upper bound on the hit rate any online policy can expect on an agent workload, per
+    capacity (in blocks).
+
+    The session a request continues is drawn uniformly from the ``n`` active ones, independently
+    of the past. So whatever a policy holds, a cache ``C`` earns in expectation
+    ``(1/n) x sum over active sessions s of |prefix of s in C|`` <= ``(1/n) x sum of w(b) over b in C``,
+    where ``w(b)`` is how many active sessions' contexts hold block ``b`` (a block already seen:
+    nothing else can be cached). The best ``C`` of ``c`` blocks takes the ``c`` largest ``w``;
+    ``w`` never grows with depth along a context, so that set is prefix-closed. The bound ignores
+    that a cache can only change by storing what requests bring, so it is loose. The offline
+    optimum (Belady) beats it by knowing which session is drawn next."""
+    seen: set[int] = set()
+    total = 0
+    expected = dict.fromkeys(capacities, 0.0)
+    for contexts, r in zip(active, requests):
+        w: dict[int, int] = {}
+        for ctx in contexts:
+            for b in ctx:
+                if b in seen:
+                    w[b] = w.get(b, 0) + 1
+        top = sorted(w.values(), reverse=True)
+        n = len(contexts)
+        for c in capacities:
+            expected[c] += sum(top[:c]) / n
+        total += len(r["hash_ids"])
+        seen.update(r["hash_ids"])
+    return {c: e / total for c, e in expected.items()}
+
+
+#: The workloads whose generator can say what an online policy could know (``active_out``).
+BOUNDED = ("agentic", "agents_shared")
 
 WORKLOADS = {"scan": scan, "shift": shift, "agentic": agentic, "agents_shared": agents_shared, "tenants": tenants}

@@ -5,7 +5,22 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
+
+#: The eviction orders (kvcached.index.eviction) and admission rules; one list each, used by the
+#: engine, the settings file's checks and the messages that name the choices.
+EvictionPolicyName = Literal["adaptive", "frequency", "lru"]
+AdmissionName = Literal["always", "frequency"]
+#: How committed chunks reach the remote tier (kvcached.publish).
+RemoteWriteMode = Literal["async", "on_evict", "off"]
+EVICTION_POLICIES: tuple[EvictionPolicyName, ...] = get_args(EvictionPolicyName)
+ADMISSIONS: tuple[AdmissionName, ...] = get_args(AdmissionName)
+REMOTE_WRITE_MODES: tuple[RemoteWriteMode, ...] = get_args(RemoteWriteMode)
+
+
+def one_of(names: tuple[str, ...]) -> str:
+    """``a, b or c``: the choices, as the error messages name them."""
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -137,18 +152,18 @@ class StoreConfig:
     #: same with a fixed weight) or "lru". ``eviction_weight``: pool turnovers one more hit is
     #: worth (frequency only); ``eviction_memory_chunks``: evicted chunks whose use
     #: counts the policy's sketch remembers (a power of two; 2 bytes each).
-    eviction_policy: str = "adaptive"
+    eviction_policy: EvictionPolicyName = "adaptive"
     eviction_weight: float = 1.0
     eviction_memory_chunks: int = 1 << 22
     #: "always" (the default) or "frequency": refuse a new chunk that would rank below the
     #: chunk it evicts (a doorkeeper; measured to cost hit rate on document workloads).
-    eviction_admission: str = "always"
+    eviction_admission: AdmissionName = "always"
     #: The remote tier (kvcached.tiers.remote_redis.RemoteConfig; its domain is this one's), or
     #: None. ``remote_write``: "async" publishes committed chunks in the background (and demotes
     #: chunks there when they leave the last local tier), "on_evict" only demotes, "off" only
     #: reads; ``remote_queue_chunks`` bounds what waits to be published.
     remote: Any = None
-    remote_write: str = "async"
+    remote_write: RemoteWriteMode = "async"
     remote_queue_chunks: int = 4096
     remote_queue_bytes: int = 256 * MiB  # copies of chunks waiting to be demoted there
     #: Feed a KV event stream (kvcached.events) from the index; ``kv_events_pending`` bounds the
@@ -176,14 +191,14 @@ class StoreConfig:
             raise ValueError("max_leases_per_session and max_reservations_per_session must be >= 1")
         if self.hash_memo_bytes < 0:
             raise ValueError("hash_memo_bytes must be >= 0")
-        if self.eviction_policy not in ("adaptive", "frequency", "lru"):
-            raise ValueError(f"eviction_policy must be adaptive, frequency or lru, not {self.eviction_policy!r}")
-        if self.remote_write not in ("async", "on_evict", "off"):
-            raise ValueError(f"remote_write must be async, on_evict or off, not {self.remote_write!r}")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be {one_of(EVICTION_POLICIES)}, not {self.eviction_policy!r}")
+        if self.remote_write not in REMOTE_WRITE_MODES:
+            raise ValueError(f"remote_write must be {one_of(REMOTE_WRITE_MODES)}, not {self.remote_write!r}")
         if self.remote_queue_chunks < 1 or self.remote_queue_bytes < 1:
             raise ValueError("remote_queue_chunks and remote_queue_bytes must be >= 1")
-        if self.eviction_admission not in ("always", "frequency"):
-            raise ValueError(f"eviction_admission must be always or frequency, not {self.eviction_admission!r}")
+        if self.eviction_admission not in ADMISSIONS:
+            raise ValueError(f"eviction_admission must be {one_of(ADMISSIONS)}, not {self.eviction_admission!r}")
         if self.eviction_admission != "always" and self.eviction_policy == "lru":
             raise ValueError("eviction_admission = frequency needs eviction_policy = adaptive or frequency")
         if not 0 <= self.eviction_weight <= 1000:

@@ -19,7 +19,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from kvcached.config import BLOCK_ALIGN, RELOADABLE_FIELDS, FileAccess, GiB, MiB, StoreConfig
+from kvcached.config import (ADMISSIONS, BLOCK_ALIGN, EVICTION_POLICIES, RELOADABLE_FIELDS, REMOTE_WRITE_MODES,
+                             AdmissionName, EvictionPolicyName, FileAccess, GiB, MiB, RemoteWriteMode, StoreConfig,
+                             one_of)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -149,10 +151,10 @@ class DaemonSettings:
     writeback_high: float = 0.10  # ...by demoting batches until this much is free
     writeback_batch_bytes: int = 64 * MiB
     writeback_wait: float = 2.0  # how long a reservation waits for room before demoting itself
-    eviction_policy: str = "adaptive"  # or "frequency", "lru" (kvcached.index.eviction); restart to change
+    eviction_policy: EvictionPolicyName = "adaptive"  # or "frequency", "lru" (kvcached.index.eviction); restart to change
     eviction_weight: float = 1.0  # pool turnovers one more hit is worth (reloadable)
     eviction_memory_chunks: int = 1 << 22  # evicted chunks whose use counts are remembered (2 B each)
-    eviction_admission: str = "always"  # or "frequency": a doorkeeper (costs hit rate on documents)
+    eviction_admission: AdmissionName = "always"  # or "frequency": a doorkeeper (costs hit rate on documents)
     # The remote tier (Redis / Redis Cluster, kvcached.tiers.remote_redis); off while remote_nodes is "".
     remote_nodes: str = ""  # "host:port,host:port" (any nodes of a cluster)
     remote_cluster: bool = False
@@ -160,7 +162,7 @@ class DaemonSettings:
     remote_password_file: str = ""  # readable by the daemon only (mode 0600/0400)
     remote_ttl: float = 0.0  # 0: cache_ttl
     remote_timeout: float = 0.5
-    remote_write: str = "async"  # or "on_evict", "off"
+    remote_write: RemoteWriteMode = "async"  # or "on_evict", "off"
     # KV events in vLLM's wire format (kvcached.events, kvcached.service.kv_events); off while "".
     # They carry prompt token ids: ipc:// or loopback TCP unless kv_events_allow_remote.
     kv_events_endpoint: str = ""  # ZMQ PUB, e.g. "ipc:///run/kvcached/kv-events" or "tcp://127.0.0.1:5557"
@@ -398,13 +400,13 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "writeback_high": (lambda v: 0 <= v < 1, "a fraction of the pool, 0 <= writeback_low <= writeback_high < 1"),
     "writeback_batch_bytes": (lambda v: v >= 1, "a size > 0"),
     "writeback_wait": (lambda v: v >= 0, "seconds >= 0"),
-    "eviction_policy": (lambda v: v in ("adaptive", "frequency", "lru"), "adaptive, frequency or lru"),
+    "eviction_policy": (lambda v: v in EVICTION_POLICIES, one_of(EVICTION_POLICIES)),
     "eviction_weight": (lambda v: 0 <= v <= 1000, "0..1000"),
     "eviction_memory_chunks": (_is_pow2, "a power of two in 1024..268435456"),
-    "eviction_admission": (lambda v: v in ("always", "frequency"), "always or frequency"),
+    "eviction_admission": (lambda v: v in ADMISSIONS, one_of(ADMISSIONS)),
     "remote_ttl": (lambda v: v >= 0, "seconds >= 0 (0: cache_ttl)"),
     "remote_timeout": (lambda v: v > 0, "seconds > 0"),
-    "remote_write": (lambda v: v in ("async", "on_evict", "off"), "async, on_evict or off"),
+    "remote_write": (lambda v: v in REMOTE_WRITE_MODES, one_of(REMOTE_WRITE_MODES)),
     "remote_queue_chunks": (lambda v: v >= 1, "an integer >= 1"),
     "remote_queue_bytes": (lambda v: v >= 1, "a size > 0"),
     "kv_events_buffer_batches": (lambda v: v >= 1, "an integer >= 1"),
@@ -418,7 +420,10 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+#: The settings' annotations (strings: ``from __future__ import annotations``) as the TOML types
+#: they take; a ``Literal`` of names is a string, its names checked by ``_RULES``.
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool,
+          "EvictionPolicyName": str, "AdmissionName": str, "RemoteWriteMode": str}
 _SIZES = {"pool_bytes", "pool_block_bytes", "nvme_bytes", "nvme_map_bytes", "max_message_bytes",
           "hash_memo_bytes", "writeback_batch_bytes", "remote_queue_bytes"}
 

@@ -75,6 +75,21 @@ oracle admission + LRU     0.36 / 0.89  0.41 / 0.84  knows which chunks come bac
   hundreds of requests later, long after its chunks were evicted (without it, 0.24 at 1k).
 * A key fixed at push time keeps the policy a heap: O(log n) per use, no sampling; in the
   engine it costs <= 1.1x LRU's time per request in ``bench/trace_replay.py``.
+* Ranks stay as pushed while tau, and so the boost, is measured again every epoch: members
+  pushed in different epochs are ranked on slightly different scales. Accepted, by
+  measurement: re-ranking both queues at every change of the boost moved the default's hit
+  rate by 0.989-1.032x (``frequency``: 0.984-1.069x) on the conversation trace at 1k and 10k
+  blocks and on five synthetic workloads, inside the +-3 % by which the store's random hash
+  key alone moves the default from run to run (the same replay of the shift workload at 68
+  blocks: 0.386-0.409 over four runs). A change of *weight* (an ``adaptive`` switch) changes
+  the scale by a factor, not a drift, and does re-rank.
+* On agent sessions at 0.5 % and 1 % of their blocks (57 and 114), a request's context (97
+  blocks on average) is larger than the pool, so every miss replaces the pool whatever the
+  order: every policy reaches the same hit rate. Only admission could keep more, and the
+  doorkeepers tried (this module's at weights 1 and 4; one on an LRFU key, half-lives of 0.5,
+  2 and 8 turnovers) reached 0.57-1.04x LRU. The session a request continues is drawn
+  uniformly there, and no online policy can expect more than 0.52x the offline optimum at 57
+  blocks (``bench/workloads.py``, ``online_bound``): the optimum knows which session comes next.
 * At 1k blocks nothing online comes near 0.7 of the optimum: even the oracle that admits exactly
   the chunks that will ever be used again reaches 0.36 / 0.41 under LRU. The optimum's edge
   there is knowing *when* a chunk returns. At 10k, admission is what is missing (the oracle
@@ -92,13 +107,14 @@ import heapq
 import itertools
 from typing import Callable, Generic, Protocol, Sequence, TypeVar
 
+from kvcached.config import ADMISSIONS, EVICTION_POLICIES, AdmissionName, EvictionPolicyName
 from kvcached.index.minisim import MiniSims
 from kvcached.index.sketch import FrequencySketch
 from kvcached.keys import ChunkHash
 
-POLICIES = ("adaptive", "frequency", "lru")
-#: "always": every chunk a reservation has room for is stored; "frequency": a doorkeeper.
-ADMISSIONS = ("always", "frequency")
+#: The policies' names (the first is the default); admissions: "always" stores every chunk a
+#: reservation has room for, "frequency" is a doorkeeper.
+POLICIES: tuple[EvictionPolicyName, ...] = EVICTION_POLICIES
 
 
 class Queued(Protocol):
@@ -114,7 +130,7 @@ N = TypeVar("N", bound=Queued)  # what a queue holds: the index's nodes
 class EvictionPolicy(Protocol):
     """How the index ranks evictable chunks. Lower keys leave first."""
 
-    name: str
+    name: EvictionPolicyName
     #: Whether :meth:`admits` can ever say no (the write path skips asking otherwise).
     screens: bool
 
@@ -149,7 +165,7 @@ class EvictionPolicy(Protocol):
 class LruPolicy:
     """Least recently used first."""
 
-    name = "lru"
+    name: EvictionPolicyName = "lru"
     screens = False
 
     def key(self, node: Queued) -> float:
@@ -182,10 +198,10 @@ class FrequencyPolicy:
     sketch's width (evicted chunks remembered, and how often the counts are halved).
     """
 
-    name = "frequency"
+    name: EvictionPolicyName = "frequency"
 
     def __init__(self, *, weight: float = 1.0, scale_chunks: int = 1, memory_chunks: int = 1 << 22,
-                 admission: str = "always", epoch_uses: int = 0) -> None:
+                 admission: AdmissionName = "always", epoch_uses: int = 0) -> None:
         if admission not in ADMISSIONS:
             raise ValueError(f"unknown admission {admission!r}; one of {', '.join(ADMISSIONS)}")
         self.admission = admission
@@ -279,7 +295,7 @@ class AdaptivePolicy(FrequencyPolicy):
     evidence (``weight`` is ignored: starting at 1 cost up to 0.9 % against LRU on the agent
     workloads before the first switch, starting at 0 nothing measurable anywhere)."""
 
-    name = "adaptive"
+    name: EvictionPolicyName = "adaptive"
 
     def __init__(self, **kw: object) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
@@ -303,8 +319,8 @@ class AdaptivePolicy(FrequencyPolicy):
         return {**super().describe(), **self.sims.describe()}
 
 
-def make_policy(name: str, *, weight: float = 1.0, scale_chunks: int = 1, memory_chunks: int = 1 << 22,
-                admission: str = "always") -> LruPolicy | FrequencyPolicy:
+def make_policy(name: EvictionPolicyName, *, weight: float = 1.0, scale_chunks: int = 1,
+                memory_chunks: int = 1 << 22, admission: AdmissionName = "always") -> LruPolicy | FrequencyPolicy:
     if name == "lru":
         if admission != "always":
             raise ValueError("admission control needs the frequency policy (it ranks by remembered counts)")
