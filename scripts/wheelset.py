@@ -274,10 +274,10 @@ def make_venv(path: str, site_dirs: Sequence[str] | None = None) -> tuple[str, s
     with open(os.path.join(purelib, "kvcached-checkout.pth"), "w") as f:
         f.write(f"{REPO}\n{os.path.join(REPO, 'clients')}\n")
         f.writelines(f"import site; site.addsitedir({d!r})\n" for d in site_dirs)
-    for tool in ("kvcached", "kvcachectl"):
+    for tool, entry in (("kvcached", "kvcached.cli import kvcached_main as main"), ("kvcachectl", "kvcachectl import main")):
         launcher = os.path.join(path, "bin", tool)
         with open(launcher, "w") as f:
-            f.write(f"#!{python}\nfrom kvcached.cli import {tool}_main\nraise SystemExit({tool}_main())\n")
+            f.write(f"#!{python}\nfrom {entry}\nraise SystemExit(main())\n")
         os.chmod(launcher, 0o755)
     return python, purelib
 

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from kvcached.cli import doctor_checks
+from kvcachectl.doctor import doctor_checks
 from kvcached.stats import HitRateHistory
 from kvcached_client import Client
 from tests.service.conftest import LAYOUT

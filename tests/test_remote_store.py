@@ -252,7 +252,7 @@ def test_the_publisher_holds_its_queue_while_redis_is_down_and_resumes(tmp_path,
 
 
 def test_doctor_judges_reachability_acl_and_memory_policy(tmp_path, server):
-    from kvcached.cli import doctor_checks
+    from kvcachectl.doctor import doctor_checks
     from tests.redis_servers import cli
 
     def remote_verdicts(store: Store) -> dict[str, str]:

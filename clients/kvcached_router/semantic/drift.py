@@ -176,7 +176,7 @@ class DriftMonitor:
 def semantic_checks(state: dict) -> list[dict]:
     """Doctor checks over the router's ``GET /router/semantic`` state: the drift of the top-1
     similarity distribution and the shadow sample's measured false-hit rate. Each entry has the
-    shape of ``kvcached.cli.doctor_checks``' entries: check, verdict (ok/warn/fail), detail, dig."""
+    shape of ``kvcachectl.doctor.doctor_checks``' entries: check, verdict (ok/warn/fail), detail, dig."""
     checks: list[dict] = []
     dig = "curl -s ROUTER/router/semantic; journalctl -u kvcached-router EVENT=semantic_drift"
 
@@ -234,6 +234,6 @@ def doctor_main(argv: Sequence[str]) -> int:
     except (OSError, ValueError) as e:
         print(f"kvcached-router doctor: cannot read {args.url}/router/semantic: {e}")
         return 2
-    from kvcached.cli import print_checks  # kvcachectl doctor's format
+    from kvcachectl.doctor import print_checks  # kvcachectl doctor's format
 
     return print_checks(semantic_checks(state), args.json, lambda d: d.replace("ROUTER", args.url.rstrip("/")))
