@@ -52,7 +52,7 @@ from kvcached.errors import (
     UnknownLease,
     UnknownReservation,
 )
-from kvcached.index import FrequencyPolicy, Node, PrefixIndex, make_policy
+from kvcached.index import Node, PrefixIndex, make_policy
 from kvcached.events import MEDIUM_CPU, MEDIUM_GPU, KvEventLog, KVCacheEvent, snapshot_events
 from kvcached.hashmemo import HashMemo
 from kvcached.keys import (CLIENT_KEYS, ChunkHash, ChunkHasher, KVLayout, LayoutId, Namespace, TokenInput, load_or_create_key,
@@ -247,8 +247,6 @@ class Store:
         """Tell the eviction policy how many chunks the pool holds: by the mean size of the
         chunks it holds now, or (empty) of the smallest registered layout's."""
         policy = self.index.policy
-        if not isinstance(policy, FrequencyPolicy):
-            return
         pool = self.pool
         if pool.committed_chunks and pool.payload_bytes:
             chunk = pool.payload_bytes / pool.committed_chunks
@@ -845,9 +843,7 @@ class Store:
         their deadlines; a session already over a lowered cap keeps what it holds."""
         with self._lock:
             self.config = dataclasses.replace(self.config, **reloadable)
-            policy = self.index.policy
-            if isinstance(policy, FrequencyPolicy):
-                policy.set_weight(self.config.eviction_weight)
+            self.index.policy.set_weight(self.config.eviction_weight)
 
     def doctor_facts(self) -> dict[str, Any]:
         """What ``kvcachectl doctor`` judges: recent vs baseline hit rate, long-held leases,

@@ -133,6 +133,8 @@ class EvictionPolicy(Protocol):
     name: EvictionPolicyName
     #: Whether :meth:`admits` can ever say no (the write path skips asking otherwise).
     screens: bool
+    #: Whether :meth:`key` is the last use (queues then rank members without calling it).
+    by_last_use: bool
 
     def key(self, node: Queued) -> float: ...
 
@@ -157,6 +159,15 @@ class EvictionPolicy(Protocol):
         True when the policy's keys changed scale: the queues must re-rank their members."""
         ...
 
+    def set_scale(self, scale_chunks: int) -> None:
+        """The pool now holds about ``scale_chunks`` chunks (the store calls this when the
+        layouts or the mean chunk size change)."""
+        ...
+
+    def set_weight(self, weight: float) -> None:
+        """``eviction_weight`` was reloaded (SIGHUP); a policy without a weight ignores it."""
+        ...
+
     def describe(self) -> dict[str, float | int | str]:
         """What the policy is doing now, for stats: at least ``policy`` and ``admission``."""
         ...
@@ -167,6 +178,7 @@ class LruPolicy:
 
     name: EvictionPolicyName = "lru"
     screens = False
+    by_last_use = True
 
     def key(self, node: Queued) -> float:
         return node.last_use
@@ -186,6 +198,12 @@ class LruPolicy:
     def requested(self, hashes: Sequence[ChunkHash], now: float) -> bool:
         return False
 
+    def set_scale(self, scale_chunks: int) -> None:
+        pass
+
+    def set_weight(self, weight: float) -> None:
+        pass
+
     def describe(self) -> dict[str, float | int | str]:
         return {"policy": self.name, "admission": "always"}
 
@@ -199,6 +217,7 @@ class FrequencyPolicy:
     """
 
     name: EvictionPolicyName = "frequency"
+    by_last_use = False
 
     def __init__(self, *, weight: float = 1.0, scale_chunks: int = 1, memory_chunks: int = 1 << 22,
                  admission: AdmissionName = "always", epoch_uses: int = 0) -> None:

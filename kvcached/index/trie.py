@@ -114,7 +114,7 @@ class PrefixIndex:
         self._nodes: dict[ChunkHash, Node] = {}
         self.policy: EvictionPolicy = policy if policy is not None else LruPolicy()
         self.leaves: EvictionQueue[Node] = EvictionQueue(_IN_LEAVES)  # by last use: TTL expiry walks it oldest first
-        key = None if isinstance(self.policy, LruPolicy) else self.policy.key  # None: last use, inline
+        key = None if self.policy.by_last_use else self.policy.key  # None: last use, inline
         self.pool_lru: EvictionQueue[Node] = EvictionQueue(_IN_POOL_LRU, key)
         self.nvme_leaves: EvictionQueue[Node] = EvictionQueue(_IN_NVME_LEAVES, key)
         self.pinned_in_pool = 0  # nodes with refcount > 0 and a pool copy: the pool's leased chunks
