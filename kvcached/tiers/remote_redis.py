@@ -52,7 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union, cast
 
 from kvcached.keys import ChunkHash, LayoutId
 from kvcached.tiers.base import ChunkMeta
@@ -62,6 +62,13 @@ from kvcached.tiers.remote_codec import (MAC_BYTES, RemoteValueRefused, decode, 
 from kvcached.tiers.resp import ErrorReply, RespConnection
 
 log = logging.getLogger("kvcached.remote")
+
+if TYPE_CHECKING:  # redis is the remote extra: only a daemon with a remote tier imports it
+    import redis
+    import redis.cluster
+
+#: What :func:`_make_client` builds: one Redis, or a Redis Cluster (redis-py, typed).
+RedisClient = Union["redis.Redis", "redis.cluster.RedisCluster"]
 
 
 @dataclass(frozen=True)
@@ -159,7 +166,7 @@ class Breaker:
 
 class RemoteRedisTier:
     def __init__(self, config: RemoteConfig, mac_key: bytes, *, clock: Callable[[], float] = time.monotonic,
-                 client: Any = None, reader: str = "direct") -> None:
+                 client: RedisClient | None = None, reader: str = "direct") -> None:
         """``reader``: how fetches read values. ``direct`` (the default): this module's own sockets
         (:mod:`kvcached.tiers.resp`), each value read straight into its destination; redis-py
         still keeps the cluster's slot map and serves redirections. ``redis-py``: its pipelines,
@@ -294,7 +301,7 @@ class RemoteRedisTier:
         log.warning("remote chunk %s refused: %s", h.hex()[:16], e,
                     extra={"event": "remote_refused", "reason": e.reason})
 
-    def _read_direct(self, client: Any, layout_id: LayoutId, hashes: Sequence[ChunkHash], chunk_bytes: int,
+    def _read_direct(self, client: RedisClient, layout_id: LayoutId, hashes: Sequence[ChunkHash], chunk_bytes: int,
                      dest: Callable[[int], memoryview | None], stop: _Stop) -> list[int]:
         """The direct reader's fetch, on an I/O thread: ``[n]``, the leading chunks verified.
 
@@ -373,11 +380,11 @@ class RemoteRedisTier:
         finally:
             stop.end()
 
-    def _node_of(self, client: Any, name: bytes) -> tuple[str, int]:
+    def _node_of(self, client: RedisClient, name: bytes) -> tuple[str, int]:
         if not self.config.cluster:
             host, _, port = self.config.nodes[0].rpartition(":")
             return host, int(port)
-        node = client.get_node_from_key(name)
+        node = cast("redis.cluster.RedisCluster", client).get_node_from_key(name)  # cluster config: a cluster client
         return node.host, int(node.port)
 
     def _connection(self, addr: tuple[str, int]) -> RespConnection:
@@ -491,7 +498,7 @@ class RemoteRedisTier:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _connected(self) -> Any:
+    def _connected(self) -> RedisClient:
         """The redis-py client, made on first use (one, however many threads ask at once)."""
         client = self._client
         if client is None:
@@ -508,14 +515,14 @@ class RemoteRedisTier:
         """Run the commands ``queue`` adds to a pipeline (one round trip: redis-py's cluster
         pipeline writes to every node, then reads every node); None (counted, logged) on any
         failure or past ``timeout`` × ``rounds``."""
-        def run(client: Any) -> list[Any]:
+        def run(client: RedisClient) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             queue(pipe)
             return pipe.execute()
 
         return self._call(what, run, rounds=rounds)
 
-    def _bounded(self, op: Callable[[Any], list[Any]], rounds: int, stop: _Stop | None = None) -> list[Any]:
+    def _bounded(self, op: Callable[[RedisClient], list[Any]], rounds: int, stop: _Stop | None = None) -> list[Any]:
         """``op(client)`` on an I/O thread, waited for ``timeout`` × ``rounds``; raises
         :class:`DeadlineMissed` past it (after ``stop.stop()``: the call writes nothing any more),
         :class:`IOBusy` when no thread is free. The time the call spends in its caller's
@@ -549,7 +556,7 @@ class RemoteRedisTier:
             stop.stop()
         raise DeadlineMissed(f"no answer within {wait:.3f} s (the remote timeout x {rounds} round trip(s))")
 
-    def _call(self, what: str, op: Callable[[Any], list[Any]], *, rounds: int = 1,
+    def _call(self, what: str, op: Callable[[RedisClient], list[Any]], *, rounds: int = 1,
               stop: _Stop | None = None) -> list[Any] | None:
         """``op(client)``, past the breaker, within its deadline; None (counted, logged) on any failure."""
         with self._lock:
@@ -753,7 +760,7 @@ class IOBusy(Exception):
     """Every remote I/O thread is still inside a call abandoned at its deadline."""
 
 
-def _make_client(config: RemoteConfig) -> Any:
+def _make_client(config: RemoteConfig) -> RedisClient:
     import redis  # the remote extra; only a daemon with a remote tier needs it
     from redis.backoff import NoBackoff
     from redis.retry import Retry
