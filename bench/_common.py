@@ -1,8 +1,8 @@
 """Shared helpers for the benchmarks in ``bench/``: machine info, timing, tables, JSON.
 
-Not a benchmark itself. Every script imports it as ``from _common import ...``
-(the scripts put their own directory on ``sys.path``), so they run as plain
-``python bench/<name>.py`` from the repository root.
+Not a benchmark itself. The scripts run as plain ``python bench/<name>.py`` from the repository
+root: each puts the repository root on ``sys.path`` (one line) and imports ``bench._common``,
+which makes ``kvcached`` and ``kvcached_client`` importable from the source tree.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ RESULTS_DIR = os.path.join(REPO_ROOT, "bench", "results")
 #: in CI); override with KVCACHED_TRACES=/path/to/mooncake-fast25.
 TRACE_DIR = os.environ.get("KVCACHED_TRACES", os.path.join(REPO_ROOT, "..", "shared", "traces", "mooncake-fast25"))
 
-if REPO_ROOT not in sys.path:  # make ``import kvcached`` work without installing the package
-    sys.path.insert(0, REPO_ROOT)
+for _p in (REPO_ROOT, os.path.join(REPO_ROOT, "clients")):  # kvcached and kvcached_client, not installed
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 
 def machine_info() -> dict:
@@ -181,6 +182,46 @@ def write_json(name: str, payload: dict, out_dir: str | None = None) -> str:
         json.dump(doc, f, indent=2, sort_keys=False, default=_json_default)
         f.write("\n")
     os.replace(tmp, path)
+    return path
+
+
+def write_results(name: str, payload: dict, out_dir: str | None = None, *, quick: bool = False,
+                  plot: Callable[[dict, str], object] | None = None) -> str:
+    """The end of a bench: ``bench/results/<name>.json`` (``<name>.quick.json`` for ``--quick``) by
+    :func:`write_json`, and with ``plot``, ``plot(payload, png)`` drawing the ``.png`` beside it.
+    Prints what it wrote; returns the JSON's path."""
+    stem = f"{name}.quick" if quick else name
+    path = write_json(stem, payload, out_dir)
+    wrote = [path]
+    if plot is not None:
+        wrote.append(os.path.join(os.path.dirname(path), stem + ".png"))
+        plot(payload, wrote[-1])
+    print("\n" + "\n".join(f"wrote {p}" for p in wrote))
+    return path
+
+
+# -- figures ----------------------------------------------------------------------------------
+
+
+def subplots(*args: object, **kwargs: object) -> tuple:
+    """``matplotlib.pyplot.subplots`` on the Agg backend (no display): what every bench's plot starts with."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(*args, **kwargs)
+
+
+def save_figure(fig: object, path: str, *, title: str | None = None, dpi: int = 110) -> str:
+    """Title (``suptitle``), lay out, write ``path`` and close ``fig`` (from :func:`subplots`)."""
+    import matplotlib.pyplot as plt
+
+    if title:
+        fig.suptitle(title, fontsize=10)  # type: ignore[attr-defined]
+    fig.tight_layout()  # type: ignore[attr-defined]
+    fig.savefig(path, dpi=dpi)  # type: ignore[attr-defined]
+    plt.close(fig)  # type: ignore[arg-type]
     return path
 
 

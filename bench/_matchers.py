@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 from datasketch import MinHash, MinHashLSH
 from rbloom import Bloom
-from trace_replay import BLOCK, Request  # the trace's 512-token blocks and its request record
+from bench.trace_replay import BLOCK, Request  # the trace's 512-token blocks and its request record
 
 from kvcached.index import PrefixIndex, make_policy
 from kvcached.keys import ChunkHash, ChunkHasher, KVLayout, Namespace, normalize_tokens

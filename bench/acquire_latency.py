@@ -41,19 +41,10 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
 import numpy as np
-from _common import (
-    REPO_ROOT,
-    RESULTS_DIR,
-    format_table,
-    ratio,
-    summarize_ns,
-    time_calls,
-    timer_overhead_ns,
-    write_json,
-)
+from bench._common import REPO_ROOT, RESULTS_DIR, format_table, ratio, summarize_ns, time_calls, timer_overhead_ns, write_results
 
 from kvcached.config import StoreConfig
 from kvcached.keys import KVLayout, normalize_tokens
@@ -188,8 +179,10 @@ def measure(store: Store, lid: str, prompt: np.ndarray, shape: dict, args: argpa
 
     per_round = max(1, args.iterations // args.rounds)
     samples: dict[tuple[str, str], list[int]] = {(k, op): [] for k in KINDS for op in OPS}
-    # Breakdown (bytes input): the pieces acquire is made of. Some rows call engine internals;
-    # if a refactor renamed them, those rows are skipped (listed in "breakdown_skipped").
+    # Breakdown (bytes input): the pieces acquire is made of. Some rows call engine internals; if a
+    # refactor renamed them, those rows are listed with the reason in "breakdown_skipped", and the
+    # run fails (exit status 1, after writing the JSON): a row the READMEs quote is never dropped
+    # silently.
     lease = store.acquire(lid, inputs["bytes"])
     breakdown_fns, skipped = breakdown_pieces(store, lid, inputs, ref, lease)
     bsamples: dict[str, list[int]] = {k: [] for k in breakdown_fns}
@@ -300,7 +293,7 @@ def print_report(res: dict) -> None:
         [[k, v["p50_us"], v["p99_us"]] for k, v in res["breakdown_bytes_input"].items()],
     ))
     for why in res.get("breakdown_skipped", []):
-        print(f"  (skipped {why})")
+        print(f"  (NOT RUN: {why})")
     print(f"\ntarget: acquire p50 <= {TARGET_ACQUIRE_P50_US:.0f} us")
     for k, t in res["target_acquire_p50"].items():
         print(f"  {k:9s}: {t['acquire_p50_us']:.1f} us -> {'MET' if t['met'] else 'NOT MET'}"
@@ -351,8 +344,11 @@ def main(argv: list[str] | None = None) -> int:
     print_report(res)
     res["sglang_match_prefix"] = sglang_side(res.pop("_prompt"), res["shape"], args)
     print_sglang(res)
-    path = write_json("acquire_latency.quick" if args.quick else "acquire_latency", res, args.out)
-    print(f"\nwrote {path}")
+    write_results("acquire_latency", res, args.out, quick=args.quick)
+    if res["breakdown_skipped"]:  # an engine internal was renamed: update breakdown_pieces
+        print("FAILED: breakdown rows could not run (engine internals renamed?):\n  "
+              + "\n  ".join(res["breakdown_skipped"]), file=sys.stderr)
+        return 1
     return 0
 
 

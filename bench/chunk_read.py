@@ -74,20 +74,9 @@ import time
 import warnings
 import zlib
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
-from _common import (
-    RESULTS_DIR,
-    Daemon,
-    client_path,
-    format_table,
-    install_sigterm_exit,
-    ratio,
-    summarize_ns,
-    write_json,
-)
-
-client_path()
+from bench._common import RESULTS_DIR, Daemon, format_table, install_sigterm_exit, ratio, summarize_ns, write_results
 
 import lmdb
 import numpy as np
@@ -797,8 +786,7 @@ def main(argv: list[str] | None = None) -> int:
     res["targets"] = {"pool_over_memcpy_min": TARGET_POOL, "nvme_over_memcpy_min": TARGET_NVME,
                       "over_redis_get_min": TARGET_VS_REDIS}
     print_report(res)
-    path = write_json("chunk_read.quick" if args.quick else "chunk_read", res, args.out)
-    print(f"\nwrote {path}")
+    write_results("chunk_read", res, args.out, quick=args.quick)
     return 0
 
 

@@ -20,9 +20,8 @@ random order; how long until the daemon has released every pin (session end), is
 left in flight or torn, and is the pool fully reclaimable (evict all -> every pool byte free, one
 put fills the whole pool)? Plus a session-less client, released by the TTL.
 
-The workload and the checks are those of ``tests/reliability/test_crash.py`` and
-``tests/reliability/test_client_death.py`` (imported, not copied); the tests are the bounded
-versions. Exit status 1 if any check failed; the JSON is written either way.
+The workload and the checks are ``bench/harness/crash.py`` and ``bench/harness/client_death.py``,
+which ``tests/reliability/test_crash.py`` and ``test_client_death.py`` run in bounded versions. Exit status 1 if any check failed; the JSON is written either way.
 
     .venv/bin/python bench/crash_loop.py            # ~4-5 min on a 2-core box
     .venv/bin/python bench/crash_loop.py --quick    # 3 kills, 1 client-death round
@@ -39,17 +38,12 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
-from _common import REPO_ROOT, client_path, format_table, install_sigterm_exit, write_json  # noqa: E402
-
-client_path()
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
-
-from tests.daemon import Daemon  # noqa: E402
-from tests.reliability import test_client_death as death  # noqa: E402
-from tests.reliability import test_crash as crash  # noqa: E402
+from bench._common import format_table, install_sigterm_exit, write_json
+from bench.harness import client_death as death
+from bench.harness import crash
+from bench.harness.daemon import Daemon
 
 
 def _stats(xs: list[float]) -> dict:

@@ -29,8 +29,9 @@ when each is run for much longer, under continuous load?
    (twice in the full run). Client errors (0), corrupt chunks (0), hits from the cluster resuming
    after every step, and acquire p50 / p99 during migrations against before them.
 
-The servers, daemons, fleet, router and load are the tests' own (imported, not copied; only the
-resharding load's loop is repeated, to time each acquire): the bench runs them longer and measures.
+The servers, daemons, fleet, router and load are the tests' own (``bench/harness`` and
+``bench/routing``, which the tests import; the resharding load is timed here by wrapping its
+``fetch``): the bench runs them longer and measures.
 Exit status 1 if a target was not met; the JSON is written either way.
 
     .venv/bin/python bench/cross_host.py            # ~5-5.5 min on a 2-core box
@@ -57,30 +58,24 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
-from _common import REPO_ROOT, client_path, format_table, install_sigterm_exit, percentile, write_json  # noqa: E402
-
-client_path()
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
-
-import pytest  # noqa: E402  (require_redis skips through pytest's outcomes)
-
-from kvcached.keys import write_new_key  # noqa: E402
-from kvcached.remotefill import FETCH_WINDOW_BYTES  # noqa: E402
-from kvcached.store import Store  # noqa: E402
-from kvcached_client import Client  # noqa: E402
-from tests import test_remote_daemons as remote_daemons  # noqa: E402
-from tests import test_remote_deadline as deadline  # noqa: E402
-from tests.conftest import TINY, payload, prompt  # noqa: E402
-from tests.daemon import Daemon  # noqa: E402
-from tests.redis_servers import RedisCluster, RedisServer, cli, free_ports, require_redis  # noqa: E402
-from tests.router import test_router_e2e as e2e  # noqa: E402
+from bench._common import format_table, install_sigterm_exit, percentile, write_json
+from bench.harness import redis_servers
+from bench.harness import remote_hosts as hosts
+from bench.harness.daemon import Daemon
+from bench.harness.layouts import TINY, payload, prompt
+from bench.harness.redis_servers import RedisCluster, RedisServer, cli, free_ports
+from bench.routing import router
+from bench.routing.fleet import SimFleet
+from kvcached.keys import write_new_key
+from kvcached.remotefill import FETCH_WINDOW_BYTES
+from kvcached.store import Store
+from kvcached_client import Client
 
 #: Targets (the tests' own bounds where they have one).
 WRONG_ROUTE_PCT_MAX = 0.1
-HITS_RESUME_S_MAX = 15.0  # wait_hit's default in tests/test_remote_deadline.py
+HITS_RESUME_S_MAX = 15.0  # wait_hit's default (bench/harness/remote_hosts.py), the tests' bound
 STEP_HITS_RESUME_S_MAX = 30.0  # the resharding test's wait after every step
 
 
@@ -140,8 +135,8 @@ def hung_remote(kind: str, root: Path, cluster: RedisCluster) -> Iterator[tuple[
             yield [f"127.0.0.1:{server.port}"], False, server.freeze, server.thaw
         finally:
             server.stop()
-    else:  # the tests' fixture, as a context manager: accepts, never answers; nothing to freeze
-        with contextlib.contextmanager(deadline.silent_listener.__wrapped__)() as port:
+    else:  # a listener that accepts and never answers: nothing to freeze
+        with hosts.silent_listener() as port:
             yield [f"127.0.0.1:{port}"], False, lambda: None, lambda: None
 
 
@@ -150,7 +145,7 @@ def timed_hit(store: Store, lid: object, toks: list[int], chunks: int, timeout: 
     within ``timeout``."""
     t0 = time.monotonic()
     try:
-        deadline.wait_hit(store, lid, toks, chunks, timeout=timeout)
+        hosts.wait_hit(store, lid, toks, chunks, timeout=timeout)
     except AssertionError:
         return None
     return time.monotonic() - t0
@@ -162,12 +157,12 @@ def hung_case(kind: str, root: Path, cluster: RedisCluster, seconds: float, thre
     root = root / kind
     root.mkdir(parents=True)
     rounds = round_trips(2)
-    bound = deadline.TIMEOUT * rounds + deadline.MARGIN
+    bound = hosts.TIMEOUT * rounds + hosts.MARGIN
     answers = kind != "silent"
     cluster = cluster if kind == "cluster" else None
     with hung_remote(kind, root, cluster) as (nodes, is_cluster, freeze, thaw):
-        a = deadline.host(root, "a", nodes, cluster=is_cluster) if answers else None
-        b = deadline.host(root, "b", nodes, cluster=is_cluster, key_from=a.config.state_dir if a else None)
+        a = hosts.host(root, "a", nodes, cluster=is_cluster) if answers else None
+        b = hosts.host(root, "b", nodes, cluster=is_cluster, key_from=a.config.state_dir if a else None)
         try:
             lid = b.register_layout(TINY)
             later = prompt(3, start=4_000_011)
@@ -178,7 +173,7 @@ def hung_case(kind: str, root: Path, cluster: RedisCluster, seconds: float, thre
                 a.put(lid, warm, [payload(i) for i in range(4)])
                 a.put(lid, later, [payload(i, salt=1) for i in range(3)])  # b fetches it only after the thaw
                 a.publisher.drain()
-                deadline.wait_hit(b, lid, warm, 4)  # b's client is connected (a cluster's slot map known)
+                hosts.wait_hit(b, lid, warm, 4)  # b's client is connected (a cluster's slot map known)
             freeze()
             try:
                 lat, errors, served = acquire_misses(b, lid, threads, seconds, base=10_000_000)
@@ -199,7 +194,7 @@ def hung_case(kind: str, root: Path, cluster: RedisCluster, seconds: float, thre
                     a.put(lid, fresh, [payload(i, salt=2) for i in range(2)])
                     out["published_after_thaw_hit_s"] = timed_hit(b, lid, fresh, 2, 30.0)
                 else:  # the control: does a host that never saw the freeze get that hit from this remote?
-                    c = deadline.host(root, "control", nodes, cluster=is_cluster, key_from=a.config.state_dir)
+                    c = hosts.host(root, "control", nodes, cluster=is_cluster, key_from=a.config.state_dir)
                     try:
                         c.register_layout(TINY)
                         out["fresh_host_hit_s"] = timed_hit(c, lid, later, 3, HITS_RESUME_S_MAX)
@@ -227,8 +222,8 @@ def hung_case(kind: str, root: Path, cluster: RedisCluster, seconds: float, thre
 def run_hung(root: Path, cluster: RedisCluster, seconds: float, threads: int) -> dict:
     logging.getLogger("kvcached.remote").setLevel(logging.ERROR)  # each failed call: counted in the stats instead
     rounds = round_trips(2)
-    res: dict = {"remote_timeout_s": deadline.TIMEOUT, "round_trips": rounds, "margin_s": deadline.MARGIN,
-                 "bound_ms": (deadline.TIMEOUT * rounds + deadline.MARGIN) * 1e3, "cases": {}}
+    res: dict = {"remote_timeout_s": hosts.TIMEOUT, "round_trips": rounds, "margin_s": hosts.MARGIN,
+                 "bound_ms": (hosts.TIMEOUT * rounds + hosts.MARGIN) * 1e3, "cases": {}}
     for kind in ("cluster", "single", "silent"):
         t0 = time.monotonic()
         res["cases"][kind] = case = hung_case(kind, root / "hung", cluster, seconds, threads)
@@ -259,7 +254,7 @@ class RoutedFleet:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.fleet: e2e.SimFleet | None = None
+        self.fleet: SimFleet | None = None
         self.url = ""
         self.router_log: collections.deque[str] = collections.deque(maxlen=200)
         self.error: BaseException | None = None
@@ -272,7 +267,7 @@ class RoutedFleet:
         self._thread.start()
         return self
 
-    def wait(self, timeout: float = 300.0) -> e2e.SimFleet:
+    def wait(self, timeout: float = 300.0) -> SimFleet:
         if not self._ready.wait(timeout) or self.fleet is None:
             raise RuntimeError(f"the fleet did not start: {self.error!r}") from self.error
         return self.fleet
@@ -286,9 +281,9 @@ class RoutedFleet:
         t0 = time.monotonic()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            with e2e.SimFleet(3, str(self.root / "fleet"), prefill_tps=50_000, decode_tps=400) as fleet:
+            with SimFleet(3, str(self.root / "fleet"), prefill_tps=50_000, decode_tps=400) as fleet:
                 config = fleet.kvcached_router_config(audit=True, health_interval=0.3, provisional_ttl=5.0)
-                self.url, proc = e2e.start_router(config, self.root)
+                self.url, proc = router.start_router(config, self.root)
                 # start_router leaves its output on a pipe: read it, so the router never blocks on a full one
                 threading.Thread(target=lambda: self.router_log.extend(proc.stdout), daemon=True).start()
                 try:
@@ -344,10 +339,10 @@ class StormLoad:
     def _run(self, k: int) -> None:
         j = 0
         while not self._stop.is_set():
-            body = e2e.chat(e2e.words(400 + (j % 4), 160), e2e.words(500 + k * 1000 + j, 8))
+            body = router.chat(router.words(400 + (j % 4), 160), router.words(500 + k * 1000 + j, 8))
             t0 = time.monotonic()
             try:
-                code, _, r = e2e.post(self.url + "/v1/chat/completions", body)
+                code, _, r = router.post(self.url + "/v1/chat/completions", body)
             except Exception as e:  # noqa: BLE001 - a request that raised failed
                 code, r = 0, {"error": f"{type(e).__name__}: {e}"}
             self.requests.append((t0, time.monotonic() - t0, code))
@@ -381,7 +376,7 @@ class StreamWatch:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                st = e2e.state(self.url)
+                st = router.state(self.url)
                 self.seen.append((time.monotonic(), {h: v["events_restarts"] or 0 for h, v in st.items()}))
             except (OSError, ValueError):
                 pass
@@ -452,7 +447,7 @@ def run_storm(owner: RoutedFleet, rounds: int) -> dict:
         load.stop()
     storm_s = time.monotonic() - t_start
     t_end = time.monotonic()
-    e2e.wait(lambda: all(h["healthy"] for h in e2e.state(url).values()), 20, "every host healthy again")
+    router.wait(lambda: all(h["healthy"] for h in router.state(url).values()), 20, "every host healthy again")
     healthy_s = time.monotonic() - t_end
     sent = len(load.requests)
     # The audit runs after each answer: wait until it has caught up with every route of the storm.
@@ -469,7 +464,7 @@ def run_storm(owner: RoutedFleet, rounds: int) -> dict:
         r["router_saw_new_stream_after_ready_s"] = None if seen is None else seen - r["t0"] - r["ready_s"]
         r["t0"] = r["t0"] - t_start
     # The router keeps its last 10,000 decisions: a longer storm's first wrong routes are not explained.
-    wrong_rows = [w for w in e2e.get(url + "/router/decisions?wrong=1&limit=10000") if w["t"] >= wall_start]
+    wrong_rows = [w for w in router.get(url + "/router/decisions?wrong=1&limit=10000") if w["t"] >= wall_start]
     request_latency = latency_ms([d for _, d, _ in load.requests])
     explained = [explain_wrong(w, restarts, (request_latency["p99_ms"] or 0.0) / 1e3) for w in wrong_rows]
     classes = collections.Counter(w["class"] for w in explained)
@@ -511,7 +506,7 @@ def run_storm(owner: RoutedFleet, rounds: int) -> dict:
 # -- 3. resharding and a node added and removed under load -------------------------------------
 
 
-class TimedLoad(remote_daemons.Load):
+class TimedLoad(hosts.Load):
     """The resharding test's load (``Load``: each host puts its prompts and acquires the other's,
     every byte checked), with each acquire's (start, wall time) kept."""
 
@@ -519,29 +514,11 @@ class TimedLoad(remote_daemons.Load):
         super().__init__(sockets)
         self.acquires: list[tuple[float, float]] = []
 
-    def _run(self, me: str) -> None:  # Load._run, the acquire timed
-        other = next(n for n in self.sockets if n != me)
-        k = 0
-        with Client(self.sockets[me], timeout=30) as c:
-            while not self._stop.is_set():
-                try:
-                    c.put_bytes(remote_daemons.LAYOUT, remote_daemons.tokens(me, k),
-                                [remote_daemons.chunk(me, k, i) for i in range(remote_daemons.CHUNKS)])
-                    self.newest[me] = k
-                    k += 1
-                    j = self.newest[other]
-                    for back in range(3):
-                        if j - back < 0:
-                            break
-                        t0 = time.monotonic()
-                        with c.acquire(remote_daemons.LAYOUT, remote_daemons.tokens(other, j - back)) as lease:
-                            got = remote_daemons.read(lease)
-                        self.acquires.append((t0, time.monotonic() - t0))
-                        self.check(other, j - back, got)
-                    self.requests += 1
-                except Exception as e:  # noqa: BLE001 - every client error is a figure
-                    self.errors.append(f"{me}: {type(e).__name__}: {e}")
-                time.sleep(0.02)
+    def fetch(self, c: Client, owner: str, k: int) -> list[bytes]:
+        t0 = time.monotonic()
+        got = super().fetch(c, owner, k)
+        self.acquires.append((t0, time.monotonic() - t0))
+        return got
 
 
 def reshard_plan(quick: bool) -> list[tuple]:
@@ -584,21 +561,21 @@ def run_step(step: tuple, cluster: RedisCluster, ports: dict[str, int], root: Pa
     p0 = ports["p0"]
     if step[0] == "move":
         _, src, dst, slots = step
-        remote_daemons.reshard(cluster, ports[src], ports[dst], slots)
+        hosts.reshard(cluster, ports[src], ports[dst], slots)
     elif step[0] == "add":
         extra = RedisServer(free_ports(1)[0], str(root / f"extra-{time.monotonic_ns()}"),
                             extra=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                                    "--cluster-node-timeout", "2000"]).start()
-        remote_daemons.settle(p0)
+        hosts.settle(p0)
         cli(cluster.nodes[0].port, "--cluster", "add-node", f"127.0.0.1:{extra.port}", f"127.0.0.1:{p0}")
         cluster.nodes.append(extra)
         ports["x"] = extra.port
-        remote_daemons.wait_for(lambda: "cluster_state:ok" in cli(extra.port, "cluster", "info"), 30,
+        hosts.wait_for(lambda: "cluster_state:ok" in cli(extra.port, "cluster", "info"), 30,
                                 "the new node to join")
     else:  # remove: it holds no slots any more
         extra = next(n for n in cluster.nodes if n.port == ports["x"])
-        remote_daemons.settle(p0)
-        cli(cluster.nodes[0].port, "--cluster", "del-node", f"127.0.0.1:{p0}", remote_daemons.node_id(extra.port))
+        hosts.settle(p0)
+        cli(cluster.nodes[0].port, "--cluster", "del-node", f"127.0.0.1:{p0}", hosts.node_id(extra.port))
         cluster.nodes.remove(extra)
         extra.stop()
         del ports["x"]
@@ -617,9 +594,9 @@ def run_resharding(root: Path, cluster: RedisCluster, baseline_s: float, quick: 
         load = TimedLoad({"a": a.socket, "b": b.socket}).start()
         with Client(a.socket) as ca, Client(b.socket) as cb:
             def cluster_hits() -> int:
-                return remote_daemons.remote(ca)["hits"] + remote_daemons.remote(cb)["hits"]
+                return hosts.remote(ca)["hits"] + hosts.remote(cb)["hits"]
 
-            remote_daemons.wait_for(lambda: load.hits_since(0) > 0, 20, "cross-host hits before resharding")
+            hosts.wait_for(lambda: load.hits_since(0) > 0, 20, "cross-host hits before resharding")
             t_base = time.monotonic()
             time.sleep(baseline_s)
             primaries = [n.port for n in cluster.primaries()]
@@ -631,7 +608,7 @@ def run_resharding(root: Path, cluster: RedisCluster, baseline_s: float, quick: 
                 t1 = time.monotonic()
                 hits0 = cluster_hits()
                 try:
-                    remote_daemons.wait_for(lambda: cluster_hits() > hits0, STEP_HITS_RESUME_S_MAX, "cluster hits")
+                    hosts.wait_for(lambda: cluster_hits() > hits0, STEP_HITS_RESUME_S_MAX, "cluster hits")
                     resumed = time.monotonic() - t1
                 except AssertionError:
                     resumed = None
@@ -639,7 +616,7 @@ def run_resharding(root: Path, cluster: RedisCluster, baseline_s: float, quick: 
                               "hits_resumed_s": resumed})
                 print(f"  reshard step {step}: {t1 - t0:.1f} s, cluster hits again after {resumed} s", flush=True)
             t_end = time.monotonic()
-            remote_after = {"a": remote_daemons.remote(ca), "b": remote_daemons.remote(cb)}
+            remote_after = {"a": hosts.remote(ca), "b": hosts.remote(cb)}
     finally:
         if load is not None:
             load.stop()
@@ -764,10 +741,9 @@ def main() -> int:
     args.restarts = args.restarts if args.restarts is not None else (1 if args.quick else 5)
     args.baseline = args.baseline if args.baseline is not None else (3.0 if args.quick else 20.0)
     only = set(args.only.split(","))
-    try:
-        require_redis()
-    except (pytest.skip.Exception, pytest.fail.Exception) as e:
-        print(f"cross_host: {e}", file=sys.stderr)
+    why = redis_servers.missing()
+    if why:
+        print(f"cross_host: {why}", file=sys.stderr)
         return 2
     install_sigterm_exit()
     t0 = time.monotonic()

@@ -39,10 +39,10 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
 import numpy as np
-from _common import Daemon, format_table, ratio, summarize_ns, write_json
+from bench._common import Daemon, format_table, ratio, summarize_ns, write_results
 
 PROMPT_TOKENS = 2048
 CHUNK_TOKENS = 32
@@ -202,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run(args)
     res["quick"] = args.quick
     print_report(res)
-    path = write_json("hf_path.quick" if args.quick else "hf_path", res, args.out)
-    print(f"\nwrote {path}")
+    write_results("hf_path", res, args.out, quick=args.quick)
     return 0
 
 

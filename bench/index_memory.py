@@ -45,18 +45,11 @@ import sys
 import time
 import tracemalloc
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
 import numpy as np
 import pygtrie
-from _common import (
-    RESULTS_DIR,
-    format_table,
-    ratio,
-    summarize_ns,
-    time_calls,
-    write_json,
-)
+from bench._common import RESULTS_DIR, format_table, ratio, summarize_ns, time_calls, write_results
 
 from kvcached.index import Node, PrefixIndex, make_policy
 from kvcached.locations import TierId
@@ -397,8 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run(args)
     res["quick"] = args.quick
     print_report(res)
-    path = write_json("index_memory.quick" if args.quick else "index_memory", res, args.out)
-    print(f"\nwrote {path}")
+    write_results("index_memory", res, args.out, quick=args.quick)
     return 0
 
 

@@ -77,11 +77,11 @@ import time
 import tracemalloc
 from typing import Callable, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
 import numpy as np
-from _common import RESULTS_DIR, TRACE_DIR, format_table, ratio, summarize_ns, write_json
-from _matchers import (
+from bench._common import RESULTS_DIR, TRACE_DIR, format_table, ratio, save_figure, subplots, summarize_ns, write_results
+from bench._matchers import (
     CHUNK_TOKENS,
     LAYOUT,
     LSH_THRESHOLD,
@@ -497,16 +497,11 @@ def print_report(res: dict) -> None:
 
 
 def plot(res: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     c = res["contenders"]
     names = list(c)
     colors = ["tab:blue", "tab:gray", "tab:orange", "tab:red", "tab:green"][: len(names)]
     xs = np.arange(len(names))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
+    fig, axes = subplots(1, 3, figsize=(15, 4.8))
     panels = (
         ("safe lookups (claimed <= truth): all / one-token edits",
          [[c[n]["accuracy"]["all"]["safe"] for n in names], [c[n]["accuracy"]["one_token_edit"]["safe"] for n in names]],
@@ -533,9 +528,7 @@ def plot(res: dict, path: str) -> None:
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle(f"Prefix matchers on Mooncake-trace prompts and edited variants "
                  f"({res['workload']['cached_chunks']:,} cached {CHUNK_TOKENS}-token chunks)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -548,11 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run(args)
     res["quick"] = args.quick
     print_report(res)
-    stem = "matchers.quick" if args.quick else "matchers"
-    path = write_json(stem, res, args.out)
-    png = os.path.join(os.path.dirname(path), stem + ".png")
-    plot(res, png)
-    print(f"\nwrote {path}\nwrote {png}")
+    write_results("matchers", res, args.out, quick=args.quick, plot=plot)
     return 0
 
 

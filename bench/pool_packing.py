@@ -82,9 +82,9 @@ import sys
 import time
 from collections import OrderedDict
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
-from _common import RESULTS_DIR, format_table, percentile, ratio, write_json
+from bench._common import RESULTS_DIR, format_table, percentile, ratio, save_figure, subplots, write_results
 
 from kvcached.keys import KVLayout
 from kvcached.tiers.extents import ExtentAllocator
@@ -670,14 +670,9 @@ def print_report(res: dict) -> None:
 
 
 def plot(res: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = res["contenders"]
     colors = dict(zip(names, ["tab:gray", "tab:olive", "tab:orange", "tab:red", "tab:purple", "tab:blue"]))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.2), gridspec_kw={"width_ratios": [1.3, 1]})
+    fig, (ax1, ax2) = subplots(1, 2, figsize=(14, 5.2), gridspec_kw={"width_ratios": [1.3, 1]})
     fill = res["scenario_a_fill"]
     geos = list(fill)
     w = 0.8 / len(names)
@@ -711,9 +706,7 @@ def plot(res: dict, path: str) -> None:
     ax2.set_title(f"B: mixed churn of all 7 layouts, {ch['inserts']:,} inserts")
     ax2.legend(fontsize=6.5, loc="center", bbox_to_anchor=(0.5, 0.47), ncol=2)
     ax2.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -729,11 +722,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run(args)
     res["quick"] = args.quick
     print_report(res)
-    stem = "pool_packing.quick" if args.quick else "pool_packing"
-    path = write_json(stem, res, args.out)
-    png = os.path.join(os.path.dirname(path), stem + ".png")
-    plot(res, png)
-    print(f"\nwrote {path}\nwrote {png}")
+    write_results("pool_packing", res, args.out, quick=args.quick, plot=plot)
     return 0
 
 

@@ -28,9 +28,9 @@ import time
 import xml.etree.ElementTree as ET
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
-from _common import machine_info, write_json  # noqa: E402
+from bench._common import machine_info, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")

@@ -92,12 +92,11 @@ import threading
 import time
 from typing import Any, NamedTuple
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
-from _common import (
+from bench._common import (
     RESULTS_DIR,
     Daemon,
-    client_path,
     format_table,
     install_sigterm_exit,
     ratio,
@@ -105,8 +104,6 @@ from _common import (
     time_calls,
     write_json,
 )
-
-client_path()
 
 import grpc
 import numpy as np

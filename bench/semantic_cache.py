@@ -56,22 +56,21 @@ import sys
 import time
 from dataclasses import replace
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
-from _common import REPO_ROOT, client_path, format_table, percentile, ratio, write_json  # noqa: E402
+from bench._common import REPO_ROOT, format_table, percentile, ratio, save_figure, subplots, write_json
 
-client_path()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from kvcached_client.text import normalize, text_key  # noqa: E402
-from kvcached_router.semantic import calibrate as cal  # noqa: E402
-from kvcached_router.semantic.embed import MiniLMEmbedder, l2_normalise  # noqa: E402
-from kvcached_router.semantic.features import analyse  # noqa: E402
-from kvcached_router.semantic.guards import TIERS  # noqa: E402
-from kvcached_router.semantic.matcher import SemanticMatcher  # noqa: E402
-from kvcached_router.semantic.vectors import SearchConfig  # noqa: E402
+from kvcached_client.text import normalize, text_key
+from kvcached_router.semantic import calibrate as cal
+from kvcached_router.semantic.embed import MiniLMEmbedder, l2_normalise
+from kvcached_router.semantic.features import analyse
+from kvcached_router.semantic.guards import TIERS
+from kvcached_router.semantic.matcher import SemanticMatcher
+from kvcached_router.semantic.vectors import SearchConfig
 
 SEED = 19  # the number, chosen before this split's figures were looked at
 TARGET = 0.02
@@ -391,14 +390,10 @@ def exact_latency(n: int, lookups: int) -> dict:
 
 def plot(path: str, scored: list[cal.Scored], held: dict) -> str | None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        fig, axes = subplots(1, 2, figsize=(12, 5))
     except ImportError:
         return None
     grid = np.arange(0.3, 1.0001, 0.005)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
     curves = [(label, [cal.evaluate({t: g for t in TIERS}, scored, guards=guards) for g in grid])
               for label, guards in (("one threshold, no guards", False), ("one threshold, guards", True))]
     marks = {"kvcached": "o", "GPTCache 0.80": "s", "GPTCache 0.93": "^", "one calibrated threshold": "v",
@@ -420,9 +415,7 @@ def plot(path: str, scored: list[cal.Scored], held: dict) -> str | None:
     axes[0].set_title("fow-cache pairs, all-MiniLM-L6-v2")
     axes[1].set_title(f"zoom; split seed {SEED}, both directions")
     axes[1].legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 

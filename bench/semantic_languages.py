@@ -39,15 +39,15 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
+
+from bench._common import REPO_ROOT, write_json
+from kvcached_router.semantic import calibrate as cal
+from kvcached_router.semantic.embed import AutoEmbedder, MiniLMEmbedder, USEEmbedder
+from kvcached_router.semantic.features import LANGUAGE_GROUPS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "clients"))
-sys.path.insert(0, HERE)
-
-from kvcached_router.semantic import calibrate as cal  # noqa: E402
-from kvcached_router.semantic.embed import AutoEmbedder, MiniLMEmbedder, USEEmbedder  # noqa: E402
-from kvcached_router.semantic.features import LANGUAGE_GROUPS  # noqa: E402
-
-ROOT = os.path.dirname(HERE)
+ROOT = REPO_ROOT
 REPORT = os.path.join(HERE, "data", "semantic", "report.jsonl")
 CALIB = os.path.join(ROOT, "tests", "data", "semantic", "zh", "calib.jsonl")
 TRAP_CATEGORIES = ("negation", "number_date", "entity", "language", "scope", "slot")
@@ -105,7 +105,7 @@ def main() -> int:
         lat[name] = {"p50_ms": round(1e3 * statistics.median(times), 2),
                      "p95_ms": round(1e3 * sorted(times)[int(0.95 * len(times))], 2)}
     res["embed_latency"] = lat
-    from semantic_cache import semantic_latency
+    from bench.semantic_cache import semantic_latency
 
     dev = os.path.join(ROOT, "tests", "data", "semantic", "zh", "dev.jsonl")
     stored = [p.a for path in (dev, CALIB) for p, lang in zip(cal.read_pairs(path), groups_of(path)) if lang != "en"]
@@ -124,11 +124,7 @@ def main() -> int:
     z = res["latency_zh_100k"]
     print(f"  lookup at {z['entries']:,} entries, Chinese/mixed queries, embedding included: p50 "
           f"{z['total']['p50_ms']:.1f} ms, p95 {z['total']['p95_ms']:.1f} ms (embed p50 {z['embed']['p50_ms']:.1f} ms)")
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    path = os.path.join(HERE, "results", "semantic_languages.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1, ensure_ascii=False)
-    print(f"wrote {path}")
+    print(f"wrote {write_json('semantic_languages', res)}")
     return 0
 
 

@@ -37,12 +37,10 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "clients")]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
-from bench._common import Daemon  # noqa: E402
-from tests.sglang.conftest import (SGLANG_PY, Server, file_storage, kvcached_storage, metric,  # noqa: E402
-                                   storage_tokens, wait_chunks)
+from bench._common import RESULTS_DIR, Daemon
+from bench.harness.sglang_server import SGLANG_PY, Server, file_storage, kvcached_storage, metric, storage_tokens, wait_chunks
 
 PAGE = 64
 
@@ -142,7 +140,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="a 2-layer model, 512 tokens, 1 rep")
     ap.add_argument("--reps", type=int, default=0, help="prompts per contender (default 3; 1 with --quick)")
     ap.add_argument("--length", type=int, default=0, help="prompt tokens (default 2048; 512 with --quick)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--out", default=RESULTS_DIR)
     a = ap.parse_args()
     if not os.path.exists(SGLANG_PY):
         print("SGLang's venv (.venv-sglang) is missing: KVCACHED_SGLANG=cpu ./scripts/setup", file=sys.stderr)

@@ -68,21 +68,9 @@ import time
 import traceback
 from collections import Counter
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
-from _common import (
-    REPO_ROOT,
-    RESULTS_DIR,
-    TRACE_DIR,
-    Daemon,
-    client_path,
-    format_table,
-    install_sigterm_exit,
-    percentile,
-    write_json,
-)
-
-client_path()
+from bench._common import REPO_ROOT, RESULTS_DIR, TRACE_DIR, Daemon, format_table, install_sigterm_exit, percentile, save_figure, subplots, write_results
 
 import numpy as np
 
@@ -913,12 +901,7 @@ def print_report(r: dict) -> None:
 
 
 def plot(r: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6.4), sharex=True)
+    fig, (ax1, ax2) = subplots(2, 1, figsize=(8, 6.4), sharex=True)
     s = [x for x in r["rss_samples"] if x["t"] >= 0]
     t = [x["t"] for x in s]
     for key, label, style in (("VmRSS", "VmRSS", "-"), ("RssAnon", "RssAnon (heap)", "-"),
@@ -942,9 +925,7 @@ def plot(r: dict, path: str) -> None:
     ax2.axvline(r["rss"]["warmup_end_s"], color="grey", lw=0.8, ls="--")
     ax2.grid(True, which="both", alpha=0.3)
     ax2.legend(fontsize=7.5, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -988,11 +969,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run_soak(cfg)
     res["quick"] = args.quick
     print_report(res)
-    stem = "soak.quick" if args.quick else "soak"
-    path = write_json(stem, res, args.out)
-    png = os.path.join(os.path.dirname(path), stem + ".png")
-    plot(res, png)
-    print(f"\nwrote {path}\nwrote {png}")
+    write_results("soak", res, args.out, quick=args.quick, plot=plot)
     return 0 if res["ok"] else 1
 
 

@@ -36,11 +36,9 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
-from _common import RESULTS_DIR, Daemon, client_path, format_table, install_sigterm_exit, write_json
-
-client_path()
+from bench._common import RESULTS_DIR, Daemon, format_table, install_sigterm_exit, write_results
 
 import grpc
 import numpy as np
@@ -258,8 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run(args)
     res["quick"] = args.quick
     print_report(res)
-    path = write_json("timing_probe.quick" if args.quick else "timing_probe", res, args.out)
-    print(f"\nwrote {path}")
+    write_results("timing_probe", res, args.out, quick=args.quick)
     return 0 if res["all_attacks_within_limit"] and res["domain_b_hit_tokens"] == 0 else 1
 
 

@@ -34,10 +34,9 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
-from _common import Daemon, write_json  # noqa: E402
+from bench._common import RESULTS_DIR, Daemon, save_figure, subplots, write_json
 
 
 def build_model(quick: bool):
@@ -58,7 +57,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=0, help="repetitions per length (default 3, 2 from 4k up)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--out", default=RESULTS_DIR)
     args = ap.parse_args()
 
     import torch
@@ -144,13 +143,8 @@ def main() -> int:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     xs = [r["tokens"] for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = subplots(figsize=(8, 5))
     for key, label, style in (("cold_s", "cold (no daemon)", "o-"), ("miss_s", "miss (daemon, nothing cached)", "s--"),
                               ("hit_s", "hit (full prefix cached)", "^-")):
         ax.plot(xs, [r[key] for r in rows], style, label=label)
@@ -165,9 +159,7 @@ def plot(rows: list[dict], path: str) -> None:
                     xytext=(0, -14), ha="center", fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -41,11 +41,10 @@ import tempfile
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "clients")]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
-from bench._common import Daemon  # noqa: E402
-from bench.vllm_ttft import Engine, kv_transfer, worker_channel  # noqa: E402
+from bench._common import RESULTS_DIR, Daemon
+from bench.vllm_ttft import Engine, kv_transfer, worker_channel
 
 FAMILIES = ("llama", "gemma3", "mistral", "deepseek_v2")
 #: Variants, not in the default run: (the model family, engine settings). ``llama_fp8``: every
@@ -212,7 +211,7 @@ def main() -> int:
     ap.add_argument("--length", type=int, default=0, help="prompt tokens (default 4096; 1024 with --quick)")
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--parts", default="ttft,chat")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--out", default=RESULTS_DIR)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for flag in ("--model", "--socket", "--extra", "--kv-cache-dtype"):
         ap.add_argument(flag, help=argparse.SUPPRESS)

@@ -44,12 +44,10 @@ import tempfile
 import time
 import traceback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
-from _common import Daemon, percentile, write_json  # noqa: E402
-from vllm_ttft import SCHEDULER_HOOKS, Engine, _HookTimer, kv_transfer, worker_channel  # noqa: E402
+from bench._common import RESULTS_DIR, Daemon, percentile, write_json
+from bench.vllm_ttft import SCHEDULER_HOOKS, Engine, _HookTimer, kv_transfer, worker_channel
 
 BLOCK = 128
 
@@ -120,7 +118,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=0)
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--out", default=RESULTS_DIR)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--socket", help=argparse.SUPPRESS)
@@ -131,7 +129,7 @@ def main() -> int:
     if args.worker:
         return worker_main(args)
 
-    from _common import install_sigterm_exit
+    from bench._common import install_sigterm_exit
 
     install_sigterm_exit()
     quick = args.quick

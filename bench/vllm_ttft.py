@@ -72,11 +72,19 @@ import threading
 import time
 import traceback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
-from _common import Daemon, format_table, percentile, ratio, write_json  # noqa: E402
+from bench._common import (
+    REPO_ROOT,
+    RESULTS_DIR,
+    Daemon,
+    format_table,
+    percentile,
+    ratio,
+    save_figure,
+    subplots,
+    write_json,
+)
 
 BLOCK = 128  # vLLM's CPU block size, and the connector's default chunk (checked against the engine)
 CONTENDERS = ("cold", "vllm_prefix", "kvcached_miss", "kvcached_hit", "kvcached_hit_reset", "kvcached_hit_async")
@@ -257,7 +265,7 @@ class Engine:
         cache_root = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(tempfile.gettempdir(), "kvc-bench-vllm-cache")
         env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                     "VLLM_CACHE_ROOT": cache_root, "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"})
-        env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "clients")]
+        env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, os.path.join(REPO_ROOT, "clients")]
                                             + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         cmd = [sys.executable, script, "--worker", "--model", model,
                "--max-model-len", str(cfg["max_model_len"]), "--kv-cache-bytes", str(cfg["kv_cache_bytes"]),
@@ -268,7 +276,7 @@ class Engine:
         self.log_path = os.path.join(log_dir, f"{name}.log")
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, env=env, cwd=ROOT)
+                                     text=True, env=env, cwd=REPO_ROOT)
         self.info: dict = {}
 
     def _read(self, timeout: float = 1800.0) -> dict:
@@ -324,7 +332,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="2 layers, hidden 256, 512 and 1024 tokens, 1 rep")
     ap.add_argument("--reps", type=int, default=0, help="repetitions per length (default 3, 1 with --quick)")
     ap.add_argument("--lengths", default="", help="comma-separated prompt lengths (default 1024,2048,4096,8192)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--out", default=RESULTS_DIR)
     # the engine process (internal)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -337,7 +345,7 @@ def main() -> int:
     if args.worker:
         return worker_main(args)
 
-    from _common import install_sigterm_exit
+    from bench._common import install_sigterm_exit
 
     install_sigterm_exit()
     shape = model_shape(args.quick)
@@ -543,13 +551,8 @@ def main() -> int:
 
 
 def plot(rows: list[dict], shape: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     xs = [r["tokens"] for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = subplots(figsize=(8, 5))
     for key, label, style in (("cold_s", "cold (vLLM, fresh prompt)", "o-"),
                               ("kvcached_miss_s", "kvcached miss (lookup + prefill + store)", "s--"),
                               ("vllm_prefix_s", "vLLM prefix cache (warm engine)", "v:"),
@@ -568,9 +571,7 @@ def plot(rows: list[dict], shape: dict, path: str) -> None:
                     xytext=(0, -14), ha="center", fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

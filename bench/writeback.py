@@ -77,10 +77,10 @@ import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
 import numpy as np
-from _common import RESULTS_DIR, format_table, ratio, summarize_ns, write_json
+from bench._common import RESULTS_DIR, format_table, ratio, save_figure, subplots, summarize_ns, write_json
 
 from kvcached.config import MiB, StoreConfig
 from kvcached.keys import KVLayout
@@ -659,12 +659,7 @@ def print_report(res: dict) -> None:
 
 
 def plot(res: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.6), gridspec_kw={"width_ratios": [1, 1.6, 1]})
+    fig, (ax1, ax2, ax3) = subplots(1, 3, figsize=(15, 4.6), gridspec_kw={"width_ratios": [1, 1.6, 1]})
     p = res["puts_per_s"]
     xs = np.arange(len(PUT_CASES))
     ax1.bar(xs, [p[c]["median"] for c in PUT_CASES], color=["#9ecae1", "#3182bd", "#e6550d"])
@@ -711,9 +706,7 @@ def plot(res: dict, path: str) -> None:
     ax3.grid(True, axis="y", alpha=0.3)
     sh = res["shape"]
     fig.suptitle(f"kvcached write-back: pool {sh['pool_bytes'] >> 20} MiB, 1 MiB chunks, {sh['reps']} reps", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

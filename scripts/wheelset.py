@@ -262,7 +262,7 @@ def make_venv(path: str, site_dirs: Sequence[str] | None = None) -> tuple[str, s
     """A venv at ``path`` without pip (made from the running python), seeing this checkout and
     ``site_dirs`` (default: the running python's site directories) through ``site.addsitedir``,
     after its own site-packages, which therefore win; with ``kvcached`` / ``kvcachectl``
-    launchers in its bin (tests/daemon.py starts ``kvcached`` from beside sys.executable).
+    launchers in its bin (bench/harness/daemon.py starts ``kvcached`` from beside sys.executable).
     A venv made from a venv's python would not see that venv's packages, hence the ``.pth``.
     Returns (its python, its site-packages)."""
     if site_dirs is None:

@@ -7,15 +7,14 @@ from typing import Callable, Iterator
 
 import pytest
 
+from bench.harness.daemon import Daemon, pool_segments, remove_segments, segment_pid
+from bench.harness.layouts import TINY, payload, prompt
 from kvcached.config import StoreConfig
 from kvcached.keys import KVLayout
 from kvcached.store import Store
 from kvcached.tiers.pool_shm import process_alive
-from tests.daemon import Daemon, pool_segments, remove_segments, segment_pid
 
-# A tiny layout: 4 tokens per chunk, 2*1*2*4*4 = 64 bytes per token... small enough for
-# hundreds of chunks in a few KiB of shared memory.
-TINY = KVLayout("test/tiny@1", num_layers=1, num_kv_heads=2, head_dim=4, dtype="float32", chunk_tokens=4)
+__all__ = ["TINY", "FakeClock", "payload", "prompt"]  # TINY, payload, prompt: shared with the benches
 
 
 class FakeClock:
@@ -34,16 +33,6 @@ class FakeClock:
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
-
-
-def payload(position: int, salt: int = 0, layout: KVLayout = TINY) -> bytes:
-    """Distinct, recognisable bytes for chunk ``position``."""
-    unit = bytes([(position * 7 + salt * 13 + k) % 256 for k in range(16)])
-    return (unit * (layout.chunk_bytes // 16 + 1))[: layout.chunk_bytes]
-
-
-def prompt(n_chunks: int, start: int = 0, layout: KVLayout = TINY) -> list[int]:
-    return list(range(start, start + n_chunks * layout.chunk_tokens))
 
 
 @pytest.fixture
@@ -141,7 +130,8 @@ def no_pool_segment_left_behind() -> Iterator[None]:
 @pytest.fixture
 def redis_server(tmp_path):
     """A standalone redis-server of this test's own on a free port (never the shared 6379)."""
-    from tests.redis_servers import RedisServer, free_ports, require_redis
+    from bench.harness.redis_servers import RedisServer, free_ports
+    from tests.requirements import require_redis
 
     require_redis()
     srv = RedisServer(free_ports(1)[0], str(tmp_path / "redis")).start()

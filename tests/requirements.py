@@ -24,3 +24,12 @@ def require(condition: object, reason: str) -> None:
     if in_ci():
         pytest.fail(f"CI=true but this test cannot run: {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+def require_redis() -> None:
+    """Skip (fail in CI) unless redis-py, redis-server and redis-cli are all here (the servers'
+    processes: ``bench.harness.redis_servers``)."""
+    from bench.harness.redis_servers import missing
+
+    why = missing()
+    require(why is None, why or "")

@@ -328,7 +328,7 @@ def _netns(cmd: list[str]) -> list[str]:
 
 @pytest.mark.slow
 def test_readme_blocks_run_as_printed(doc_env):
-    from tests.daemon import Daemon
+    from bench.harness.daemon import Daemon
 
     daemon = None
     results = []

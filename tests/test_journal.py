@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from kvcached.journal import JournalHandler, encode, priority, stderr_is_journal
-from tests.daemon import pool_segments, remove_segments
+from bench.harness.daemon import pool_segments, remove_segments
 
 
 def parse(data: bytes) -> dict[str, str]:

@@ -19,7 +19,7 @@ from kvcached.store import Store
 from kvcached.tiers.record import HEADER_SIZE
 from kvcached_client import Client
 from tests.conftest import TINY, payload, prompt
-from tests.daemon import Daemon
+from bench.harness.daemon import Daemon
 from tests.service.conftest import LAYOUT
 
 CT = TINY.chunk_tokens

@@ -13,45 +13,28 @@ replicas) that the tests start on free loopback ports.
 * Resharding under load: slots migrate between primaries (clients meet ASK and MOVED), a fourth
   primary joins, takes slots, gives them back and leaves: no client error, no corrupt chunk,
   hits from the cluster after every step.
+
+The hosts' load, and the resharding steps, live in ``bench/harness/remote_hosts.py`` (shared with
+``bench/cross_host.py``, which runs the resharding at full length).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 
 import pytest
 
+from bench.harness.daemon import BIN, Daemon
+from bench.harness.redis_servers import RedisCluster, RedisServer, cli, free_ports
+from bench.harness.remote_hosts import CHUNKS, CT, LAYOUT, Load, chunk, node_id, read, remote, reshard, settle, tokens, wait_for
 from kvcached.keys import write_new_key
 from kvcached_client import Client
-from tests.daemon import BIN, Daemon
-from tests.redis_servers import RedisCluster, cli, require_redis
-from tests.service.conftest import LAYOUT
-
-CT = LAYOUT.chunk_tokens
-CHUNKS = 4  # per prompt
-
-
-def chunk(owner: str, k: int, pos: int) -> bytes:
-    """The one right payload of chunk ``pos`` of prompt ``k`` of host ``owner`` (so a wrong one shows)."""
-    seed = hashlib.blake2b(f"{owner}:{k}:{pos}".encode(), digest_size=32).digest()
-    return (seed * (LAYOUT.chunk_bytes // len(seed) + 1))[: LAYOUT.chunk_bytes]
-
-
-def tokens(owner: str, k: int) -> list[int]:
-    base = (1 if owner == "a" else 2) * 10_000_000 + k * 1000
-    return [base + i for i in range(CHUNKS * CT)]
-
-
-def read(lease) -> list[bytes]:
-    return [lease.chunk(i).contiguous().numpy().tobytes() for i in range(len(lease))]
-
+from tests.requirements import require_redis
 
 @pytest.fixture
 def cluster(tmp_path) -> Iterator[RedisCluster]:
@@ -90,18 +73,6 @@ def hosts(tmp_path, cluster) -> Iterator[Callable[..., tuple[Daemon, Daemon]]]:
             d.stop()
 
 
-def remote(c: Client) -> dict:
-    return c.stats()["remote"]
-
-
-def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
 def test_what_host_a_puts_host_b_acquires_from_the_cluster_then_from_its_own_tiers(hosts):
     a, b = hosts(acl=True)
     with Client(a.socket) as ca, Client(b.socket) as cb:
@@ -135,62 +106,6 @@ def test_what_host_a_puts_host_b_acquires_from_the_cluster_then_from_its_own_tie
     assert checks["remote tier"]["verdict"] == "ok" and "Redis Cluster" in checks["remote tier"]["detail"]
     assert checks["remote ACL"]["verdict"] == "ok"  # NOPERM just outside kvc:default:*
     assert checks["remote memory"]["verdict"] == "warn"  # the test cluster's noeviction: said so
-
-
-class Load:
-    """One client per host, each in its own thread, in a loop: put a new prompt of its own, then
-    acquire the other host's newest prompts and check every byte it is served. Counts client
-    errors (any exception), corrupt chunks, and cross-host hits over time."""
-
-    def __init__(self, sockets: dict[str, str]) -> None:
-        self.sockets = sockets
-        self.errors: list[str] = []
-        self.corrupt = 0
-        self.newest = {name: -1 for name in sockets}  # the newest prompt each host has put
-        self.cross_hits: list[tuple[float, int]] = []  # (time, chunks) served to the other host
-        self.requests = 0
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(n,), daemon=True) for n in sockets]
-
-    def start(self) -> "Load":
-        for t in self._threads:
-            t.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(60)
-
-    def check(self, owner: str, k: int, got: list[bytes]) -> None:
-        """Count what prompt ``k`` of ``owner`` was served: corrupt unless every byte is right."""
-        if got != [chunk(owner, k, i) for i in range(len(got))]:
-            self.corrupt += 1
-        if got:
-            self.cross_hits.append((time.monotonic(), len(got)))
-
-    def hits_since(self, t0: float) -> int:
-        return sum(n for t, n in list(self.cross_hits) if t >= t0)
-
-    def _run(self, me: str) -> None:
-        other = next(n for n in self.sockets if n != me)
-        k = 0
-        with Client(self.sockets[me], timeout=30) as c:
-            while not self._stop.is_set():
-                try:
-                    c.put_bytes(LAYOUT, tokens(me, k), [chunk(me, k, i) for i in range(CHUNKS)])
-                    self.newest[me] = k
-                    k += 1
-                    j = self.newest[other]
-                    for back in range(3):  # the other host's newest prompts: remote hits, or misses
-                        if j - back < 0:
-                            break
-                        with c.acquire(LAYOUT, tokens(other, j - back)) as lease:
-                            self.check(other, j - back, read(lease))
-                    self.requests += 1
-                except Exception as e:  # noqa: BLE001 - every client error is a test failure
-                    self.errors.append(f"{me}: {type(e).__name__}: {e}")
-                time.sleep(0.02)
 
 
 def test_the_load_counts_a_corrupt_chunk():
@@ -271,38 +186,10 @@ def test_the_whole_cluster_down_then_back(hosts, cluster):
     assert load.requests > requests_down > 0 and back > down
 
 
-def node_id(port: int) -> str:
-    return cli(port, "cluster", "myid").strip()
-
-
-def settle(port: int, timeout: float = 30.0) -> None:
-    """Until every node agrees on the slot map (``redis-cli --cluster check`` passes): the next
-    administrative step refuses to run before that ("Nodes don't agree about configuration")."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            cli(port, "--cluster", "check", f"127.0.0.1:{port}")
-            return
-        except RuntimeError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-
-
-def reshard(cluster: RedisCluster, src: int, dst: int, slots: int) -> None:
-    """Move ``slots`` hash slots from the primary on port ``src`` to the one on ``dst``, key by
-    key (MIGRATING / IMPORTING, MIGRATE: clients meet ASK and then MOVED while it runs)."""
-    settle(src)
-    cli(cluster.nodes[0].port, "--cluster", "reshard", f"127.0.0.1:{src}", "--cluster-from", node_id(src),
-        "--cluster-to", node_id(dst), "--cluster-slots", str(slots), "--cluster-yes", timeout=120)
-
-
 def test_resharding_and_a_node_added_and_removed_under_load(hosts, cluster, tmp_path):
     """Slots move between primaries while both hosts fetch and publish, then a new primary joins,
     takes slots, gives them back and leaves: no client error, no corrupt chunk, cross-host hits
     from the cluster continue after each step."""
-    from tests.redis_servers import RedisServer, free_ports
-
     a, b = hosts(pool_bytes="2M", nvme_bytes=0)  # a small pool: prompts keep going to the cluster
     load = Load({"a": a.socket, "b": b.socket}).start()
     extra = RedisServer(free_ports(1)[0], str(tmp_path / "extra"),

@@ -8,38 +8,18 @@ Before the hard deadline a frozen cluster held acquires for 2.0-3.5 s with a 0.2
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
 import statistics
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from kvcached.config import StoreConfig
+from bench.harness import remote_hosts
+from bench.harness.layouts import TINY, payload, prompt
+from bench.harness.redis_servers import RedisCluster, RedisServer
+from bench.harness.remote_hosts import MARGIN, TIMEOUT, host, wait_hit
 from kvcached.store import Store
-from kvcached.tiers.record import HEADER_SIZE
-from kvcached.tiers.remote_redis import RemoteConfig
-from tests.conftest import TINY, payload, prompt
-from tests.redis_servers import RedisCluster, RedisServer, free_ports, require_redis
-
-CT = TINY.chunk_tokens
-TIMEOUT = 0.25
-MARGIN = 0.05  # the bound's allowance for thread hand-offs on a loaded 2-core box
-
-
-def host(tmp_path, name: str, nodes: list[str], *, cluster: bool = False, key_from: str | None = None) -> Store:
-    state = str(tmp_path / name)
-    if key_from is not None:
-        os.makedirs(state, exist_ok=True)
-        shutil.copy(os.path.join(key_from, "hash.key"), os.path.join(state, "hash.key"))
-    cfg = StoreConfig(state_dir=state, pool_bytes=TINY.chunk_bytes * 64,
-                      nvme_bytes=(TINY.chunk_bytes + HEADER_SIZE) * 128, writeback=False,
-                      remote=RemoteConfig(nodes=tuple(nodes), domain="d", cluster=cluster, timeout=TIMEOUT,
-                                          breaker_failures=3, breaker_cooldown=0.5))
-    return Store(cfg)
+from tests.requirements import require_redis
 
 
 def acquire_latencies(store: Store, lid, n: int, start: int) -> list[float]:
@@ -60,18 +40,6 @@ def assert_bounded(lat: list[float], rounds: int = 1) -> None:
     assert max(lat) <= bound and p99 <= bound, (
         f"max {max(lat):.3f} s, p99 {p99:.3f} s, median {statistics.median(lat):.3f} s over {len(lat)} acquires; "
         f"bound {bound:.3f} s")
-
-
-def wait_hit(store: Store, lid, toks, chunks: int, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        lease = store.acquire(lid, toks)
-        matched = lease.matched_tokens
-        store.release(lease.lease_id)
-        if matched == chunks * CT:
-            return
-        assert time.monotonic() < deadline, f"no remote hit within {timeout} s after the remote came back"
-        time.sleep(0.1)
 
 
 def test_a_frozen_redis_is_a_fast_miss_and_hits_resume(tmp_path, redis_server: RedisServer):
@@ -100,29 +68,8 @@ def test_a_frozen_redis_is_a_fast_miss_and_hits_resume(tmp_path, redis_server: R
 @pytest.fixture
 def silent_listener() -> Iterator[int]:
     """A TCP port that accepts connections and never answers (a full queue, a black hole)."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", free_ports(1)[0]))
-    srv.listen(64)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        srv.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                conn, _ = srv.accept()
-                held.append(conn)  # kept open, never read or written
-            except OSError:
-                continue
-
-    t = threading.Thread(target=accept, daemon=True)
-    t.start()
-    yield srv.getsockname()[1]
-    stop.set()
-    t.join(2)
-    for c in held:
-        c.close()
-    srv.close()
+    with remote_hosts.silent_listener() as port:
+        yield port
 
 
 def test_a_remote_that_accepts_and_never_answers_is_a_fast_miss(tmp_path, silent_listener):

@@ -15,7 +15,7 @@ from kvcached.store import Store
 from kvcached.tiers.record import HEADER_SIZE
 from kvcached.tiers.remote_redis import RemoteConfig
 from tests.conftest import TINY, payload, prompt
-from tests.redis_servers import RedisServer
+from bench.harness.redis_servers import RedisServer
 
 CT = TINY.chunk_tokens
 
@@ -253,7 +253,7 @@ def test_the_publisher_holds_its_queue_while_redis_is_down_and_resumes(tmp_path,
 
 def test_doctor_judges_reachability_acl_and_memory_policy(tmp_path, server):
     from kvcachectl.doctor import doctor_checks
-    from tests.redis_servers import cli
+    from bench.harness.redis_servers import cli
 
     def remote_verdicts(store: Store) -> dict[str, str]:
         s = store.stats().to_dict()
@@ -360,7 +360,8 @@ def test_a_chunk_over_the_remote_value_limit_is_refused_there_and_served_here(tm
     host serves it from its own tiers, the publish counts an error, and a chunk just under the
     limit (512 KiB) still goes there and is served to another host, verified."""
     from kvcached.keys import KVLayout
-    from tests.redis_servers import free_ports, require_redis
+    from bench.harness.redis_servers import free_ports
+    from tests.requirements import require_redis
 
     require_redis()
     srv = RedisServer(free_ports(1)[0], str(tmp_path / "redis"), extra=["--proto-max-bulk-len", "1mb"]).start()

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from kvcached.systemd import Notifier
-from tests.daemon import pool_segments, remove_segments
+from bench.harness.daemon import pool_segments, remove_segments
 
 
 @pytest.fixture

@@ -24,10 +24,10 @@ import time
 import aiohttp
 import psutil
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from fleet import SimFleet  # noqa: E402
-from workload import Workload, trace_path  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run as a file: import bench
+
+from bench.routing.fleet import SimFleet
+from bench.routing.workload import Workload, trace_path
 
 
 def pct(xs: list[float], p: float) -> float | None:

@@ -37,27 +37,17 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run as a file: import bench
+
+from bench.harness.daemon import BIN, POOL_LINE, pool_segments, remove_segments
+from bench.routing.simhost import DEFAULT_MODEL, sim_layout
+from bench.routing.tokenizer import build_tokenizer
+from kvcached.keys import KVLayout, write_new_key
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
-for _p in (REPO_ROOT, os.path.join(REPO_ROOT, "clients")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
 
-from kvcached.keys import KVLayout, write_new_key  # noqa: E402
-
-try:
-    from .simhost import DEFAULT_MODEL, sim_layout
-    from .tokenizer import build_tokenizer
-except ImportError:
-    sys.path.insert(0, HERE)
-    from simhost import DEFAULT_MODEL, sim_layout  # type: ignore[no-redef]
-    from tokenizer import build_tokenizer  # type: ignore[no-redef]
-
-SHM_DIR = "/dev/shm"
-POOL_LINE = re.compile(r"^  pool: host shared memory /dev/shm/([^,/\s]+),")
 METRICS_LINE = re.compile(r"^  metrics: (http://\S+)")
 SIMHOST_LINE = re.compile(r"^simhost \S+ listening on (http://\S+)")
-BIN = os.path.dirname(sys.executable)
 
 
 @dataclass(frozen=True)
@@ -305,17 +295,8 @@ class SimFleet:
         self._started = False
         # A daemon that exited by itself unlinked its pool; anything of theirs still in /dev/shm is
         # unlinked now and recorded (a test asserts there is none).
-        pids = {str(pid) for h in self._hosts for pid in h.daemon_pids}
-        try:
-            names = [n for n in os.listdir(SHM_DIR) if n.startswith("kvcached.") and len(n.split(".")) >= 4
-                     and n.split(".")[-2] in pids]
-        except FileNotFoundError:  # pragma: no cover
-            names = []
-        for n in names:
-            try:
-                os.unlink(os.path.join(SHM_DIR, n))
-            except FileNotFoundError:
-                pass
+        names = sorted({n for h in self._hosts for pid in h.daemon_pids for n in pool_segments(pid)})
+        remove_segments(names)
         self.leftover_segments.extend(names)
         if left:  # pragma: no cover - stop() kills what does not exit
             raise RuntimeError(f"processes left running: {[p.name for p in left]}")
@@ -381,17 +362,7 @@ class SimFleet:
         return rc
 
     def _unlink_segments(self, h: _Host, pid: int | None) -> None:
-        names = set(h.segments)
-        if pid is not None:
-            try:
-                names |= {n for n in os.listdir(SHM_DIR) if n.startswith("kvcached.") and f".{pid}." in n}
-            except FileNotFoundError:  # pragma: no cover
-                pass
-        for n in names:
-            try:
-                os.unlink(os.path.join(SHM_DIR, n))
-            except FileNotFoundError:
-                pass
+        remove_segments(set(h.segments) | (pool_segments(pid) if pid is not None else set()))
         h.segments.clear()
 
     def _start_simhost(self, h: _Host) -> None:

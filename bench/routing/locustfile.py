@@ -29,8 +29,9 @@ from collections import deque
 import gevent
 from locust import HttpUser, constant, events, task
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workload import Workload, trace_path  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run as a file: import bench
+
+from bench.routing.workload import Workload, trace_path
 
 _limit = int(os.environ.get("ROUTING_LIMIT", "0")) or None
 WORKLOAD = Workload(os.environ.get("ROUTING_TRACE") or trace_path(), limit=_limit,

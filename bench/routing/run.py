@@ -43,26 +43,19 @@ import urllib.error
 import urllib.request
 from typing import Callable
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run as a file: import bench
+
+from bench._common import RESULTS_DIR, machine_info, save_figure, subplots, write_json
+from bench.harness.daemon import BIN
+from bench.harness.ports import free_ports
+from bench.routing.fleet import SimFleet, to_toml
+from bench.routing.workload import Workload, trace_path
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-BENCH = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-sys.path.insert(0, BENCH)
 
-from _common import RESULTS_DIR, machine_info, write_json  # noqa: E402
-from fleet import SimFleet, to_toml  # noqa: E402
-
-BIN = os.path.dirname(sys.executable)
 ALL_POLICIES = ("kvcached", "longest_prefix", "round_robin", "least_loaded", "prefix_hash")
 TARGETS = {"fluctuation_max": 0.05, "wrong_route_max": 0.001, "hit_over_oracle_min": 0.95,
            "busiest_over_least_max": 1.5, "ttft_p90_over_round_robin_max": 0.5, "ttft_p90_over_prefix_hash_max": 1.0}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_jiffies() -> tuple[int, int]:
@@ -96,7 +89,7 @@ def run_policy(policy: str, args: argparse.Namespace, work: str) -> dict:
     root = os.path.join(work, policy)
     os.makedirs(root)
     with SimFleet(args.hosts, root, prefill_tps=args.prefill_tps, decode_tps=args.decode_tps) as fleet:
-        port = free_port()
+        port = free_ports(1)[0]
         cfg = os.path.join(root, "router.toml")
         with open(cfg, "w") as f:
             f.write(to_toml(fleet.kvcached_router_config(policy=policy, listen=f"127.0.0.1:{port}", audit=True,
@@ -182,8 +175,6 @@ def run_policy(policy: str, args: argparse.Namespace, work: str) -> dict:
 
 
 def _trace_chunks(limit: int, chunk_tokens: int) -> Callable[[int], list[int]]:
-    from workload import Workload, trace_path
-
     wl = Workload(trace_path(), skip=0, limit=limit)
 
     def chunks(idx: int) -> list[int]:
@@ -281,8 +272,6 @@ def prewarm(url: str, n: int, concurrency: int = 6) -> dict:
     progress, as a serving system that has been up a while does. The users then replay the
     trace from request ``n`` on."""
     import concurrent.futures
-
-    from workload import Workload, trace_path
 
     w = Workload(trace_path(), limit=n)
     t0 = time.monotonic()
@@ -389,12 +378,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot(res: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (a, b) = subplots(1, 2, figsize=(12, 4.5))
     for p, r in res["policies"].items():
         ts = [w["t"] for w in r["windows"]]
         a.plot(ts, [w["hit_rate"] if w["hit_rate"] is not None else float("nan") for w in r["windows"]], label=p)
@@ -403,8 +387,7 @@ def plot(res: dict, path: str) -> None:
     b.set(title="TTFT p50 per window", xlabel="s", ylabel="ms", yscale="log")
     a.legend(), b.legend()
     fig.suptitle("kvcached-router, simulated engines, real caches")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

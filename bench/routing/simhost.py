@@ -66,12 +66,10 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-for _p in (REPO_ROOT, os.path.join(REPO_ROOT, "clients")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run as a file: import bench
 
-from kvcached.keys import KVLayout  # noqa: E402
+from bench import _common  # noqa: F401 - puts clients/ on sys.path: kvcached_client from the source tree
+from kvcached.keys import KVLayout
 
 log = logging.getLogger("simhost")
 

@@ -27,7 +27,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,22 +37,15 @@ import urllib.request
 from contextlib import ExitStack
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-BENCH = os.path.dirname(HERE)
-ROOT = os.path.dirname(BENCH)
-sys.path.insert(0, HERE)
-sys.path.insert(0, BENCH)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run as a file: import bench
 
-from _common import machine_info, write_json  # noqa: E402
-from fleet import to_toml  # noqa: E402
+from bench._common import REPO_ROOT, machine_info, write_json
+from bench.harness.daemon import BIN
+from bench.harness.ports import free_ports
+from bench.routing.fleet import to_toml
 
-BIN = os.path.dirname(sys.executable)
+ROOT = REPO_ROOT
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, proc: subprocess.Popen, log: str, timeout: float) -> None:
@@ -125,7 +117,7 @@ def start_host(k: int, work: str, model: str, key: str, args: argparse.Namespace
     daemon = Proc([os.path.join(BIN, "kvcached"), "serve", "--config", cfg, "--socket", sock, "--state-dir",
                    os.path.join(root, "state")], os.path.join(root, "daemon.log"))
     stack.callback(daemon.stop)
-    port = free_port()
+    port = free_ports(1)[0]
     ktc = {"kv_connector": "KvcachedConnector", "kv_connector_module_path": "kvcached_client.vllm",
            "kv_role": "kv_both", "kv_connector_extra_config": {"socket": sock}}
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
@@ -158,7 +150,7 @@ def run_policy(policy: str, args: argparse.Namespace, work: str, model: str, key
             layouts = c.stats()["layouts_detail"]
             c.evict()  # the routed run starts with empty caches
         (layout,) = layouts.values()
-        rport = free_port()
+        rport = free_ports(1)[0]
         rcfg = os.path.join(pwork, "router.toml")
         with open(rcfg, "w") as f:
             f.write(to_toml({"listen": f"127.0.0.1:{rport}", "policy": policy, "tokenizer": model,

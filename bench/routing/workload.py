@@ -62,11 +62,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-try:  # as bench.routing.workload, or as a script / top-level module beside tokenizer.py
-    from .tokenizer import DEFAULT_VOCAB, SPECIALS, WORD_ID_OFFSET
-except ImportError:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from tokenizer import DEFAULT_VOCAB, SPECIALS, WORD_ID_OFFSET  # type: ignore[no-redef]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run as a file: import bench
+
+from bench.routing.tokenizer import DEFAULT_VOCAB, SPECIALS, WORD_ID_OFFSET
 
 TRACE_BLOCK_TOKENS = 512  # the Mooncake traces' block size
 ROLE_IDS = {"system": SPECIALS.index("<|system|>"), "user": SPECIALS.index("<|user|>"),
@@ -289,8 +287,7 @@ class Workload:
 
 def trace_path(name: str = "conversation_trace.jsonl") -> str:
     """A trace in bench/_common.TRACE_DIR (``$KVCACHED_TRACES`` or ../shared/traces/mooncake-fast25)."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from _common import TRACE_DIR
+    from bench._common import TRACE_DIR
 
     return os.path.join(TRACE_DIR, name)
 

@@ -14,15 +14,13 @@ from typing import Iterator
 import pytest
 import torch
 
+from bench import gpu_check as G
+from bench.harness.daemon import Daemon
 from kvcached.keys import KVLayout
 from kvcached_client import Client
 from kvcached_client.vllm.paged import CHANNEL_SPLIT, PagedLayout
-from tests.daemon import Daemon
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-
-import gpu_check as G  # noqa: E402
 
 L, H, D, CHUNK, BLOCK = 2, 2, 8, 32, 8  # 4 blocks per chunk
 LAYOUT = KVLayout("bench/gpu-check-paged@1", L, H, D, "bfloat16", chunk_tokens=CHUNK)

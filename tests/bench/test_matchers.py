@@ -10,19 +10,18 @@ import argparse
 import json
 import math
 import os
-import sys
 
 import numpy as np
 import pytest
+from datasketch import MinHash
+
+from bench import _matchers as M
+from bench import matchers
+from bench._common import write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRACES = os.path.join(ROOT, "..", "shared", "traces", "mooncake-fast25")
 EXCERPT = os.path.join(ROOT, "tests", "data", "mooncake-fast25-excerpt")
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-
-import _matchers as M  # noqa: E402
-import matchers  # noqa: E402
-from datasketch import MinHash  # noqa: E402
 
 C = M.CHUNK_TOKENS
 
@@ -217,7 +216,7 @@ def test_whole_run_on_a_small_slice(tmp_path) -> None:
         assert s["claimed_memory_in_chunks"] == pytest.approx(s["claimed"]["memory_bytes"]
                                                               / c[name]["memory"]["bytes_per_chunk"])
     assert len(res["conclusions"]) >= 5 and all(isinstance(x, str) for x in res["conclusions"])
-    path = matchers.write_json("m", res, str(tmp_path))  # what main() writes: JSON-serialisable
+    path = write_json("m", res, str(tmp_path))  # what main() writes: JSON-serialisable
     assert json.load(open(path))["contenders"]["MinHash-LSH"]["accuracy"]["all"]["lookups"] == 30 + 10 + 3 * 6
     png = tmp_path / "m.png"
     matchers.plot(res, str(png))

@@ -4,7 +4,7 @@ long versions are scripts under bench/ (see bench/README.md) and feed bench/resu
 
 from __future__ import annotations
 
-from kvcached.keys import KVLayout
+#: Small chunks so a few MiB of pool hold many of them (shared with the benches' scenarios).
+from bench.harness.layouts import RELIABILITY_LAYOUT as LAYOUT
 
-#: Small chunks so a few MiB of pool hold many of them.
-LAYOUT = KVLayout("test/reliability@1", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", chunk_tokens=16)
+__all__ = ["LAYOUT"]

@@ -19,7 +19,7 @@ from kvcached.v1 import kvcached_pb2 as pb
 from kvcached_client import Client, PutReceipt
 from kvcached_client.nvme import NvmeReader
 from kvcached_client.errors import ResourceExhaustedError
-from tests.daemon import Daemon
+from bench.harness.daemon import Daemon
 from tests.reliability.conftest import LAYOUT
 from tests.requirements import require
 

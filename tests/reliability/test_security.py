@@ -57,7 +57,7 @@ from kvcached.v1 import kvcached_pb2 as pb
 from kvcached.v1 import kvcached_pb2_grpc as pb_grpc
 from kvcached_client import Client
 from kvcached_client import _core
-from tests.daemon import Daemon
+from bench.harness.daemon import Daemon
 from tests.reliability.conftest import LAYOUT
 from tests.requirements import require
 

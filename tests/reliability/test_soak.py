@@ -15,25 +15,9 @@ The acquire p50/p99 are printed (-s), not asserted: on a shared 2-core box they 
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SOAK_PY = os.path.join(ROOT, "bench", "soak.py")
-
-
-def _load_soak():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    spec = importlib.util.spec_from_file_location("kvcached_bench_soak", SOAK_PY)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-soak = _load_soak()
+from bench import soak
 
 #: Private memory (RssAnon: heap, index, leases, sessions) may not grow by more than this after
 #: warm-up. In steady state nothing needs to grow: the index is capped by the two tiers' capacity

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from kvcached_client import Client
-from tests.daemon import Daemon
+from bench.harness.daemon import Daemon
 from tests.reliability.conftest import LAYOUT
 from tests.requirements import require
 

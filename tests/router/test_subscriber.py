@@ -11,7 +11,7 @@ from kvcached.keys import ChunkHasher, Namespace, load_shared_key, write_new_key
 from kvcached_client import Client
 from kvcached_router.index import HostIndex
 from kvcached_router.subscriber import EventSubscriber
-from tests.daemon import Daemon
+from bench.harness.daemon import Daemon
 from tests.service.conftest import LAYOUT
 
 CT = LAYOUT.chunk_tokens

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from kvcached.keys import KVLayout
-from tests.daemon import run_py
-
-LAYOUT = KVLayout("test/daemon@1", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", chunk_tokens=16)
+from bench.harness.daemon import run_py
+from bench.harness.layouts import DAEMON_LAYOUT as LAYOUT
 
 __all__ = ["LAYOUT", "run_py"]

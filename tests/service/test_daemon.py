@@ -179,7 +179,7 @@ def test_lease_ttl_expiry_and_keep_alive(make_daemon):
 def test_sigkill_leaves_no_pool_segment_behind(make_daemon, tmp_path):
     """A SIGKILLed daemon cannot unlink its pool segments; Daemon.stop does it once the process is
     dead (else /dev/shm keeps them until reboot). One segment per trust domain."""
-    from tests.daemon import SHM_DIR, pool_segments
+    from bench.harness.daemon import SHM_DIR, pool_segments
 
     d = make_daemon(domains={"tenant_b": {"socket": str(tmp_path / "b.sock"), "pool_bytes": "1M"}})
     with Client(d.socket) as c:

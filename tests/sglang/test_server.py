@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from tests.daemon import Daemon
+from bench.harness.daemon import Daemon
 from tests.sglang.conftest import PAGE, metric, storage_tokens, wait_chunks
 
 PROMPT = " ".join(f"w{(i * 37) % 1000 + 3}" for i in range(200))  # 200 tokens: 12 full pages

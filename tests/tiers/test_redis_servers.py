@@ -1,4 +1,4 @@
-"""Remote-tier values in a real Redis server started by the test (tests/redis_servers.py): a
+"""Remote-tier values in a real Redis server started by the test (bench/harness/redis_servers.py): a
 standalone redis-server on a free port, never the shared one on 6379, and a 6-node Redis Cluster. The remote tier itself
 (issue 17) builds on this fixture."""
 
@@ -9,7 +9,8 @@ import os
 from kvcached.keys import ChunkHash, LayoutId
 from kvcached.tiers.base import ChunkMeta
 from kvcached.tiers.remote_codec import decode, encode, mac_key, remote_key
-from tests.redis_servers import RedisCluster, RedisServer, free_ports, require_redis
+from bench.harness.redis_servers import RedisCluster, RedisServer, free_ports
+from tests.requirements import require_redis
 
 try:
     import redis

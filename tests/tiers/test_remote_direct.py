@@ -16,7 +16,8 @@ from kvcached.keys import ChunkHash
 from kvcached.tiers.remote_codec import encode, mac_key, remote_key
 from kvcached.tiers.remote_redis import RemoteConfig, RemoteRedisTier
 from kvcached.tiers.resp import RespConnection, RespProtocolError
-from tests.redis_servers import RedisCluster, cli, require_redis
+from bench.harness.redis_servers import RedisCluster, cli
+from tests.requirements import require_redis
 from tests.tiers.test_remote_redis import CHUNK, KEY, LAYOUT, chunks, hashes
 
 redis = pytest.importorskip("redis", reason="the remote extra (redis-py) is not installed")

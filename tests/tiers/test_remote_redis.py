@@ -14,7 +14,8 @@ from kvcached.keys import ChunkHash, LayoutId
 from kvcached.tiers.base import ChunkMeta
 from kvcached.tiers.remote_codec import encode, mac_key, remote_key
 from kvcached.tiers.remote_redis import IO_THREADS, Breaker, RemoteConfig, RemoteRedisTier
-from tests.redis_servers import RedisCluster, cli, require_redis
+from bench.harness.redis_servers import RedisCluster, cli
+from tests.requirements import require_redis
 
 try:
     import redis

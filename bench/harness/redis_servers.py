@@ -1,6 +1,6 @@
-"""Real Redis servers for the remote-tier tests, on free loopback ports in a temporary directory,
-torn down afterwards; never the shared server on 6379: a standalone ``redis-server``. Or a Redis
-Cluster of 3 primaries + 3 replicas (the reference deployment of issue 17).
+"""Real Redis servers for the remote-tier tests and benches, on free loopback ports in a temporary
+directory, torn down afterwards; never the shared server on 6379: a standalone ``redis-server``. Or a Redis
+Cluster of 3 primaries + 3 replicas (the reference deployment).
 
 Each server runs with ``--save ""`` and no AOF (nothing is written to disk but its log and the
 cluster's nodes file), and ``--protected-mode no`` on 127.0.0.1 only.
@@ -9,7 +9,6 @@ cluster's nodes file), and ``--protected-mode no`` on 127.0.0.1 only.
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import signal
 import socket
@@ -17,56 +16,22 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
+from bench.harness.ports import free_ports
+
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
+__all__ = ["REDIS_CLI", "REDIS_SERVER", "RedisCluster", "RedisServer", "cli", "free_ports", "missing", "redis_cpu_s"]
 
 
-def require_redis() -> None:
-    """Skip (fail in CI) unless redis-py, redis-server and redis-cli are all here."""
-    from tests.requirements import require
-
+def missing() -> str | None:
+    """Why the Redis servers cannot run here (redis-py, redis-server or redis-cli missing), or None."""
     try:
         import redis  # noqa: F401
     except ImportError:  # pragma: no cover - the bench extra has it
-        require(False, "redis-py missing: scripts/setup installs it with the bench extra")
-    require(REDIS_SERVER and REDIS_CLI, "redis-server / redis-cli missing (Debian's redis-server package)")
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo, hi = (int(x) for x in f.read().split())
-            return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports on 127.0.0.1, each with its +10000 cluster-bus port free too,
-    all below the kernel's ephemeral range: a port the kernel may hand to an outgoing connection
-    (what ``bind(0)`` returns) can be taken between choosing it and a server binding it, or
-    while a killed server is down, and a test would then fail on "address already in use"."""
-    lo, _ = _ephemeral_range()
-    top = min(lo, 65536) - 10000  # the bus port (+10000) stays below the ephemeral range too
-    rng = random.Random()
-    out: list[int] = []
-    for _ in range(10000):
-        if len(out) == n:
-            return out
-        port = rng.randrange(10000, max(top, 10001))
-        if port in out:
-            continue
-        ok = True
-        for p in (port, port + 10000):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            out.append(port)
-    raise RuntimeError(f"no {n} free ports below the ephemeral range ({lo}-)")
+        return "redis-py missing: scripts/setup installs it with the bench extra"
+    if not (REDIS_SERVER and REDIS_CLI):
+        return "redis-server / redis-cli missing (Debian's redis-server package)"
+    return None
 
 
 def _ping(port: int, timeout: float = 0.2) -> bool:
@@ -135,6 +100,19 @@ class RedisServer:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+def redis_cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) the Redis servers have used so far (their /proc/<pid>/stat)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def cli(port: int, *args: str, timeout: float = 30.0) -> str:
