@@ -288,10 +288,12 @@ def _as_model_cache(model: Any, full: Any) -> Any:
     the same prefill: its sliding layers fed the whole prompt once, so they keep their window
     exactly as a plain prefill leaves them; its full layers are taken over as they are."""
     from transformers import DynamicCache
+    from transformers.cache_utils import CacheLayerMixin
 
     own = DynamicCache(config=model.config)
     for i, (layer, src) in enumerate(zip(own.layers, full.layers)):
-        if getattr(layer, "is_sliding", False):
+        # (a linear-attention layer has no K and V, and is never sliding)
+        if isinstance(layer, CacheLayerMixin) and getattr(layer, "is_sliding", False):
             layer.update(src.keys, src.values)
         else:
             own.layers[i] = src

@@ -7,6 +7,7 @@ read (the engine tests in test_connector.py drive the real ones).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -60,6 +61,8 @@ def side(vdaemon):
     yield make
     for s in made:
         s.close()
+    # Every test here also checks the requests' phases: no move the connector does not expect.
+    assert [s.stats["illegal_transitions"] for s in made] == [0] * len(made)
 
 
 def store(d, tokens: list[int]) -> None:
@@ -271,13 +274,16 @@ def test_daemon_down_costs_one_failure_then_nothing(side, tmp_path):
     sock = str(tmp_path / "none.sock")
     s = SchedulerSide(ConnectorConfig(socket=sock, retry_s=60), (LAYOUT,), BLOCK, lambda: Client(sock))
     try:
+        from kvcached_client.vllm.scheduler import Phase
+
         assert ask(s, Req("a", prompt(600, 7))) == (0, False)
-        assert s.stats["lookup_failures"] == 1
+        assert s.stats["lookup_failures"] == 1 and s._reqs["a"].phase is Phase.LOOKUP_FAILED
         t0 = time.perf_counter()
         for i in range(50):
             assert s.get_num_new_matched_tokens(Req(f"b{i}", prompt(600, 8)), 0) == (0, False)
         per_request = (time.perf_counter() - t0) / 50
         assert s.stats["lookup_failures"] == 1 and s.stats["lookups"] == 1  # skipped while retry_s runs
+        assert s._reqs["b0"].phase is Phase.NEW  # no lookup yet: a later ask may start one
         assert per_request < 0.005  # no RPC, no connect attempt: packing the prompt at most
         assert s.fail.total("lookup") == 1
     finally:
@@ -285,12 +291,77 @@ def test_daemon_down_costs_one_failure_then_nothing(side, tmp_path):
 
 
 def test_requests_the_cache_cannot_key(side, vdaemon):
+    from kvcached_client.vllm.scheduler import Phase
+
     s = side()
     p = prompt(600, 9)
     store(vdaemon, p)
     assert s.get_num_new_matched_tokens(Req("mm", p, mm_features=[object()]), 0) == (0, False)
     assert s.get_num_new_matched_tokens(Req("nc", p, kv_transfer_params={"kvcached": {"no_cache": True}}), 0) == (0, False)
+    neither = Req("nn", p, kv_transfer_params={"kvcached": {"no_cache": True, "no_store": True}})
+    assert s.get_num_new_matched_tokens(neither, 0) == (0, False)
     assert ask(s, Req("ok", p)) == (512, False)
+    assert s._reqs["mm"].phase is Phase.BYPASS and s._reqs["nn"].phase is Phase.BYPASS
+    assert s._reqs["nc"].phase is Phase.NEW  # it reads nothing, but on_new_request would reserve room to store
+
+
+def test_a_request_goes_through_its_phases(side, vdaemon):
+    """NEW -> LOOKING_UP -> LEASED; preempted: back to NEW, and a lookup again once resumed;
+    finished: DONE."""
+    from kvcached_client.vllm.scheduler import Phase
+
+    s = side()
+    p = prompt(600, 10)
+    store(vdaemon, p)
+    r = Req("a", p)
+    s.on_new_request(r)
+    st = s._reqs["a"]
+    assert st.phase is Phase.LOOKING_UP and st.lookup is not None
+    assert ask(s, r) == (512, False)
+    assert st.phase is Phase.LEASED and st.attempt is not None and st.matched == 512
+    s.build_connector_meta(empty_step(preempted_req_ids={"a"}))
+    assert st.phase is Phase.NEW and st.attempt is None and st.lookup is None
+    assert ask(s, r) == (512, False)  # resumed: looked up again
+    assert st.phase is Phase.LEASED and s.stats["lookups"] == 2
+    s.request_finished(r)
+    assert st.phase is Phase.DONE and s.tracked_requests == 0
+
+
+def test_an_unexpected_phase_move_is_logged_and_counted_not_raised(tmp_path):
+    """The connector fails open: a move between phases that it does not expect (a bug) never
+    fails the request. It is logged (at error level the first time for each pair of phases),
+    counted, and made."""
+    from kvcached_client.vllm.config import ConnectorConfig
+    from kvcached_client.vllm.scheduler import Phase, SchedulerSide
+
+    sock = str(tmp_path / "none.sock")
+    s = SchedulerSide(ConnectorConfig(socket=sock), (LAYOUT,), BLOCK, lambda: Client(sock))
+    seen: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    handler = Keep(logging.DEBUG)
+    logger = logging.getLogger("vllm.kvcached")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        st = s._state(Req("a", prompt(600, 11)))
+        assert st.phase is Phase.NEW
+        s._to(st, Phase.LEASED)  # no lookup was made: not a move a request makes
+        assert st.phase is Phase.LEASED
+        s._to(st, Phase.NEW)  # a legal one: nothing logged
+        s._to(st, Phase.LEASED)  # the same illegal move again: logged at debug level only
+        assert s.stats["illegal_transitions"] == 2
+        mine = [r for r in seen if "does not expect" in r.getMessage()]
+        assert [r.levelno for r in mine] == [logging.ERROR, logging.DEBUG]
+        assert "'new' to 'leased'" in mine[0].getMessage()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        s.close()
 
 
 # -- what async scheduling, short requests and long queues do (issue: nothing released or

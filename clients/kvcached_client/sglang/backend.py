@@ -34,6 +34,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from prometheus_client import Counter
 
+from kvcached.keys import KVLayout
 from kvcached_client.client import Client
 from kvcached_client.failopen import FailOpen
 from kvcached_client.sglang.pages import KEY_WORDS, HostPages, UnsupportedPool, key_words
@@ -91,7 +92,7 @@ class KvcachedStorage(HiCacheStorage):
         self._fail = FailOpen("sglang")
         self._down_until = 0.0
         self.pages: HostPages | None = None
-        self.layout = None
+        self.layout: KVLayout | None = None  # set by register_mem_pool_host
         #: Pages served, stored and asked for, for get_stats and tests (approximate under threads).
         self.counts = {"exists_pages": 0, "hit_pages": 0, "loaded_pages": 0, "stored_pages": 0}
 
@@ -151,8 +152,14 @@ class KvcachedStorage(HiCacheStorage):
         it: a run of keys names the same pages wherever it starts. What is lost is only the
         daemon's view of whole prompts (its eviction keeps prefixes before their extensions)."""
         prefix = (extra_info.prefix_keys if extra_info is not None else None) or []
+        return key_words([*prefix, *keys], self._layout.chunk_tokens), len(prefix)
+
+    @property
+    def _layout(self) -> KVLayout:
+        """The pages' layout, once SGLang registered its host pool (the batch calls run only then:
+        :meth:`_usable`)."""
         assert self.layout is not None, "register_mem_pool_host was not called"
-        return key_words([*prefix, *keys], self.layout.chunk_tokens), len(prefix)
+        return self.layout
 
     def _count(self, what: str, pages: int, t0: float | None = None, *, op: str | None = None) -> None:
         self.counts[f"{what}_pages"] += pages
@@ -180,13 +187,14 @@ class KvcachedStorage(HiCacheStorage):
         if not keys or not self._usable():
             return 0
         words, first = self._words(keys, extra_info)
+        layout = self._layout
         try:
-            cached = self._client_now().lookup(self.layout, words)
+            cached = self._client_now().lookup(layout, words)
         except Exception as e:  # noqa: BLE001 - fail open: a miss, never an engine error
             self._failed("exists", e)
             return 0
         self._fail.ok("exists")
-        hits = max(0, min(len(keys), cached // self.layout.chunk_tokens - first))
+        hits = max(0, min(len(keys), cached // layout.chunk_tokens - first))
         self._count("exists", len(keys), t0)
         self._count("hit", hits)
         return hits
@@ -200,10 +208,11 @@ class KvcachedStorage(HiCacheStorage):
             return ok
         words, first = self._words(keys, extra_info)
         assert self.pages is not None
-        p = self.layout.chunk_tokens
+        layout = self._layout
+        p = layout.chunk_tokens
         starts = host_indices[::p].tolist()
         try:
-            lease = self._client_now().acquire(self.layout, words)
+            lease = self._client_now().acquire(layout, words)
         except Exception as e:  # noqa: BLE001 - fail open: a miss, never an engine error
             self._failed("get", e)
             return ok
@@ -239,9 +248,10 @@ class KvcachedStorage(HiCacheStorage):
             return ok
         words, first = self._words(keys, extra_info)
         assert self.pages is not None
-        p = self.layout.chunk_tokens
+        layout = self._layout
+        p = layout.chunk_tokens
         try:
-            res = self._client_now().reserve(self.layout, words, skip_empty=True)
+            res = self._client_now().reserve(layout, words, skip_empty=True)
             slots = res.slots
             if slots and slots[0].position < first:
                 res.abort()  # the daemon lost an earlier page, whose bytes this call does not have

@@ -24,7 +24,13 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvcached_client.client import Client
@@ -32,14 +38,27 @@ from kvcached_client.vllm.config import ConnectorConfig, async_loads
 from kvcached_client.vllm.paged import converter_for, verify_cpu_layout
 from kvcached_client.vllm.plan import KvcachedHandshake, KvcachedMetadata, KvcachedWorkerMetadata
 from kvcached_client.vllm.scheduler import SchedulerSide
-from kvcached_client.vllm.spec import UnsupportedEngineError, check, chunk_tokens_for, engine_layouts, model_id
+from kvcached_client.vllm.spec import (
+    UnsupportedEngineError,
+    check,
+    chunk_tokens_for,
+    engine_layouts,
+    model_id,
+    require_kv_cache_config,
+)
 from kvcached_client.vllm import stats
 from kvcached_client.vllm.stats import SCHEDULER_KEYS, KvcachedConnectorStats, KvcachedPromMetrics, StatsDelta
 from kvcached_client.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.kvcached")  # under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL
 
@@ -49,6 +68,7 @@ class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
+        kv_cache_config = require_kv_cache_config(kv_cache_config)  # vLLM 0.32 always passes it
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
         self.config = cfg = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
@@ -109,8 +129,8 @@ class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
         return stats.build_kv_connector_stats(data)
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: Any,
-                           per_engine_labelvalues: Any) -> KvcachedPromMetrics:
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvcachedPromMetrics:
         return stats.build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def _client(self, name: str, placement: str = "") -> Client:
@@ -121,7 +141,9 @@ class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
-        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, self.layer_names)
+        # The abstract base, as vLLM's own callers pass it (the lookup filters with isinstance); mypy
+        # takes no abstract class for a type[T] parameter.
+        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, self.layer_names)  # type: ignore[type-abstract]
         names = {layer.get_attn_backend().get_name() for layer in layers.values()}
         if len(names) != 1:
             raise UnsupportedEngineError(f"kvcached connector: the layers use several attention backends {names}")
@@ -153,22 +175,24 @@ class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
             from vllm.config import get_layers_from_vllm_config
             from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
-            layer = next(iter(get_layers_from_vllm_config(self._vllm_config, AttentionLayerBase,
+            # (type-abstract: the abstract base, as in _backend_name)
+            layer = next(iter(get_layers_from_vllm_config(self._vllm_config, AttentionLayerBase,  # type: ignore[type-abstract]
                                                           self.layer_names[:1]).values()))
             isa = getattr(layer, "isa", "vec")
             # An fp8 cache is uint8; the K and V its kernel quantises are in the model's dtype.
             act = self._vllm_config.model_config.dtype if cache.dtype == torch.uint8 else cache.dtype
+            assert isinstance(act, torch.dtype), "ModelConfig resolves its dtype to a torch.dtype at start"
             why = verify_cpu_layout(act, cache.shape[1], cache.shape[2], self.layouts[0].head_dim, isa,
                                     kv_cache_dtype=self.shape.kv_cache_dtype)
             if why:
                 raise UnsupportedEngineError(f"kvcached connector: {why}; not supported yet")
 
-    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self.worker is not None and isinstance(connector_metadata, KvcachedMetadata):
             self.worker.begin_step(connector_metadata)
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert self.worker is not None and isinstance(meta, KvcachedMetadata)
         self.worker.start_load(meta)
@@ -177,7 +201,8 @@ class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             self.worker.wait_for_layer(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
+                      **kwargs: Any) -> None:
         """Nothing per layer: stores are reserved, copied and committed after the forward
         (``wait_for_save``), see :mod:`~kvcached_client.vllm.worker`."""
 
@@ -200,7 +225,7 @@ class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
         scheduler reserves and promotes this rank's chunks in that GPU's pool slab."""
         return KvcachedHandshake(self.worker.placement) if self.worker is not None else None
 
-    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         if self.scheduler is not None:
             self.scheduler.set_placements({rank: m.placement for rank, m in metadata.items()
                                            if isinstance(m, KvcachedHandshake)})
@@ -219,30 +244,30 @@ class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- scheduler side -------------------------------------------------------------------
 
-    def on_new_request(self, request: Any) -> None:
+    def on_new_request(self, request: "Request") -> None:
         if self.scheduler is not None:
             self.scheduler.on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         assert self.scheduler is not None
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> KvcachedMetadata:
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvcachedMetadata:
         assert self.scheduler is not None
         return self.scheduler.build_connector_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: Any) -> None:
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         if self.scheduler is not None:
             self.scheduler.update_connector_output(connector_output)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
 
-    def request_finished_all_groups(self, request: Any,
+    def request_finished_all_groups(self, request: "Request",
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """vLLM may free the blocks at once, unless the request's answer is being stored (True: it
         keeps them until every worker reports the request in ``get_finished``). A prompt store's

@@ -20,6 +20,10 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 FAMILIES = ("llama", "mistral", "gemma3", "deepseek_v2")
@@ -40,9 +44,12 @@ def build(path: str, *, layers: int = 2, hidden: int = 128, heads: int = 4, kv_h
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
     torch.manual_seed(seed)
-    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
-                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                  max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+    # The configs' keyword arguments, each of its own type: the config classes check them.
+    common: dict[str, Any] = dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions, bos_token_id=1,
+        eos_token_id=2, torch_dtype="float32")
+    model: PreTrainedModel
     if family == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     elif family == "mistral":

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import enum
 import itertools
 import logging
 import time
@@ -62,12 +63,19 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from kvcached.keys import KVLayout
+from kvcached_client._core import LeaseTicket, ReservationTicket
 from kvcached_client.client import CacheRequest, Client, Reservation
 from kvcached_client.errors import DeadlineExceededError, KvcachedError, UnavailableError
 from kvcached_client.failopen import FailOpen
 from kvcached_client.policy import CachePolicy
 from kvcached_client.vllm.config import ConnectorConfig
 from kvcached_client.vllm.plan import KvcachedMetadata, KvcachedWorkerMetadata, LoadPlan, SavePlan
+from kvcached_client.vllm.protocols import (
+    VllmBlocks,
+    VllmConnectorOutput,
+    VllmRequest,
+    VllmSchedulerOutput,
+)
 from kvcached_client.vllm.spec import request_cacheable, with_lora, with_salt
 
 log = logging.getLogger("vllm.kvcached")  # under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL
@@ -76,7 +84,7 @@ log = logging.getLogger("vllm.kvcached")  # under vLLM's logger: its handler, fo
 _TRIPS = (UnavailableError, DeadlineExceededError, TimeoutError)
 
 
-def policy_of(request: Any) -> CachePolicy:
+def policy_of(request: VllmRequest) -> CachePolicy:
     """The request's cache policy: ``kv_transfer_params={"kvcached": {"no_store": true,
     "no_cache": true}}`` (what the X-Cache-Control middleware sets), and the long-generation
     bypass from ``max_tokens``."""
@@ -107,7 +115,9 @@ class _Attempt:
     renewal_sent: float = 0.0
     written: list[int] = field(default_factory=list)  # per rank: reserved chunks written up to here (-1: failed)
     committed: list[bool] = field(default_factory=list)  # per rank: its reservation is closed
-    save_tickets: tuple | None = None
+    #: per rank, where its reserved chunks are written (None: nothing for it); () once the attempt
+    #: stores nothing more (given up: its room may be gone)
+    save_tickets: tuple[ReservationTicket | None, ...] = ()
     reserved_at: float = 0.0  # when the reservations were granted (their TTL runs from there)
     loads_out: list[int] = field(default_factory=list)  # per rank: load plans handed out, not reported
     saves_out: list[int] = field(default_factory=list)  # per rank: save plans handed out, not reported
@@ -120,18 +130,73 @@ class _Attempt:
         return any(self.loads_out) or any(self.saves_out)
 
 
+class Phase(enum.Enum):
+    """Where a request stands on the scheduler side: the phase of its :class:`_Req` (see there)."""
+
+    NEW = "new"
+    BYPASS = "bypass"
+    LOOKING_UP = "looking up"
+    LEASED = "leased"
+    LOOKUP_FAILED = "lookup failed"
+    STORING_ANSWER = "storing its answer"
+    DONE = "done"
+
+
+#: The transitions a request's phase may make (:meth:`SchedulerSide._to`). Preempted, a request
+#: starts over (NEW), and looks up again once vLLM resumes it; a BYPASS one stays BYPASS.
+_NEXT: dict[Phase, frozenset[Phase]] = {
+    Phase.NEW: frozenset({Phase.LOOKING_UP, Phase.NEW, Phase.STORING_ANSWER, Phase.DONE}),
+    Phase.BYPASS: frozenset({Phase.DONE}),
+    Phase.LOOKING_UP: frozenset({Phase.LEASED, Phase.LOOKUP_FAILED, Phase.NEW, Phase.STORING_ANSWER, Phase.DONE}),
+    Phase.LEASED: frozenset({Phase.NEW, Phase.STORING_ANSWER, Phase.DONE}),
+    Phase.LOOKUP_FAILED: frozenset({Phase.NEW, Phase.STORING_ANSWER, Phase.DONE}),
+    Phase.STORING_ANSWER: frozenset({Phase.DONE}),
+    Phase.DONE: frozenset(),
+}
+
+#: The phases in which the request's lookup has an outcome (``matched`` is known).
+_LANDED = frozenset({Phase.LEASED, Phase.LOOKUP_FAILED})
+
+
 @dataclass(eq=False)
 class _Req:
+    """One request vLLM gave the scheduler side, from its first hook to its end.
+
+    ``phase`` is where it stands (:class:`Phase`; the transitions: :data:`_NEXT`):
+
+    * ``NEW``: known (``on_new_request``, or vLLM's first ask), no lookup yet. It starts on the
+      spot unless the daemon is being skipped (``retry_s`` after a failure): then on a later ask.
+    * ``BYPASS`` (from the start, for good): it never uses the cache: its KV does not follow from
+      its token ids (``skip``: multimodal inputs, prompt embeddings), or its policy neither reads
+      nor stores.
+    * ``LOOKING_UP``: its AcquireReserves are in flight (``lookup``, one future per rank); vLLM is
+      told "not yet".
+    * ``LEASED``: they landed: ``attempt`` holds every rank's lease and reservation, ``matched``
+      is what the leases cover. The loads into its blocks and the saves of its computed chunks go
+      out from here (``pending``, ``saved_chunks``, a second reservation in ``store``).
+    * ``LOOKUP_FAILED``: the lookup failed or timed out (counted, fail open): it runs without
+      the cache (``matched`` 0, no attempt).
+    * ``STORING_ANSWER``: finished; the whole chunks of its answer are being stored
+      (:class:`_Finishing`), vLLM keeping its blocks until the workers have copied them.
+    * ``DONE``: finished, aborted, or the engine closed. Nothing more happens to it.
+
+    A preemption retires its attempt and takes it back to ``NEW`` (``BYPASS`` stays); it looks up
+    again when vLLM resumes it. Loads and saves are not phases of the request: they overlap (a
+    hit's load and the saves of the prompt's other chunks go out in the same step) and are counted
+    per plan on the :class:`_Attempt`, which outlives the request until every plan is reported.
+    """
+
     req_id: str
     tokens: Sequence[int]  # the prompt's token ids (vLLM's; never changed)
     n_prompt: int
     policy: CachePolicy
     layouts: tuple[KVLayout, ...]  # per tensor-parallel rank, with the request's LoRA and salt
-    skip: str | None = None  # why this request does not use the cache at all
-    lookup: "list[concurrent.futures.Future[CacheRequest]] | None" = None  # per rank
+    skip: str | None = None  # why this request does not use the cache at all (then BYPASS)
+    phase: Phase = Phase.NEW
+    lookup: "list[concurrent.futures.Future[CacheRequest]] | None" = None  # per rank (LOOKING_UP)
     lookup_started: float = 0.0
-    attempt: _Attempt | None = None
-    matched: int | None = None  # tokens the request may load (all ranks), once known
+    attempt: _Attempt | None = None  # LEASED
+    matched: int = 0  # tokens the request may load (all ranks): LEASED
     no_more_loads: bool = False  # a load failed: ask for none again
     local_computed: int = 0  # vLLM's own (block-aligned) prefix-cache hit at the last ask
     pending: LoadPlan | None = None  # planned, not yet handed to the worker
@@ -154,8 +219,8 @@ class _Req:
             return False
         if self.skip or self.saved_chunks >= self.n_whole_chunks:
             return True
-        att = self.store or self.attempt
-        return self.matched is not None and (att is None or att.retired or not att.save_tickets)
+        att = self.store or self.attempt  # None once the lookup failed: nothing to store with
+        return self.phase in _LANDED and (att is None or att.retired or not att.save_tickets)
 
 
 @dataclass(eq=False)
@@ -219,6 +284,7 @@ class SchedulerSide:
         self._pending: list[_Req] = []  # requests with a planned load not handed out yet
         self._looking: set[_Req] = set()  # requests whose lookup is in flight
         self._retry_at = 0.0
+        self._illegal_seen: set[tuple[Phase, Phase]] = set()  # illegal phase moves logged so far (_to)
         self.fail = FailOpen("vllm")
         #: connector time on the scheduler thread per finished request (seconds), newest last
         self.request_seconds: collections.deque[float] = collections.deque(maxlen=100_000)
@@ -249,20 +315,36 @@ class SchedulerSide:
         if isinstance(error, _TRIPS):
             self._retry_at = self._clock() + self.cfg.retry_s
 
-    def _state(self, request: Any) -> _Req:
+    def _state(self, request: VllmRequest) -> _Req:
         st = self._reqs.get(request.request_id)
         if st is None:
-            skip = request_cacheable(request)
+            skip = request_cacheable(request)  # None: it has prompt token ids
             # Packed for the wire on the connector's threads, not here (10 us per 600 tokens).
-            tokens = () if skip else request.prompt_token_ids
+            tokens: Sequence[int] = () if skip else request.prompt_token_ids or ()
             lora = getattr(request, "lora_request", None)
             salt = getattr(request, "cache_salt", None)
             policy = policy_of(request)
+            bypass = bool(skip) or not (policy.read or policy.should_store(len(tokens)))
             st = _Req(request.request_id, tokens, len(tokens), policy,
-                      tuple(with_salt(with_lora(lay, lora), salt) for lay in self.layouts), skip)
+                      tuple(with_salt(with_lora(lay, lora), salt) for lay in self.layouts), skip,
+                      Phase.BYPASS if bypass else Phase.NEW)
             st.n_whole_chunks = len(tokens) // self.chunk_tokens if policy.should_store(len(tokens)) else 0
             self._reqs[request.request_id] = st
         return st
+
+    def _to(self, st: _Req, phase: Phase) -> None:
+        """Move the request to ``phase``. A move :data:`_NEXT` does not allow is a bug of the
+        connector: logged (at error level the first time for each pair of phases) and counted in
+        ``stats["illegal_transitions"]``, and made all the same, the fields it came with being
+        set already: the request goes on as the fields say, never failed because of the cache."""
+        if phase not in _NEXT[st.phase]:
+            self.stats["illegal_transitions"] += 1
+            first = (st.phase, phase) not in self._illegal_seen
+            self._illegal_seen.add((st.phase, phase))
+            log.log(logging.ERROR if first else logging.DEBUG,
+                    "kvcached connector: request %s moved from phase %r to %r, which the connector does not "
+                    "expect (a bug; the request goes on)", st.req_id, st.phase.value, phase.value)
+        st.phase = phase
 
     def check_daemon(self) -> None:
         """At engine start: register the layouts, so a daemon that refuses them (a chunk larger
@@ -288,7 +370,7 @@ class SchedulerSide:
 
     # -- vLLM hooks ----------------------------------------------------------------------
 
-    def on_new_request(self, request: Any) -> None:
+    def on_new_request(self, request: VllmRequest) -> None:
         """Start the lookup as soon as vLLM has the request: by the time the scheduler asks,
         the answer is usually there."""
         t0 = time.perf_counter()
@@ -297,16 +379,17 @@ class SchedulerSide:
         st.sched_s += time.perf_counter() - t0
 
     def _start_lookup(self, st: _Req) -> bool:
-        """Start the request's AcquireReserves if it has none; False if it cannot (daemon down, ...)."""
-        if st.lookup is not None or st.matched is not None:
-            return True
-        store = st.policy.should_store(st.n_prompt)
-        if st.skip or not (st.policy.read or store) or self._daemon_down():
+        """Start the request's AcquireReserves if it has none; False if it cannot (BYPASS, daemon down)."""
+        if st.phase is not Phase.NEW:
+            return st.phase is not Phase.BYPASS  # its lookup is in flight or has landed
+        if self._daemon_down():
             return False
+        store = st.policy.should_store(st.n_prompt)
         self.stats["lookups"] += 1
         st.lookup_started = self._clock()
         st.lookup = [self._bg.submit(self._acquire_reserve, lay, st.tokens, not st.policy.read, not store,
                                      self.placement(rank)) for rank, lay in enumerate(st.layouts)]
+        self._to(st, Phase.LOOKING_UP)
         self._looking.add(st)
         return True
 
@@ -334,11 +417,9 @@ class SchedulerSide:
 
     def _landed(self, st: _Req) -> bool:
         """Whether the request's lookup has an outcome now (never waits); takes it if so."""
-        if st.matched is not None:
-            return True
         futs = st.lookup
-        if futs is None:
-            return False
+        if st.phase is not Phase.LOOKING_UP or futs is None:
+            return st.phase in _LANDED
         if not all(f.done() for f in futs):
             if self._clock() - st.lookup_started < self.cfg.lookup_timeout_s:
                 return False
@@ -346,6 +427,7 @@ class SchedulerSide:
             for f in futs:  # whatever lands later is given back when it lands
                 f.add_done_callback(self._drop_late)
             st.lookup, st.matched = None, 0
+            self._to(st, Phase.LOOKUP_FAILED)
             return True
         st.lookup = None
         got: list[CacheRequest] = []
@@ -361,6 +443,7 @@ class SchedulerSide:
                 self._give_back(r)
             self._failed("lookup", error)
             st.matched = 0
+            self._to(st, Phase.LOOKUP_FAILED)
             return True
         self.fail.ok("lookup")
         self._take(st, got)
@@ -378,10 +461,11 @@ class SchedulerSide:
         self._attempts[att.key] = att
         st.attempt = att
         st.matched = att.matched
+        self._to(st, Phase.LEASED)
         if not att.matched:
             self._settle(att)  # nothing to load: the (empty) leases go now
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: VllmRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
         t0 = time.perf_counter()
         st = self._state(request)
         try:
@@ -394,14 +478,13 @@ class SchedulerSide:
         st.local_computed = num_computed
         if st.skip or not st.policy.read or st.no_more_loads:
             return 0
-        if st.matched is None:
+        if st.phase not in _LANDED:
             if not self._start_lookup(st):
                 return 0
             if not self._landed(st):
                 self.stats["lookup_not_yet"] += 1
                 return None  # vLLM asks again next step
-        assert st.matched is not None
-        att = st.attempt
+        att = st.attempt  # None: the lookup failed
         if att is None or att.lease_lost or not att.leases_held or self._clock() >= att.lease_deadline:
             return 0  # nothing leased (any more): promise nothing
         # Whole blocks (chunks are whole blocks), and at least one prompt token left to compute:
@@ -409,7 +492,7 @@ class SchedulerSide:
         end = min(st.matched, (st.n_prompt - 1) // self.block_size * self.block_size)
         return max(0, end - num_computed)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: VllmRequest, blocks: VllmBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
         t0 = time.perf_counter()
@@ -419,7 +502,7 @@ class SchedulerSide:
         start, end = st.local_computed, st.local_computed + num_external_tokens
         first, last = start // self.block_size, end // self.block_size
         block_ids = tuple(tuple(ids[first:last]) for ids in blocks.get_block_ids())
-        tickets: list[Any] = []
+        tickets: list[LeaseTicket | None] = []
         loadable: list[int] = []
         for r in att.cache:
             lease = r.lease
@@ -440,7 +523,7 @@ class SchedulerSide:
         self.stats["load_tokens"] += num_external_tokens
         st.sched_s += time.perf_counter() - t0
 
-    def build_connector_meta(self, so: Any) -> KvcachedMetadata:
+    def build_connector_meta(self, so: VllmSchedulerOutput) -> KvcachedMetadata:
         meta = KvcachedMetadata()
         # Every planned load goes out in the step that planned it, scheduled or not (an
         # asynchronous one is not: its request waits for it), and even if its request has
@@ -453,39 +536,41 @@ class SchedulerSide:
         if self._finishing:
             self._plan_answers(meta)
         for rid in so.preempted_req_ids or ():
-            st = self._reqs.get(rid)
-            if st is not None:  # its blocks are gone; it starts over (and may load again) when resumed
+            gone = self._reqs.get(rid)
+            if gone is not None:  # its blocks are gone; it starts over (and may load again) when resumed
                 self.stats["preemptions"] += 1
-                self._retire(st)
-                st.block_ids, st.saved_chunks, st.saved_blocks, st.matched, st.lookup = [], 0, 0, None, None
+                self._retire(gone)
+                gone.block_ids, gone.saved_chunks, gone.saved_blocks, gone.matched = [], 0, 0, 0
+                if gone.phase is not Phase.BYPASS:
+                    self._to(gone, Phase.NEW)
         for nr in so.scheduled_new_reqs:
-            st = self._reqs.get(nr.req_id)
-            if st is not None:
+            new = self._reqs.get(nr.req_id)
+            if new is not None:
                 t0 = time.perf_counter()
-                st.block_ids = [list(ids) for ids in nr.block_ids]
-                self._plan_save(meta, st, nr.num_computed_tokens, so.num_scheduled_tokens.get(nr.req_id, 0))
-                st.sched_s += time.perf_counter() - t0
+                new.block_ids = [list(ids) for ids in nr.block_ids]
+                self._plan_save(meta, new, nr.num_computed_tokens, so.num_scheduled_tokens.get(nr.req_id, 0))
+                new.sched_s += time.perf_counter() - t0
         cached = so.scheduled_cached_reqs
         resumed = cached.resumed_req_ids
         for i, rid in enumerate(cached.req_ids):
-            st = self._reqs.get(rid)
-            if st is None or (st.saves_over and rid not in resumed):
+            running = self._reqs.get(rid)
+            if running is None or (running.saves_over and rid not in resumed):
                 continue  # a decode step of a request with nothing more to store: the common case
             t0 = time.perf_counter()
             new_ids = cached.new_block_ids[i]
             if rid in resumed:
-                st.block_ids = [list(ids) for ids in new_ids] if new_ids else []
+                running.block_ids = [list(ids) for ids in new_ids] if new_ids else []
             elif new_ids:
-                if not st.block_ids:
-                    st.block_ids = [[] for _ in new_ids]
-                for mine, ids in zip(st.block_ids, new_ids):
+                if not running.block_ids:
+                    running.block_ids = [[] for _ in new_ids]
+                for mine, ids in zip(running.block_ids, new_ids):
                     mine.extend(ids)
-            self._plan_save(meta, st, cached.num_computed_tokens[i], so.num_scheduled_tokens.get(rid, 0))
-            st.sched_s += time.perf_counter() - t0
+            self._plan_save(meta, running, cached.num_computed_tokens[i], so.num_scheduled_tokens.get(rid, 0))
+            running.sched_s += time.perf_counter() - t0
         # Take the lookups that have landed for requests vLLM has not asked about yet (they wait
         # in its queue): their leases run from now, and only a taken lease is renewed.
         for st in list(self._looking):
-            if st.lookup is None or self._landed(st):
+            if st.phase is not Phase.LOOKING_UP or self._landed(st):
                 self._looking.discard(st)
         self._renew_leases()
         if not getattr(so, "total_num_scheduled_tokens", 1) and (self._looking or self._finishing):
@@ -505,9 +590,11 @@ class SchedulerSide:
         time on the scheduler thread."""
         if self.cfg.idle_wait_s <= 0:
             return
-        futs = [f for st in self._looking if st.lookup is not None for f in st.lookup if not f.done()]
+        futs: list[concurrent.futures.Future[Any]] = [  # what each lands with does not matter here
+            f for st in self._looking if st.lookup is not None for f in st.lookup if not f.done()]
         for fin in self._finishing.values():  # an answer being stored: its Reserves, or the Commits before them
-            futs += [f for f in fin.reserve or [c for att in fin.held for c in att.commits] if not f.done()]
+            waiting: Sequence[concurrent.futures.Future[Any]] = fin.reserve or [c for att in fin.held for c in att.commits]
+            futs += [f for f in waiting if not f.done()]
         if not futs:
             return
         t0 = time.perf_counter()
@@ -549,20 +636,20 @@ class SchedulerSide:
                 # Blocks computed in an earlier step that was not planned (a store-only request that
                 # vLLM ran before its AcquireReserve landed) may be freed by now: those chunks are lost.
                 self.stats["saves_lost_window"] += 1
-                att.save_tickets = None
+                att.save_tickets = ()
                 self._settle(att, close_reservations=True)
                 return
         else:
             from_block, to_block = st.saved_chunks * k, ready * k
             if ready > st.saved_chunks and st.store is None and st.rereserve is None:
                 self._reserve_again(st, att, ready)
-        if to_block <= from_block or att.save_tickets is None or not any(att.save_tickets):
+        if to_block <= from_block or not any(att.save_tickets):
             return
         if self._clock() - att.reserved_at > self.cfg.reservation_ttl_s / 2:
             # The room may be gone by the time the worker writes (the daemon frees an expired
             # reservation and may give the room to another writer): store nothing of this request.
             self.stats["saves_too_late"] += 1
-            att.save_tickets = None
+            att.save_tickets = ()
             self._settle(att, close_reservations=True)
             return
         if not st.block_ids or len(st.block_ids[0]) < to_block:  # should not happen: computed tokens have blocks
@@ -622,10 +709,11 @@ class SchedulerSide:
             return
         st.rereserve = None
         got = [f.result() for f in futs if f.exception() is None]
-        if len(got) < len(futs):
+        error = next((f.exception() for f in futs if f.exception() is not None), None)
+        if error is not None:
             for res in got:
                 res.abort()
-            self._failed("store", next(f.exception() for f in futs if f.exception() is not None))
+            self._failed("store", error)
             return
         if not any(res.slots for res in got):  # nothing more to write (or still in flight: try again later)
             for res in got:
@@ -640,7 +728,7 @@ class SchedulerSide:
         st.store = store
         st.saved_chunks = 0  # the new reservation holds only what nobody has stored: offer it all again
 
-    def update_connector_output(self, output: Any) -> None:
+    def update_connector_output(self, output: VllmConnectorOutput) -> None:
         wm = getattr(output, "kv_connector_worker_meta", None)
         if not isinstance(wm, KvcachedWorkerMetadata):
             return
@@ -676,7 +764,7 @@ class SchedulerSide:
             if st is not None:
                 st.sched_s += time.perf_counter() - t0
 
-    def request_finished(self, request: Any, block_ids: "Sequence[Sequence[int]] | None" = None) -> bool:
+    def request_finished(self, request: VllmRequest, block_ids: "Sequence[Sequence[int]] | None" = None) -> bool:
         """The request is done. True if vLLM must keep its blocks until the workers report it
         (its answer's chunks are being stored: :meth:`_store_answer`)."""
         st = self._reqs.pop(request.request_id, None)
@@ -686,6 +774,7 @@ class SchedulerSide:
         held = [att for att in (st.attempt, st.store) if att is not None]
         self._retire(st)  # may send the prompt's Commits (which the answer's Reserve waits for)
         delay = self._store_answer(st, request, block_ids, held)
+        self._to(st, Phase.STORING_ANSWER if delay else Phase.DONE)
         st.sched_s += time.perf_counter() - t0
         self.request_seconds.append(st.sched_s)
         self.unreported_seconds.append(st.sched_s)
@@ -699,7 +788,7 @@ class SchedulerSide:
 
     # -- the answer's chunks --------------------------------------------------------------
 
-    def _store_answer(self, st: _Req, request: Any, block_ids: "Sequence[Sequence[int]] | None",
+    def _store_answer(self, st: _Req, request: VllmRequest, block_ids: "Sequence[Sequence[int]] | None",
                       held: list[_Attempt]) -> bool:
         """Store the whole chunks past the prompt that the request computed (its answer), so the
         next turn of a conversation, whose prompt is this prompt, the answer and a new question,
@@ -735,12 +824,14 @@ class SchedulerSide:
             if not all(f.done() for f in fin.reserve):
                 continue
             del self._finishing[rid]
+            self._to(fin.st, Phase.DONE)
             got = [f.result() for f in fin.reserve if f.exception() is None]
             error = next((f.exception() for f in fin.reserve if f.exception() is not None), None)
             n = len(self.layouts)
             k = self.blocks_per_chunk
             to_block = len(fin.block_ids[0])
-            tickets: tuple = (None,) * n  # nothing to write: the plan only tells the workers it is done
+            # nothing to write: the plan only tells the workers it is done
+            tickets: tuple[ReservationTicket | None, ...] = (None,) * n
             key, first = 0, to_block
             if error is not None:
                 self._failed("store", error)
@@ -774,8 +865,8 @@ class SchedulerSide:
             st.pending = None
             self._pending.remove(st)
         if st.rereserve is not None:
-            for f in st.rereserve:
-                f.add_done_callback(_abort_late)
+            for rf in st.rereserve:
+                rf.add_done_callback(_abort_late)
             st.rereserve = None
         for att in (st.attempt, st.store):  # an asynchronous load planned still goes out: see _settle
             if att is not None:
@@ -827,7 +918,7 @@ class SchedulerSide:
             return
         att.commits.append(self._bg.submit(self._commit_now, res, n))
 
-    def _commit_now(self, res: Any, n: int) -> None:
+    def _commit_now(self, res: Reservation, n: int) -> None:
         try:
             receipt = res.commit(chunks=n)
         except Exception as e:  # noqa: BLE001 - fail open: the request was served, just not stored
@@ -865,6 +956,7 @@ class SchedulerSide:
     def close(self) -> None:
         for st in list(self._reqs.values()):
             self._retire(st)
+            self._to(st, Phase.DONE)
         for att in list(self._attempts.values()):  # the engine is going: nothing more will be copied
             att.loads_out = [0] * len(att.loads_out)
             att.saves_out = [0] * len(att.saves_out)
@@ -874,6 +966,7 @@ class SchedulerSide:
         self._pending.clear()
         self._bg.shutdown(wait=True)
         for fin in self._finishing.values():  # nothing will copy them now: give the room back
+            self._to(fin.st, Phase.DONE)
             for f in fin.reserve or ():
                 if f.exception() is None:
                     f.result().abort()

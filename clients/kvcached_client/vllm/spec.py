@@ -51,7 +51,9 @@ from kvcached.keys import KVLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    from kvcached_client.vllm.protocols import VllmLoRARequest, VllmRequest
 
 #: kvcached's default chunk: 128 tokens, rounded up to a whole number of vLLM blocks.
 DEFAULT_CHUNK_TOKENS = 128
@@ -170,8 +172,9 @@ def refusal(shape: EngineShape) -> str | None:
     return None
 
 
-def _group_shape(group: Any) -> GroupShape:
+def _group_shape(group: "KVCacheGroupSpec") -> GroupShape:
     from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
         ChunkedLocalAttentionSpec,
         CrossAttentionSpec,
         EncoderOnlyAttentionSpec,
@@ -185,9 +188,11 @@ def _group_shape(group: Any) -> GroupShape:
     names = tuple(group.layer_names)
     if isinstance(spec, MambaSpec):
         return GroupShape("mamba", names)
-    common = dict(num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
-                  head_size_v=getattr(spec, "head_size_v", spec.head_size), block_size=spec.block_size,
-                  quant=spec.kv_quant_mode.name, dtype=str(spec.dtype).removeprefix("torch."))
+    if not isinstance(spec, AttentionSpec):  # no K and V per head (HiSparse's page specs, ...): refused
+        return GroupShape(type(spec).__name__, names)
+    common: dict[str, Any] = dict(num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+                                  head_size_v=getattr(spec, "head_size_v", spec.head_size), block_size=spec.block_size,
+                                  quant=spec.kv_quant_mode.name, dtype=str(spec.dtype).removeprefix("torch."))
     if type(spec) is MLAAttentionSpec:
         return GroupShape("mla", names, **common)
     if type(spec) is SlidingWindowSpec:
@@ -207,10 +212,16 @@ def _group_shape(group: Any) -> GroupShape:
     return GroupShape(type(spec).__name__, names, **common)
 
 
-def describe(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> EngineShape:
-    """The engine's :class:`EngineShape` (:class:`UnsupportedEngineError` if vLLM gave no KV config)."""
+def require_kv_cache_config(kv_cache_config: "KVCacheConfig | None") -> "KVCacheConfig":
+    """``kv_cache_config`` itself; :class:`UnsupportedEngineError` if vLLM gave none."""
     if kv_cache_config is None:
         raise UnsupportedEngineError("kvcached connector: vLLM passed no KV-cache config (a vLLM older than 0.32?)")
+    return kv_cache_config
+
+
+def describe(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> EngineShape:
+    """The engine's :class:`EngineShape` (:class:`UnsupportedEngineError` if vLLM gave no KV config)."""
+    kv_cache_config = require_kv_cache_config(kv_cache_config)
     pc = vllm_config.parallel_config
     cc = vllm_config.cache_config
     return EngineShape(
@@ -298,7 +309,7 @@ def engine_layouts(vllm_config: "VllmConfig", shape: EngineShape, chunk_tokens: 
     )
 
 
-def with_lora(layout: KVLayout, lora_request: Any) -> KVLayout:
+def with_lora(layout: KVLayout, lora_request: "VllmLoRARequest | None") -> KVLayout:
     """The layout of a request served with a LoRA adapter (its KV differs from the base model's)."""
     if lora_request is None:
         return layout
@@ -318,7 +329,7 @@ def with_salt(layout: KVLayout, cache_salt: str | None) -> KVLayout:
     return dataclasses.replace(layout, extra=layout.extra + (("cache_salt", digest),))
 
 
-def request_cacheable(request: Any) -> str | None:
+def request_cacheable(request: "VllmRequest") -> str | None:
     """Why a request cannot use the cache (None if it can): its KV must follow from its token ids."""
     if getattr(request, "mm_features", None):
         return "multimodal inputs"

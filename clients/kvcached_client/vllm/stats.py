@@ -48,8 +48,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client import REGISTRY, Counter, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -57,6 +57,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 SCHEDULER_KEYS = ("requests", "hit_requests", "miss_requests", "load_tokens", "stored_chunks", "lookup_failures",
                   "store_failures", "renew_failures", "lookup_not_yet", "lease_renewals", "answer_stores",
@@ -99,6 +102,8 @@ class KvcachedConnectorStats(KVConnectorStats):
     """``data``: counter name -> increase over the interval (summed by :meth:`aggregate`), and
     optionally ``scheduler_seconds``: a list of per-request scheduler-thread seconds (concatenated,
     at most :data:`MAX_SECONDS`, the most recent)."""
+
+    data: dict[str, Any] = field(default_factory=dict)  # vLLM's own field, restated for its type without vLLM
 
     def __post_init__(self) -> None:
         clean: dict[str, Any] = {}
@@ -207,7 +212,7 @@ class KvcachedPromMetrics(KVConnectorPromMetrics):
     """Per-engine Counters ``kvcached_vllm_<key>_total`` and the ``kvcached_vllm_scheduler_seconds``
     histogram, in the API-server process; :meth:`observe` adds one step's stats."""
 
-    def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+    def __init__(self, vllm_config: "VllmConfig", metric_types: dict[type, type], labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         registers = issubclass(self._counter_cls, Counter)  # Ray's wrappers do not use the registry
@@ -221,9 +226,12 @@ class KvcachedPromMetrics(KVConnectorPromMetrics):
         name = "kvcached_vllm_scheduler_seconds"
         if issubclass(self._histogram_cls, Histogram):
             _fresh(name)
-        hist = self._histogram_cls(name=name, documentation="Scheduler-thread seconds the kvcached connector "
-                                   "spent on each request", labelnames=labelnames, buckets=SECONDS_BUCKETS)
-        self.scheduler_seconds = create_metric_per_engine(hist, per_engine_labelvalues)
+        # vLLM types each class of metric_types as "Gauge | Counter | Histogram"; the one it maps
+        # Histogram to is Histogram or Ray's wrapper of it (the same constructor and observe()).
+        hist_cls = cast("type[Histogram]", self._histogram_cls)
+        hist = hist_cls(name=name, documentation="Scheduler-thread seconds the kvcached connector "
+                        "spent on each request", labelnames=labelnames, buckets=SECONDS_BUCKETS)
+        self.scheduler_seconds = cast("dict[int, Histogram]", create_metric_per_engine(hist, per_engine_labelvalues))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, v in (transfer_stats_data or {}).items():
@@ -245,7 +253,7 @@ def build_kv_connector_stats(data: dict[str, Any] | None = None) -> KvcachedConn
     return KvcachedConnectorStats(data=dict(data or {}))
 
 
-def build_prom_metrics(vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+def build_prom_metrics(vllm_config: "VllmConfig", metric_types: dict[type, type], labelnames: list[str],
                        per_engine_labelvalues: dict[int, list[object]]) -> KvcachedPromMetrics:
     """For ``KvcachedConnector.build_prom_metrics`` (called once, in the API-server process)."""
     return KvcachedPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -37,11 +37,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
-from kvcached_client.client import Client, LeaseView
+from kvcached_client._core import Location
+from kvcached_client.client import Client, LeaseView, ReservationView
 from kvcached_client.errors import KvcachedError
 from kvcached_client.failopen import FailOpen
 from kvcached_client.vllm.paged import PagedLayout
@@ -79,12 +80,17 @@ def real_runs(ids: "list[int] | tuple[int, ...]") -> list[tuple[int, int]]:
     return runs
 
 
+#: One chunk's blocks of one KV-cache group to store: (reservation, its slot, the first block
+#: within the slot, how many blocks, the group, where their ids start in the step's index).
+_Write = tuple[ReservationView, Location, int, int, int, int]
+
+
 @dataclass
 class _InFlight:
     """Copies queued on a stream, what they use, and what to report once they are done."""
 
     event: "torch.cuda.Event | None"  # None: already done (CPU)
-    keep: list[Any] = field(default_factory=list)  # tensors the stream still reads or writes
+    keep: list[torch.Tensor] = field(default_factory=list)  # tensors the stream still reads or writes
     views: list[LeaseView] = field(default_factory=list)
     loads: list[LoadPlan] = field(default_factory=list)
     saves: list[tuple[SavePlan, int]] = field(default_factory=list)  # (plan, written up to or -1)
@@ -245,7 +251,7 @@ class WorkerSide:
             want = 0
             self.stats["expired_leases"] += 1
             self.fail.failed("load", TimeoutError("the lease ran out before the load; recomputing"))
-        if want:
+        if want and ticket is not None:  # (want is 0 without a ticket)
             try:
                 view = self.client.open_lease(ticket)
                 views.append(view)
@@ -309,7 +315,7 @@ class WorkerSide:
         as written up to ``to_chunk`` (-1 on failure: the scheduler commits what was written
         before and gives the rest back)."""
         batch = _InFlight(None)
-        work: list[tuple[Any, Any, int, int, int, int]] = []  # (reservation, slot, first block in it, blocks, group, index lo)
+        work: list[_Write] = []
         ids: list[int] = []
         k = self.blocks_per_chunk
         ok: list[tuple[SavePlan, bool, int]] = []  # (plan, opened, chunks it completes)
@@ -338,13 +344,15 @@ class WorkerSide:
             except (KvcachedError, RuntimeError, ValueError) as e:
                 self.fail.failed("store", e)
                 ok.append((sp, False, 0))
+        stream = self._save_stream
         try:
-            if work and self._save_stream is None:
+            if not work:
+                pass
+            elif stream is None:
                 index = self._index(ids, None)
                 for layer, cache in enumerate(self.caches):
                     self._copy_out(work, index, layer, cache, batch)
-            elif work:
-                stream = self._save_stream
+            else:
                 compute = torch.cuda.current_stream(stream.device)
                 stream.wait_stream(compute)  # after the forward wrote the blocks
                 with torch.cuda.stream(stream):
@@ -370,7 +378,7 @@ class WorkerSide:
             batch.saves.append((sp, sp.to_chunk if good else -1))
         self._in_flight.append(batch)
 
-    def _copy_out(self, work: list, index: torch.Tensor, layer: int, cache: torch.Tensor, batch: _InFlight) -> None:
+    def _copy_out(self, work: list[_Write], index: torch.Tensor, layer: int, cache: torch.Tensor, batch: _InFlight) -> None:
         n, group = self.block_size, self.layer_groups[layer]
         for res, slot, first, count, g, lo in work:
             if g != group:
