@@ -51,7 +51,7 @@ def mypy(*args: str) -> subprocess.CompletedProcess:
 
 #: Every shipped package: the daemon, the client (with the vLLM connector, checked against vLLM's
 #: own types where vLLM is installed, as scripts/setup does for the tests) and the router.
-CHECKED = ("kvcached", "kvcached_client", "kvcached_router")
+CHECKED = ("kvcached", "kvcached_client", "kvcached_router", "kvcachectl")
 
 
 @pytest.mark.parametrize("python", OLDEST_AND_NEWEST)
