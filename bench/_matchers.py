@@ -18,8 +18,8 @@ from rbloom import Bloom
 from bench.trace_replay import BLOCK, Request  # the trace's 512-token blocks and its request record
 
 from kvcached.index import PrefixIndex, make_policy
-from kvcached.keys import ChunkHash, ChunkHasher, KVLayout, Namespace, normalize_tokens
-from kvcached.locations import TierId
+from kvcached.contract.keys import ChunkHash, ChunkHasher, KVLayout, Namespace, normalize_tokens
+from kvcached.contract.locations import TierId
 
 CHUNK_TOKENS = 128  # the daemon's default chunk
 VOCAB = 128_256  # Llama-3's vocabulary

@@ -47,7 +47,7 @@ import numpy as np
 from bench._common import REPO_ROOT, RESULTS_DIR, format_table, ratio, summarize_ns, time_calls, timer_overhead_ns, write_results
 
 from kvcached.config import StoreConfig
-from kvcached.keys import KVLayout, normalize_tokens
+from kvcached.contract.keys import KVLayout, normalize_tokens
 from kvcached.store import Store
 
 TARGET_ACQUIRE_P50_US = 100.0

@@ -85,7 +85,7 @@ from kvcached_client import Client, KvcachedError, KVLayout
 
 import xxhash
 
-from kvcached.tiers.record import copy_verified, decode_header, record_version
+from kvcached.contract.record import copy_verified, decode_header, record_version
 
 try:  # optional: a what-if row (drop-in CRC-32, same values as zlib.crc32)
     from isal import isal_zlib  # type: ignore
@@ -391,7 +391,7 @@ class Setup:
         dst_mv = memoryview(dst_u8.numpy())
 
         def nvme_direct() -> None:
-            # What the client library does: kvcached.tiers.record.copy_verified (XXH3-64 fused with the copy).
+            # What the client library does: kvcached.contract.record.copy_verified (XXH3-64 fused with the copy).
             key = keys[nxt("c", len(keys))]
             with env.begin(db=db, buffers=True) as txn:
                 copy_verified(txn.get(key), key, dst_mv)

@@ -68,7 +68,7 @@ from bench.harness.layouts import TINY, payload, prompt
 from bench.harness.redis_servers import RedisCluster, RedisServer, cli, free_ports
 from bench.routing import router
 from bench.routing.fleet import SimFleet
-from kvcached.keys import write_new_key
+from kvcached.contract.keys import write_new_key
 from kvcached.remotefill import FETCH_WINDOW_BYTES
 from kvcached.store import Store
 from kvcached_client import Client

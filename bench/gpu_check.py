@@ -551,7 +551,7 @@ class SyncWatch:
 
 def put_pattern(c, layout, tokens: list[int], *, seed: int, device):
     """Put a :func:`pattern_kv` prompt; returns its K/V (on ``device``)."""
-    from kvcached.kv import torch_dtype
+    from kvcached.contract.kv import torch_dtype
 
     kv = pattern_kv(layout.num_layers, layout.num_kv_heads, len(tokens), layout.head_dim, torch_dtype(layout.dtype),
                     seed=seed, device=device)
@@ -645,7 +645,7 @@ def worker_check(c, client_factory: Callable, layout, lease, kv, order: str, sto
     figures go into ``fig`` as they are found, which is returned."""
     import torch
 
-    from kvcached.kv import torch_dtype
+    from kvcached.contract.kv import torch_dtype
     from kvcached_client.vllm.plan import KvcachedMetadata, LoadPlan, SavePlan
     from kvcached_client.vllm.worker import WorkerSide
 

@@ -52,7 +52,7 @@ import pygtrie
 from bench._common import RESULTS_DIR, format_table, ratio, summarize_ns, time_calls, write_results
 
 from kvcached.index import Node, PrefixIndex, make_policy
-from kvcached.locations import TierId
+from kvcached.contract.locations import TierId
 
 TARGET_BYTES_PER_CHUNK = 300
 PROMPT_CHUNKS = 64

@@ -104,7 +104,7 @@ from bench._matchers import (
 from datasketch import MinHash
 from rbloom import Bloom
 
-from kvcached.keys import ChunkHash
+from kvcached.contract.keys import ChunkHash
 
 BLOOM_RATES = (0.01, 0.001)
 #: What a source document claims (accuracy, memory, queries/s), quoted as given.

@@ -5,7 +5,7 @@ per fixed 16 MiB block) and other packed designs (fixed pages, per-layout size-c
 side by side in one run?
 
 Geometries: 128-token bf16 chunks of ``2 x layers x kv_heads x 128 x head_dim x 2`` bytes, each
-computed from ``kvcached.keys.KVLayout(...).chunk_bytes``: Llama-3-8B (16 MiB), Llama-3-70B TP1
+computed from ``kvcached.contract.keys.KVLayout(...).chunk_bytes``: Llama-3-8B (16 MiB), Llama-3-70B TP1
 (40 MiB), Llama-3-70B TP8 (5 MiB), Qwen2.5-0.5B (1.5 MiB), Qwen2.5-7B (7 MiB), Mistral-7B
 (16 MiB) and a 4 KiB test layout.
 
@@ -86,7 +86,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from bench._common import RESULTS_DIR, format_table, percentile, ratio, save_figure, subplots, write_results
 
-from kvcached.keys import KVLayout
+from kvcached.contract.keys import KVLayout
 from kvcached.tiers.extents import ExtentAllocator
 
 KiB = 1 << 10

@@ -148,7 +148,7 @@ def _clean(text: str, extra: dict[str, str] | None = None) -> str:
 
 
 def make_layout(size: str):
-    from kvcached.keys import KVLayout
+    from kvcached.contract.keys import KVLayout
 
     return KVLayout(f"bench/remote-tier-{size}@1", num_layers=SIZES[size], num_kv_heads=8, head_dim=128,
                     dtype="bfloat16", chunk_tokens=128)
@@ -172,9 +172,9 @@ class FetchBench:
         import numpy as np
         from concurrent.futures import ThreadPoolExecutor
 
-        from kvcached.tiers.base import ChunkMeta
-        from kvcached.tiers.record import HEADER_SIZE
-        from kvcached.tiers.remote_codec import MAC_BYTES, mac_key, remote_key
+        from kvcached.contract.record import ChunkMeta
+        from kvcached.contract.record import HEADER_SIZE
+        from kvcached.contract.remote_format import MAC_BYTES, mac_key, remote_key
         from kvcached.tiers.remote_redis import RemoteConfig, RemoteRedisTier
 
         self.size, self.args, self.lmc, self.notes = size, args, lmc, notes
@@ -343,7 +343,7 @@ class FetchBench:
         return lambda: self._par(t, thread)
 
     def socket_get(self, k: int, decode_too: bool):
-        from kvcached.tiers.remote_codec import decode
+        from kvcached.contract.remote_format import decode
 
         calls = self.calls_for(1, k)
         names_b = [n.encode() for n in self.names]
@@ -385,7 +385,7 @@ class FetchBench:
         import blake3
         import xxhash
 
-        from kvcached.tiers.remote_codec import MAC_BYTES, decode
+        from kvcached.contract.remote_format import MAC_BYTES, decode
 
         v = self.one_value
         mv = memoryview(v)
@@ -456,7 +456,7 @@ class FetchBench:
         for nm in self.names[:8]:
             p.get(nm)
         ok_raw = all(v is not None and len(v) == self.value_bytes for v in p.execute())
-        from kvcached.tiers.remote_codec import MAC_BYTES
+        from kvcached.contract.remote_format import MAC_BYTES
 
         n = self.conns[self.node_of[0]]
         n.send_gets([self.names[0].encode()])
@@ -624,7 +624,7 @@ def fetch_verdicts(m: dict, configs) -> dict:
 
 
 def e2e_layout():
-    from kvcached.keys import KVLayout
+    from kvcached.contract.keys import KVLayout
 
     # bench/ttft.py's model: 12 layers, 4 KV heads, head_dim 64, float32, 128-token chunks (3 MiB)
     return KVLayout("bench/remote-tier-ttft-llama@random0", num_layers=12, num_kv_heads=4, head_dim=64,
@@ -737,8 +737,8 @@ def measure_e2e(cluster, args: argparse.Namespace, notes: list[str]) -> dict:
 
     from kvcached.config import StoreConfig
     from kvcached.store import Store
-    from kvcached.tiers.record import HEADER_SIZE
-    from kvcached.tiers.remote_codec import remote_key
+    from kvcached.contract.record import HEADER_SIZE
+    from kvcached.contract.remote_format import remote_key
     from kvcached.tiers.remote_redis import RemoteConfig
 
     layout = e2e_layout()
@@ -859,7 +859,7 @@ def measure_miss(cluster, args: argparse.Namespace, notes: list[str]) -> dict:
 
     from kvcached.config import StoreConfig
     from kvcached.store import Store
-    from kvcached.tiers.remote_codec import mac_key, remote_key
+    from kvcached.contract.remote_format import mac_key, remote_key
     from kvcached.tiers.remote_redis import RemoteConfig, RemoteRedisTier
 
     rng = np.random.default_rng(args.seed + 11)

@@ -208,9 +208,9 @@ def worker_main(spec: dict) -> int:
 
     import grpc
     import lmdb
-    from kvcached.errors import CorruptChunk
-    from kvcached.keys import KVLayout
-    from kvcached.tiers.record import copy_verified
+    from kvcached.contract.errors import CorruptChunk
+    from kvcached.contract.keys import KVLayout
+    from kvcached.contract.record import copy_verified
     from kvcached.v1 import kvcached_pb2 as pb
     from kvcached.v1 import kvcached_pb2_grpc as pb_grpc
     from kvcached_client import _core

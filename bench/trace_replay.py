@@ -74,8 +74,8 @@ from _common import RESULTS_DIR, TRACE_DIR, format_table, write_json
 from workloads import BOUNDED, WORKLOADS, online_bound
 
 from kvcached.config import StoreConfig
-from kvcached.errors import TierFull
-from kvcached.keys import KVLayout
+from kvcached.contract.errors import TierFull
+from kvcached.contract.keys import KVLayout
 from kvcached.store import Store
 
 TRACES = ("conversation", "synthetic")

@@ -83,9 +83,9 @@ import numpy as np
 from bench._common import RESULTS_DIR, format_table, ratio, save_figure, subplots, summarize_ns, write_json
 
 from kvcached.config import MiB, StoreConfig
-from kvcached.keys import KVLayout
+from kvcached.contract.keys import KVLayout
 from kvcached.store import Store
-from kvcached.tiers.pool_shm import HostPoolMapping
+from kvcached.contract.poolmap import HostPoolMapping
 
 LAYOUT = KVLayout("bench/wb@1", num_layers=8, num_kv_heads=4, head_dim=64, dtype="float16", chunk_tokens=128)
 PROMPT_CHUNKS = 8

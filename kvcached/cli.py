@@ -63,7 +63,7 @@ def kvcached_main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "selfcheck":
         return _selfcheck(settings)
     from kvcached.daemon import run
-    from kvcached.errors import KvcacheError
+    from kvcached.contract.errors import KvcacheError
 
     try:
         return run(settings, config_file=args.config, overrides=overrides)
@@ -73,8 +73,8 @@ def kvcached_main(argv: Sequence[str] | None = None) -> int:
 
 
 def _selfcheck(settings: Any) -> int:
-    from kvcached.errors import KvcacheError
-    from kvcached.keys import KVLayout
+    from kvcached.contract.errors import KvcacheError
+    from kvcached.contract.keys import KVLayout
     from kvcached.store import Store
 
     t0 = time.monotonic()

@@ -7,6 +7,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from kvcached.contract.pool import BLOCK_ALIGN  # every chunk's offset is a multiple of it (why 64: there)
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
 #: The eviction orders (kvcached.index.eviction) and admission rules; one list each, used by the
 #: engine, the settings file's checks and the messages that name the choices.
 EvictionPolicyName = Literal["adaptive", "frequency", "lru"]
@@ -21,19 +27,6 @@ REMOTE_WRITE_MODES: tuple[RemoteWriteMode, ...] = get_args(RemoteWriteMode)
 def one_of(names: tuple[str, ...]) -> str:
     """``a, b or c``: the choices, as the error messages name them."""
     return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
-
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
-#: Every chunk's offset in the pool slab is a multiple of this (the packed pool's grain, see
-#: kvcached.tiers.extents). A chunk is viewed as a tensor of the layout's dtype in place, and a
-#: CUDA view at an offset that its element size does not divide fails ("storage offset must be
-#: divisible by the element size"); 64 is a multiple of every element size a layout can name
-#: (kvcached.keys.DTYPE_SIZES), a CPU cache line (two chunks never share one, so writers of
-#: neighbouring chunks do not contend) and keeps the 16-byte vector loads of GPU copy kernels
-#: aligned. Chunks of every realistic layout (and of every test layout) are multiples of it, so
-#: it costs no padding there.
-BLOCK_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -118,7 +111,7 @@ class StoreConfig:
 
     state_dir: str
     domain: str = "default"
-    #: The domain's hash key: a file shared by every host of the domain (kvcached.keys.load_shared_key),
+    #: The domain's hash key: a file shared by every host of the domain (kvcached.contract.keys.load_shared_key),
     #: or None for this daemon's own ``<state_dir>/hash.key``, created on first start.
     hash_key_file: str | None = None
     device: str = "cpu"  # "cpu" (host shared memory), "cuda" (a slab on every GPU), "cuda:N" or "cuda:N,M"

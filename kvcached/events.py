@@ -1,5 +1,8 @@
 """KV events: what this daemon holds, chunk by chunk and tier by tier, as vLLM reports its own.
 
+The messages themselves (their types, encoder and decoder) are the shared contract,
+:mod:`kvcached.contract.events`; this module makes them from the index.
+
 Routers that place requests where their prefix is cached (llm-d's KV-cache indexer, Dynamo's
 KV router, kvcached-router) learn from vLLM's KV event stream. This module produces the same
 events from the daemon's index, so those consumers work unchanged; the wire (ZMQ PUB frames,
@@ -39,69 +42,12 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import msgspec
 import numpy as np
 
-from kvcached.keys import KVLayout, LayoutId
-from kvcached.locations import NVME, POOL
-
-MEDIUM_GPU = "GPU"
-MEDIUM_CPU = "CPU"
-#: The daemon's NVMe tier: vLLM's name for an offloading tier on storage (``MEDIUM_STORAGE``).
-#: Daemons before this release said "DISK"; the router reads both.
-MEDIUM_STORAGE = "STORAGE"
-#: Every chunk a daemon reports is on its own host (vLLM's ``Locality.LOCAL``): chunks only in
-#: the shared remote tier are not reported, since every host of the domain reaches them alike.
-LOCAL = "LOCAL"
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
-    """One message: ``[ts, [events...], data_parallel_rank]`` in msgpack."""
-
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
-    """An event is a msgpack map tagged ``"type": <class name>``, defaults left out."""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    locality: str | None = None  # LOCAL or REMOTE relative to the publisher (vLLM 0.32's field)
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KvEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-def encoder() -> msgspec.msgpack.Encoder:
-    return msgspec.msgpack.Encoder()
-
-
-def decoder() -> msgspec.msgpack.Decoder:
-    return msgspec.msgpack.Decoder(type=KvEventBatch)
-
+from kvcached.contract.keys import KVLayout, LayoutId
+from kvcached.contract.events import (LOCAL, MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved, BlockStored,
+                                      KVCacheEvent)
+from kvcached.contract.locations import NVME, POOL
 
 class KvEventLog:
     """The index's observer: turns tier changes into events, bounded, for the publisher."""

@@ -1,6 +1,6 @@
 """Memo of chunk-hash runs: a repeated prefix costs a byte comparison, not SHA-256.
 
-The keyed chain of :mod:`kvcached.keys` is most of an in-process acquire
+The keyed chain of :mod:`kvcached.contract.keys` is most of an in-process acquire
 (about 50 µs of 75 µs for an 8k-token prompt here), and the prompts that hit
 the cache are by definition prompts the daemon has hashed before. This memo
 remembers *runs*: consecutive chunks hashed together, stored as
@@ -44,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from kvcached.keys import ChunkHash
+from kvcached.contract.keys import ChunkHash
 
 #: Bytes a run costs beyond its token bytes and the key's first-chunk bytes: the Run, the key
 #: tuple, two bytes-object headers and the dict slot, plus per chunk a 16-byte hash object and

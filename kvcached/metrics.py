@@ -22,10 +22,10 @@ import grpc
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvcached.contract.buckets import SIMILARITY_BUCKETS
 from kvcached.store import Store
 
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
-SIMILARITY_BUCKETS = tuple(round(0.80 + 0.01 * i, 2) for i in range(21))
 
 
 class StoreCollector:

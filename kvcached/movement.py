@@ -34,12 +34,12 @@ import logging
 from typing import Callable, cast
 
 from kvcached.config import StoreConfig
-from kvcached.errors import ChunkNotCached, CorruptChunk, TierFull
+from kvcached.contract.errors import ChunkNotCached, CorruptChunk, TierFull
 from kvcached.index import Node, PrefixIndex
-from kvcached.keys import ChunkHash, KVLayout, LayoutId
-from kvcached.locations import NVME, POOL
+from kvcached.contract.keys import ChunkHash, KVLayout, LayoutId
+from kvcached.contract.locations import NVME, POOL
 from kvcached.stats import Counters
-from kvcached.tiers.base import ChunkMeta
+from kvcached.contract.record import ChunkMeta
 from kvcached.tiers.nvme import NvmeTier
 from kvcached.tiers.packed import PackedPool
 

@@ -54,7 +54,7 @@ from typing import Mapping, Sequence
 
 from xxhash import xxh3_64_intdigest
 
-from kvcached.keys import ChunkHash, LayoutId
+from kvcached.contract.keys import ChunkHash, LayoutId
 
 #: Tokens at the start of a chunk that make a probe (half a chunk for chunks of fewer than 8).
 LEAD_TOKENS = 4

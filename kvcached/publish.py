@@ -36,9 +36,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, ContextManager
 
 from kvcached.index import Node, PrefixIndex
-from kvcached.keys import ChunkHash
-from kvcached.locations import POOL
-from kvcached.tiers.base import ChunkMeta
+from kvcached.contract.keys import ChunkHash
+from kvcached.contract.locations import POOL
+from kvcached.contract.record import ChunkMeta
 from kvcached.tiers.packed import PackedPool
 
 if TYPE_CHECKING:

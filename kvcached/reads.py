@@ -12,11 +12,11 @@ import logging
 from typing import Callable, Sequence
 
 from kvcached.config import StoreConfig
-from kvcached.errors import CorruptChunk, TierFull
+from kvcached.contract.errors import CorruptChunk, TierFull
 from kvcached.index import Node, PrefixIndex
-from kvcached.keys import ChunkHash, KVLayout, LayoutId
+from kvcached.contract.keys import ChunkHash, KVLayout, LayoutId
 from kvcached.leases import Entry, LeaseId
-from kvcached.locations import POOL
+from kvcached.contract.locations import POOL
 from kvcached.movement import Mover
 from kvcached.receipts import LeaseReceipt
 from kvcached.stats import Counters

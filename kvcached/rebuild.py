@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 
 from kvcached.index import PrefixIndex
-from kvcached.keys import ChunkHash, KVLayout, LayoutId
-from kvcached.locations import NVME
+from kvcached.contract.keys import ChunkHash, KVLayout, LayoutId
+from kvcached.contract.locations import NVME
 from kvcached.progress import Progress
 from kvcached.receipts import RebuildReport
 from kvcached.tiers.nvme import NvmeTier

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvcached.keys import ChunkHash, LayoutId
-from kvcached.locations import NVME, POOL
+from kvcached.contract.keys import ChunkHash, LayoutId
+from kvcached.contract.locations import NVME, POOL
 from kvcached.leases import LeaseId, ReservationId, SessionId
 
 
@@ -22,7 +22,7 @@ class ChunkLocation(NamedTuple):
     chunk_hash: ChunkHash
     offset: int  # byte offset in the pool slab; -1 when the chunk is read from NVMe (tier NVME)
     nbytes: int
-    tier: int = POOL  # kvcached.locations.POOL or NVME
+    tier: int = POOL  # kvcached.contract.locations.POOL or NVME
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from kvcached.keys import ChunkHash, KVLayout, LayoutId, TokenInput
+from kvcached.contract.keys import ChunkHash, KVLayout, LayoutId, TokenInput
 from kvcached.leases import ReservationId
 from kvcached.receipts import CommitReceipt, ReservationReceipt
 from kvcached.tiers.remote import RemoteTier

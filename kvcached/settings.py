@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from kvcached.contract.socket_path import default_socket
 from kvcached.config import (ADMISSIONS, BLOCK_ALIGN, EVICTION_POLICIES, RELOADABLE_FIELDS, REMOTE_WRITE_MODES,
                              AdmissionName, EvictionPolicyName, FileAccess, GiB, MiB, RemoteWriteMode, StoreConfig,
                              one_of)
@@ -65,27 +66,6 @@ def default_state_dir() -> str:
     if sd:
         return sd.split(":")[0]
     return os.path.join(os.path.expanduser("~"), ".local", "state", "kvcached")
-
-
-#: The socket of the daemon run as a system service (the unit's RuntimeDirectory=kvcached).
-SYSTEM_SOCKET = "/run/kvcached/kvcached.sock"
-
-
-def default_socket() -> str:
-    """The one rule the daemon, ``kvcachectl``, the clients, the vLLM connector and the router
-    share: ``$KVCACHED_SOCKET``; else ``kvcached.sock`` under ``$RUNTIME_DIRECTORY`` (what
-    systemd gives the service); else the system service's socket, :data:`SYSTEM_SOCKET`, when
-    it exists (a host that runs the service: every process finds it without a setting); else
-    under ``$XDG_RUNTIME_DIR``; else under ``/tmp/kvcached-$UID`` (``./scripts/serve``)."""
-    if os.environ.get("KVCACHED_SOCKET"):
-        return os.environ["KVCACHED_SOCKET"]
-    if os.environ.get("RUNTIME_DIRECTORY"):
-        return os.path.join(os.environ["RUNTIME_DIRECTORY"].split(":")[0], "kvcached.sock")
-    if os.path.exists(SYSTEM_SOCKET):
-        return SYSTEM_SOCKET
-    if os.environ.get("XDG_RUNTIME_DIR"):
-        return os.path.join(os.environ["XDG_RUNTIME_DIR"].split(":")[0], "kvcached.sock")
-    return os.path.join("/tmp", f"kvcached-{os.getuid()}", "kvcached.sock")
 
 
 def free_shm_bytes() -> int:
@@ -259,7 +239,7 @@ class DaemonSettings:
         device = device or self.resolved_device()
         pool = self.pool_bytes or (default_pool if default_pool is not None else default_pool_for(device))
         if self.hash_key_file:  # refused at load time, with the reason, rather than at the store's start
-            from kvcached.keys import load_shared_key
+            from kvcached.contract.keys import load_shared_key
 
             try:
                 load_shared_key(self.hash_key_file)

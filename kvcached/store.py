@@ -34,7 +34,7 @@ import time
 from typing import Any, Callable, Sequence, TypeVar
 
 from kvcached.config import RELOADABLE_FIELDS, StoreConfig
-from kvcached.errors import (
+from kvcached.contract.errors import (
     ChunkNotCached,
     ClientKeysNotTrusted,
     InvalidKV,
@@ -53,12 +53,13 @@ from kvcached.errors import (
     UnknownReservation,
 )
 from kvcached.index import Node, PrefixIndex, make_policy
-from kvcached.events import MEDIUM_CPU, MEDIUM_GPU, KvEventLog, KVCacheEvent, snapshot_events
+from kvcached.contract.events import MEDIUM_CPU, MEDIUM_GPU, KVCacheEvent
+from kvcached.events import KvEventLog, snapshot_events
 from kvcached.hashmemo import HashMemo
-from kvcached.keys import (CLIENT_KEYS, ChunkHash, ChunkHasher, KVLayout, LayoutId, Namespace, TokenInput, load_or_create_key,
-                           load_shared_key, normalize_tokens)
+from kvcached.contract.keys import (CLIENT_KEYS, ChunkHash, ChunkHasher, KVLayout, LayoutId, Namespace, TokenInput,
+                                    load_or_create_key, load_shared_key, normalize_tokens)
 from kvcached.leases import Entry, LeaseId, ReservationId, SessionId, TimedTable
-from kvcached.locations import POOL
+from kvcached.contract.locations import POOL
 from kvcached.movement import Mover
 from kvcached.promptshape import PromptShape
 from kvcached.receipts import (
@@ -86,8 +87,8 @@ from kvcached.stats import (
     StoreStats,
 )
 from kvcached.tiers.nvme import NvmeTier
-from kvcached.tiers.packed import PoolHandle
-from kvcached.tiers.remote_codec import mac_key
+from kvcached.contract.pool import PoolHandle
+from kvcached.contract.remote_format import mac_key
 from kvcached.tiers.remote_redis import RemoteRedisTier
 from kvcached.tiers.registry import make_pool
 from kvcached.writeback import WriteBack

@@ -47,14 +47,15 @@ from typing import Callable, Sequence
 
 from kvcached.config import StoreConfig
 from kvcached.index import Node, PrefixIndex
-from kvcached.keys import ChunkHash, KVLayout, LayoutId
-from kvcached.locations import NVME, POOL
+from kvcached.contract.keys import ChunkHash, KVLayout, LayoutId
+from kvcached.contract.locations import NVME, POOL
 from kvcached.movement import OTHER_SLAB_SCAN, Mover
 from kvcached.stats import Counters
-from kvcached.tiers.base import ChunkMeta, Slot
+from kvcached.contract.record import ChunkMeta
+from kvcached.tiers.base import Slot
 from kvcached.tiers.nvme import BatchResult, NvmeTier
 from kvcached.tiers.packed import PackedPool
-from kvcached.tiers.record import HEADER_SIZE
+from kvcached.contract.record import HEADER_SIZE
 
 log = logging.getLogger(__name__)
 

@@ -25,15 +25,16 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kvcached.config import StoreConfig
-from kvcached.errors import InvalidKV, ReservationClosed, SessionNotOpen, UnknownReservation, shown
+from kvcached.contract.errors import InvalidKV, ReservationClosed, SessionNotOpen, UnknownReservation, shown
 from kvcached.index import Node, PrefixIndex
-from kvcached.keys import ChunkHash, KVLayout, LayoutId
+from kvcached.contract.keys import ChunkHash, KVLayout, LayoutId
 from kvcached.leases import Entry, ReservationId, SessionId, TimedTable
-from kvcached.locations import NVME, POOL
+from kvcached.contract.locations import NVME, POOL
 from kvcached.movement import Mover
 from kvcached.receipts import ChunkLocation, CommitReceipt, ReservationReceipt
 from kvcached.stats import Counters
-from kvcached.tiers.base import ChunkMeta, Slot
+from kvcached.contract.record import ChunkMeta
+from kvcached.tiers.base import Slot
 from kvcached.tiers.extents import round_up
 from kvcached.tiers.packed import PackedPool
 

@@ -10,7 +10,7 @@ import pytest
 from bench.harness.daemon import Daemon, pool_segments, remove_segments, segment_pid
 from bench.harness.layouts import TINY, payload, prompt
 from kvcached.config import StoreConfig
-from kvcached.keys import KVLayout
+from kvcached.contract.keys import KVLayout
 from kvcached.store import Store
 from kvcached.tiers.pool_shm import process_alive
 
@@ -43,7 +43,7 @@ def make_store(tmp_path, clock) -> Iterator[Callable[..., Store]]:
         """A store whose pool holds exactly ``pool_blocks`` chunks of ``layout``. Write-back is off
         unless asked for (``writeback=True``): these tests check placement deterministically, with a
         fake clock; tests/test_writeback.py runs the thread."""
-        from kvcached.tiers.record import HEADER_SIZE
+        from kvcached.contract.record import HEADER_SIZE
 
         kw.setdefault("writeback", False)
         cfg = StoreConfig(

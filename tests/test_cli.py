@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
+from kvcached.contract.socket_path import default_socket
 from kvcached.settings import (
     DaemonSettings,
     SettingsError,
-    default_socket,
     default_state_dir,
     load_settings,
     parse_size,
@@ -93,7 +93,7 @@ def test_default_paths(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000")
     assert default_socket() == "/run/user/1000/kvcached.sock"
     # a host that runs the system service: every client finds its socket without a setting
-    import kvcached.settings as settings_mod
+    import kvcached.contract.socket_path as settings_mod
 
     monkeypatch.setattr(settings_mod, "SYSTEM_SOCKET", str(tmp_path / "run-kvcached.sock"))
     (tmp_path / "run-kvcached.sock").touch()

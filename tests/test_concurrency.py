@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import threading
 
-from kvcached.errors import TierFull
+from kvcached.contract.errors import TierFull
 from kvcached.leases import SessionId
 from tests.conftest import TINY, payload, prompt
 

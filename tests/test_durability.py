@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvcached.errors import ChunkNotCached
-from kvcached.keys import KVLayout
-from kvcached.locations import NVME
+from kvcached.contract.errors import ChunkNotCached
+from kvcached.contract.keys import KVLayout
+from kvcached.contract.locations import NVME
 from tests.conftest import TINY, payload, prompt
 
 #: 4 KiB chunks: with LMDB's 4 KiB pages every record spills into overflow pages, so a

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvcached.config import StoreConfig
 from kvcached.hashmemo import HashMemo
-from kvcached.keys import ChunkHasher, KVLayout, Namespace
+from kvcached.contract.keys import ChunkHasher, KVLayout, Namespace
 from kvcached.store import Store
 
 KEY = bytes(range(32))

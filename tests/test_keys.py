@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcached.errors import InvalidLayout, InvalidTokens
-from kvcached.keys import (ChunkHasher, KVLayout, Namespace, load_or_create_key, load_shared_key, normalize_tokens,
-                           write_new_key)
+from kvcached.contract.errors import InvalidLayout, InvalidTokens
+from kvcached.contract.keys import (ChunkHasher, KVLayout, Namespace, load_or_create_key, load_shared_key, normalize_tokens,
+                                    write_new_key)
 
 BASE = KVLayout("meta-llama/Llama-3-8B@abc123", num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 KEY = bytes(range(32))
@@ -210,7 +210,7 @@ GOLDEN_LAYOUT = KVLayout(
 )
 GOLDEN_DOMAIN = "tenant-a"
 GOLDEN_TOKENS = [0, 1, 128255, 7, 42, 42, 42, 42, 100000, 3, 2, 1, 9]  # 3 full chunks + 1 token, ignored
-# Computed once with hashlib from the formula in kvcached/keys.py's docstring (as _reference_* below
+# Computed once with hashlib from the formula in kvcached/contract/keys.py's docstring (as _reference_* below
 # does), key bytes(range(32)); pasted here so that the formula itself cannot drift.
 GOLDEN_LAYOUT_ID = "719e74a430f4380b6388bdaba99f0c8b"
 GOLDEN_ROOT = "43bf52f2ce3b661f6f42c8e3d006dd21"

@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from kvcached.errors import InvalidKV
-from kvcached.kv import chunk_payloads, chunk_view, validate_kv, write_chunk
+from kvcached.contract.errors import InvalidKV
+from kvcached.contract.kv import chunk_payloads, chunk_view, validate_kv, write_chunk
 from tests.conftest import TINY, prompt
 
 BF16 = dataclasses.replace(TINY, dtype="bfloat16")

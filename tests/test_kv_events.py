@@ -12,11 +12,11 @@ import pytest
 import zmq
 
 from kvcached.config import StoreConfig
-from kvcached.events import AllBlocksCleared, BlockRemoved, BlockStored, decoder
+from kvcached.contract.events import AllBlocksCleared, BlockRemoved, BlockStored, decoder
 from kvcached.service.kv_events import END_SEQ, check_endpoint
 from kvcached.settings import SettingsError, load_settings
 from kvcached.store import Store
-from kvcached.tiers.record import HEADER_SIZE
+from kvcached.contract.record import HEADER_SIZE
 from kvcached_client import Client
 from tests.conftest import TINY, payload, prompt
 from bench.harness.daemon import Daemon
@@ -110,7 +110,7 @@ def test_vllm_decodes_the_batches_and_so_does_plain_msgpack(tmp_path):
         lid = st.register_layout(TINY)
         st.events.take()
         st.put(lid, prompt(2), [payload(i) for i in range(2)])
-        from kvcached.events import EventBatch, encoder
+        from kvcached.contract.events import EventBatch, encoder
 
         wire = encoder().encode(EventBatch(123.5, st.events.take(), 0))
         theirs = msgspec.msgpack.Decoder(type=vllm_events.KVEventBatch).decode(wire)

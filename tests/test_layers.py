@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: Top to bottom, as kvcached/README.md lists them; a module belongs to its longest prefix.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("service", ("kvcached.service", "kvcached.v1", "kvcached.daemon", "kvcached.settings", "kvcached.cli",
+    ("service", ("kvcached.service", "kvcached.daemon", "kvcached.settings", "kvcached.cli",
                  "kvcached.costreport")),
     ("operations", ("kvcached.systemd", "kvcached.journal", "kvcached.metrics", "kvcached.dashboards")),
     ("facade", ("kvcached.store",)),
@@ -21,8 +21,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("records", ("kvcached.receipts", "kvcached.stats")),
     ("bookkeeping", ("kvcached.index", "kvcached.leases", "kvcached.promptshape")),
     ("bytes", ("kvcached.tiers",)),
-    ("identity", ("kvcached.keys", "kvcached.hashmemo", "kvcached.locations", "kvcached.errors", "kvcached.config",
-                  "kvcached.kv", "kvcached.units", "kvcached.progress")),
+    ("identity", ("kvcached.hashmemo", "kvcached.config", "kvcached.units", "kvcached.progress")),
+    ("contract", ("kvcached.contract", "kvcached.v1")),
     ("package", ("kvcached",)),
 ]
 
@@ -133,3 +133,51 @@ def test_the_checks_see_an_upward_import_and_a_hidden_one():
     assert list(imports(guarded, top_level_only=True)) == ["typing"]
     assert circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert circle({"a": {"b"}, "b": set()}) is None
+
+
+#: What the clients (the client library with its connectors, and the router) may import of the
+#: daemon package: the shared contract and the generated gRPC code. kvcachectl, an operator's tool
+#: on the daemon's host, may read the daemon's own files and is not held to it.
+CLIENT_PACKAGES = ("kvcached_client", "kvcached_router")
+CONTRACT = ("kvcached.contract", "kvcached.v1")
+
+
+def client_sources() -> dict[str, str]:
+    out = {}
+    for pkg in CLIENT_PACKAGES:
+        for dirpath, _, files in os.walk(os.path.join(ROOT, "clients", pkg)):
+            out.update({os.path.join(dirpath, f): open(os.path.join(dirpath, f)).read()
+                        for f in files if f.endswith(".py")})
+    return out
+
+
+def beyond_contract(source: str) -> list[str]:
+    """The imports of ``source`` that reach into the daemon package outside its contract."""
+    return [t for t in imports(source)
+            if (t == "kvcached" or t.startswith("kvcached.")) and not t.startswith(tuple(c + "." for c in CONTRACT))
+            and t not in CONTRACT]
+
+
+def test_the_clients_import_only_the_contract_of_the_daemon_package():
+    sources = client_sources()
+    assert len(sources) > 30, sorted(sources)  # the walk found the packages
+    bad = {os.path.relpath(p, ROOT): found for p, src in sources.items() if (found := beyond_contract(src))}
+    assert bad == {}, bad
+
+
+def test_the_contract_imports_nothing_else_of_kvcached():
+    found = {mod: [t for t in imports(open(path).read()) if t.startswith("kvcached.")
+                   and not t.startswith(("kvcached.contract", "kvcached.v1"))]
+             for mod, path in modules().items() if mod.startswith("kvcached.contract")}
+    assert len(found) >= 10, sorted(found)
+    assert {m: ts for m, ts in found.items() if ts} == {}
+
+
+def test_the_client_check_sees_a_reach_into_the_daemon():
+    """Positive control: a client importing the store, a tier or the settings is caught, also
+    inside a function; the contract and the generated code are not."""
+    assert beyond_contract("from kvcached.store import Store\n") == ["kvcached.store"]
+    assert beyond_contract("def f():\n    import kvcached.tiers.pool_shm\n") == ["kvcached.tiers.pool_shm"]
+    assert beyond_contract("from kvcached.settings import default_socket\n") == ["kvcached.settings"]
+    assert beyond_contract("from kvcached.contract.keys import KVLayout\nfrom kvcached.v1 import kvcached_pb2\n"
+                           "import kvcached_client.client\n") == []

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvcached.errors import TierFull
-from kvcached.locations import NVME, POOL, TierId
+from kvcached.contract.errors import TierFull
+from kvcached.contract.locations import NVME, POOL, TierId
 from tests.conftest import TINY, payload, prompt
 
 CT = TINY.chunk_tokens
@@ -172,7 +172,7 @@ def test_leak_free_after_any_mix(make_store, clock):
 def test_run_inline_takes_the_fast_path_only_without_io(demoted):
     import threading
 
-    from kvcached.errors import WouldBlock
+    from kvcached.contract.errors import WouldBlock
 
     store, lid, a = demoted
     b = prompt(10, start=5000)  # in the pool

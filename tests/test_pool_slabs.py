@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 
-from kvcached.errors import InvalidPoolHandle
-from kvcached.service import convert
-from kvcached.tiers.packed import PoolHandle, PoolSlab, normal_placement
+from kvcached.contract.errors import InvalidPoolHandle
+from kvcached.contract import proto
+from kvcached.contract.pool import PoolHandle, PoolSlab, normal_placement
 from kvcached.tiers.pool_shm import SHM_DIR, HostPool
 from kvcached.v1 import kvcached_pb2 as pb
 from kvcached_client import Client
@@ -80,16 +80,16 @@ def test_a_two_slab_handle_round_trips_and_a_broken_one_is_refused():
     p = HostPool("kvcached.test-slabs", 4 * CB, slabs=2, prefault=False)
     try:
         h = p.handle()
-        back = convert.pool_handle_from_proto(convert.pool_handle_to_proto(h))
+        back = proto.pool_handle_from_proto(proto.pool_handle_to_proto(h))
         assert back == h and len(back.all_slabs()) == 2
-        msg = convert.pool_handle_to_proto(h)
+        msg = proto.pool_handle_to_proto(h)
         msg.slabs[1].base += 64  # a gap between the slabs: offsets would land in the wrong one
         with pytest.raises(InvalidPoolHandle, match="slab 1 starts at"):
-            convert.pool_handle_from_proto(msg)
-        msg = convert.pool_handle_to_proto(h)
+            proto.pool_handle_from_proto(msg)
+        msg = proto.pool_handle_to_proto(h)
         msg.slabs[1].handle.generation = "other"
         with pytest.raises(InvalidPoolHandle, match="another kind or generation"):
-            convert.pool_handle_from_proto(msg)
+            proto.pool_handle_from_proto(msg)
     finally:
         p.close()
     one = PoolHandle("shm", "x", 4096, 64, "g")
@@ -198,7 +198,7 @@ def test_a_placement_that_is_not_a_device_is_invalid_argument(make_daemon):
         assert c.stats()["indexed_chunks"] == 0
     req = pb.ReserveRequest(placement="host:\x00")
     with pytest.raises(Exception, match="placement"):
-        convert.placement_from_proto(req.placement)
+        proto.placement_from_proto(req.placement)
 
 
 def test_room_in_one_slab_does_not_walk_the_whole_order_past_the_others(make_store, monkeypatch):

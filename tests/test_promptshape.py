@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from kvcached.keys import KVLayout
+from kvcached.contract.keys import KVLayout
 from kvcached.promptshape import BUCKETS, HALVE_EVERY, LEAD_TOKENS, MAX_LAYOUTS, MIN_DIVERGED, PromptShape, judge
 from kvcached_client import Client
 from tests.service.conftest import LAYOUT

@@ -14,10 +14,10 @@ import lmdb
 import pytest
 
 from kvcached.config import StoreConfig
-from kvcached.errors import StoreLocked
-from kvcached.locations import TierId
+from kvcached.contract.errors import StoreLocked
+from kvcached.contract.locations import TierId
 from kvcached.store import Store
-from kvcached.tiers.record import HEADER_SIZE
+from kvcached.contract.record import HEADER_SIZE
 from tests.conftest import TINY, payload, prompt
 
 CT = TINY.chunk_tokens

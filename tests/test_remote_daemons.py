@@ -32,7 +32,7 @@ import pytest
 from bench.harness.daemon import BIN, Daemon
 from bench.harness.redis_servers import RedisCluster, RedisServer, cli, free_ports
 from bench.harness.remote_hosts import CHUNKS, CT, LAYOUT, Load, chunk, node_id, read, remote, reshard, settle, tokens, wait_for
-from kvcached.keys import write_new_key
+from kvcached.contract.keys import write_new_key
 from kvcached_client import Client
 from tests.requirements import require_redis
 

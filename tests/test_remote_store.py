@@ -12,7 +12,7 @@ import pytest
 
 from kvcached.config import StoreConfig
 from kvcached.store import Store
-from kvcached.tiers.record import HEADER_SIZE
+from kvcached.contract.record import HEADER_SIZE
 from kvcached.tiers.remote_redis import RemoteConfig
 from tests.conftest import TINY, payload, prompt
 from bench.harness.redis_servers import RedisServer
@@ -148,7 +148,7 @@ def test_stats_and_metrics_report_the_remote_tier(tmp_path, server):
 
 
 def test_hosts_configured_with_one_shared_key_file_match(tmp_path, server):
-    from kvcached.keys import write_new_key
+    from kvcached.contract.keys import write_new_key
 
     key = str(tmp_path / "domain.key")
     write_new_key(key)  # `kvcachectl keygen`, then the same file on every host
@@ -359,7 +359,7 @@ def test_a_chunk_over_the_remote_value_limit_is_refused_there_and_served_here(tm
     of exactly 1 MiB (its record adds a header and MAC) cannot be published. Nothing fails: the
     host serves it from its own tiers, the publish counts an error, and a chunk just under the
     limit (512 KiB) still goes there and is served to another host, verified."""
-    from kvcached.keys import KVLayout
+    from kvcached.contract.keys import KVLayout
     from bench.harness.redis_servers import free_ports
     from tests.requirements import require_redis
 

@@ -7,7 +7,7 @@ import torch
 
 import kvcached.settings as settings_mod
 from kvcached.config import BLOCK_ALIGN, GiB, KiB, MiB
-from kvcached.keys import KVLayout
+from kvcached.contract.keys import KVLayout
 from kvcached.settings import DaemonSettings, load_settings
 from kvcached.tiers.pool_shm import HostPool
 

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from kvcached.errors import (
+from kvcached.contract.errors import (
     InvalidKV,
     InvalidLayout,
     InvalidTokens,
@@ -15,9 +15,9 @@ from kvcached.errors import (
     UnknownLease,
     UnknownReservation,
 )
-from kvcached.keys import KVLayout, LayoutId
+from kvcached.contract.keys import KVLayout, LayoutId
 from kvcached.leases import SessionId
-from kvcached.locations import TierId
+from kvcached.contract.locations import TierId
 from tests.conftest import TINY, payload, prompt
 
 CT = TINY.chunk_tokens

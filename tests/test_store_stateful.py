@@ -20,11 +20,11 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from kvcached.config import StoreConfig
-from kvcached.errors import ReservationClosed, TierFull
+from kvcached.contract.errors import ReservationClosed, TierFull
 from kvcached.leases import SessionId
-from kvcached.locations import TierId
+from kvcached.contract.locations import TierId
 from kvcached.store import Store
-from kvcached.tiers.record import HEADER_SIZE
+from kvcached.contract.record import HEADER_SIZE
 from tests.conftest import TINY, FakeClock
 
 CT = TINY.chunk_tokens

@@ -47,7 +47,8 @@ def test_the_wheel_holds_every_package_and_the_console_scripts(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     for must in ("kvcached/daemon.py", "kvcached/v1/kvcached_pb2.py", "kvcached/dashboards/kvcached.json",
                  "kvcached/tiers/packed.py", "kvcached_client/client.py", "kvcached_client/vllm/connector.py",
-                 "kvcached_router/server.py", "kvcachectl/__init__.py", "kvcachectl/doctor.py"):
+                 "kvcached_router/server.py", "kvcachectl/__init__.py", "kvcachectl/doctor.py",
+                 "kvcached/contract/keys.py", "kvcached/contract/poolmap.py"):
         assert must in names, must
     assert not any(n.startswith(("tests/", "bench/")) for n in names)
     entry = next(n for n in names if n.endswith("entry_points.txt"))

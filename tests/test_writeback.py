@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from kvcached.locations import TierId
+from kvcached.contract.locations import TierId
 from tests.conftest import TINY, payload, prompt
 
 CT = TINY.chunk_tokens

@@ -517,7 +517,7 @@ class CrashLoop:
     # -- checks --
 
     def _hashes(self, domain: str, toks: list[int]) -> list[bytes]:
-        from kvcached.keys import ChunkHasher, Namespace
+        from kvcached.contract.keys import ChunkHasher, Namespace
 
         if self._hasher is None:
             with open(os.path.join(self.daemon.state_dir, "hash.key"), "rb") as f:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvcached.keys import KVLayout
+from kvcached.contract.keys import KVLayout
 
 #: A tiny layout: 4 tokens per chunk, 2*1*2*4*4 = 64 bytes per token... small enough for
 #: hundreds of chunks in a few KiB of shared memory.

@@ -27,7 +27,7 @@ from bench.harness.layouts import TINY
 from bench.harness.redis_servers import RedisCluster, cli, free_ports
 from kvcached.config import StoreConfig
 from kvcached.store import Store
-from kvcached.tiers.record import HEADER_SIZE
+from kvcached.contract.record import HEADER_SIZE
 from kvcached.tiers.remote_redis import RemoteConfig
 from kvcached_client import Client
 

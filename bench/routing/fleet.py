@@ -4,7 +4,7 @@ Host K is a real ``kvcached serve`` process (its own Unix socket, state director
 host-memory pool; KV events published on ``ipc://<workdir>/hostK-events`` with replay on
 ``ipc://<workdir>/hostK-replay``) and one simhost.py process in front of it on a free loopback
 port (the model simulated, the cache work real: see simhost.py). All daemons share one hash key
-file (``kvcached.keys.write_new_key``, what ``kvcachectl keygen`` writes), so the same prompt has
+file (``kvcached.contract.keys.write_new_key``, what ``kvcachectl keygen`` writes), so the same prompt has
 the same chunk hashes on every host, which a router that reads several hosts' events needs.
 
 ::
@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from bench.harness.daemon import BIN, POOL_LINE, pool_segments, remove_segments
 from bench.routing.simhost import DEFAULT_MODEL, sim_layout
 from bench.routing.tokenizer import build_tokenizer
-from kvcached.keys import KVLayout, write_new_key
+from kvcached.contract.keys import KVLayout, write_new_key
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

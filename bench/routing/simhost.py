@@ -69,7 +69,7 @@ from aiohttp import web
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run as a file: import bench
 
 from bench import _common  # noqa: F401 - puts clients/ on sys.path: kvcached_client from the source tree
-from kvcached.keys import KVLayout
+from kvcached.contract.keys import KVLayout
 
 log = logging.getLogger("simhost")
 

@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     args.conversations = args.conversations or (3 if args.quick else 7)
     args.turns = args.turns or (3 if args.quick else 4)
     policies = (args.policies or ("kvcached" if args.quick else "kvcached,round_robin")).split(",")
-    from kvcached.keys import write_new_key
+    from kvcached.contract.keys import write_new_key
     from kvcached_client.vllm.random_model import build
 
     results = {}

@@ -17,7 +17,8 @@ import sys
 import time
 from typing import Any, Sequence
 
-from kvcached.settings import SettingsError, default_socket, load_settings
+from kvcached.contract.socket_path import default_socket
+from kvcached.settings import SettingsError, load_settings
 from kvcached.units import human_bytes
 from kvcachectl.doctor import doctor_checks, print_checks
 
@@ -87,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _keygen(path: str) -> int:
-    from kvcached.keys import write_new_key
+    from kvcached.contract.keys import write_new_key
 
     try:
         write_new_key(path)
@@ -196,7 +197,7 @@ def _layout_name(d: dict) -> str:
 
 def _lookup(c: Any, args: argparse.Namespace) -> int:
     """The cached prefix of a prompt in one layout (``--layout-id``), or in every registered one."""
-    from kvcached.keys import KVLayout
+    from kvcached.contract.keys import KVLayout
 
     tokens = _read_tokens(args.file)
     layouts = c.stats()["layouts_detail"]

@@ -12,7 +12,7 @@
         receipt = c.put(layout, token_ids, kv)   # receipt.stored_chunks, .cached_tokens, .durable
 """
 
-from kvcached.keys import KVLayout
+from kvcached.contract.keys import KVLayout
 from kvcached_client.aio import AsyncClient, AsyncLease
 from kvcached_client.client import Client, Lease
 from kvcached_client.errors import (

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from kvcached.errors import KvcacheError
-from kvcached.keys import KVLayout, TokenInput, normalize_tokens
-from kvcached.service.convert import layout_to_proto, pool_handle_from_proto
-from kvcached.settings import default_socket
-from kvcached.tiers.packed import PoolHandle
+from kvcached.contract.errors import KvcacheError
+from kvcached.contract.keys import KVLayout, TokenInput, normalize_tokens
+from kvcached.contract.proto import NVME_CHUNK, layout_to_proto, pool_handle_from_proto
+from kvcached.contract.socket_path import default_socket
+from kvcached.contract.pool import PoolHandle
 from kvcached.v1 import kvcached_pb2 as pb
 from kvcached_client.errors import (
     FailedPreconditionError,
@@ -87,7 +87,6 @@ def handle_from_proto(msg: pb.PoolHandle) -> PoolHandle:
         raise PoolMappingError(str(e)) from e
 
 
-NVME_CHUNK = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -108,7 +107,7 @@ def locations(msg: pb.ChunkLocations) -> tuple[Location, ...]:
 
 
 def validate_kv(layout: KVLayout, kv: "torch.Tensor", n_tokens: int) -> None:
-    from kvcached.kv import validate_kv as _validate
+    from kvcached.contract.kv import validate_kv as _validate
 
     try:
         _validate(layout, kv)
@@ -191,7 +190,7 @@ def placement_of(device: "str | torch.device | None") -> str:
     dev = torch.device(device)
     if dev.type != "cuda":
         return ""
-    from kvcached.tiers.pool_cuda import device_uuid
+    from kvcached.contract.poolmap import device_uuid
 
     return device_uuid(dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device()))
 
@@ -292,7 +291,7 @@ class LeaseBase:
         (a copy) on the pool's device, whichever tier each chunk came from."""
         import torch
 
-        from kvcached.kv import torch_dtype
+        from kvcached.contract.kv import torch_dtype
 
         c, lay = self.layout.chunk_tokens, self.layout
         out = torch.empty((2, lay.num_layers, lay.num_kv_heads, len(self) * c, lay.head_dim),

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence, TypeVar
 
 import grpc
 
-from kvcached.keys import KVLayout, TokenInput
-from kvcached.tiers.packed import PoolHandle
+from kvcached.contract.keys import KVLayout, TokenInput
+from kvcached.contract.pool import PoolHandle
 from kvcached.v1 import kvcached_pb2 as pb
 from kvcached.v1 import kvcached_pb2_grpc as pb_grpc
 from kvcached_client import _core

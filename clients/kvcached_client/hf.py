@@ -68,7 +68,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvcached.keys import KVLayout
+from kvcached.contract.keys import KVLayout
 from kvcached_client.failopen import FailOpen
 from kvcached_client.policy import CachePolicy
 

@@ -17,7 +17,7 @@ the file ever outgrows even that, LMDB refuses new reads with
 ``MapResizedError`` and the reader adopts the daemon's size and reads again.
 Adopting is a resize, which must not run under any open transaction of this
 process (it unmaps them), so reads and the resize share a
-:class:`~kvcached.tiers.lmdbgate.TxnGate`, one per environment.
+:class:`~kvcached.contract.lmdbgate.TxnGate`, one per environment.
 
 LMDB readers share the lock file with the daemon, so this needs read access
 to the environment and write access to its ``lock.mdb`` (same user or group).
@@ -29,10 +29,10 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
-from kvcached.errors import CorruptChunk
-from kvcached.keys import KVLayout
-from kvcached.tiers.lmdbgate import TxnGate
-from kvcached.tiers.record import copy_verified
+from kvcached.contract.errors import CorruptChunk
+from kvcached.contract.keys import KVLayout
+from kvcached.contract.lmdbgate import TxnGate
+from kvcached.contract.record import copy_verified
 from kvcached_client.errors import KvcachedError, PoolMappingError
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ class NvmeReader:
         """Chunk ``key`` as a new [2, layers, kv_heads, chunk_tokens, head_dim] tensor."""
         import torch
 
-        from kvcached.kv import torch_dtype
+        from kvcached.contract.kv import torch_dtype
 
         out = torch.empty(layout.chunk_shape, dtype=torch_dtype(layout.dtype))
         self.read_into(layout, key, out)

@@ -18,10 +18,10 @@ import bisect
 import threading
 from typing import TYPE_CHECKING, Any
 
-from kvcached.errors import KvcacheError
-from kvcached.keys import KVLayout
-from kvcached.tiers.packed import PoolHandle, PoolSlab, normal_placement
-from kvcached.tiers.pool_shm import HostPoolMapping
+from kvcached.contract.errors import KvcacheError
+from kvcached.contract.keys import KVLayout
+from kvcached.contract.pool import PoolHandle, PoolSlab, normal_placement
+from kvcached.contract.poolmap import HostPoolMapping
 from kvcached_client.errors import PoolMappingError
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ def _open(handle: PoolHandle) -> Any:
         if handle.kind == "shm":
             return HostPoolMapping(handle, writable=True)
         if handle.kind == "cuda":
-            from kvcached.tiers.pool_cuda import CudaPoolMapping
+            from kvcached.contract.poolmap import CudaPoolMapping
 
             return CudaPoolMapping(handle)
         raise PoolMappingError(f"pool kind {handle.kind!r} is unknown to this client; use the bytes fallback")
@@ -126,7 +126,7 @@ class PoolMap:
 
     def view(self, layout: KVLayout, offset: int, nbytes: int) -> "torch.Tensor":
         """A tensor [2, layers, kv_heads, chunk_tokens, head_dim] over pool bytes (no copy)."""
-        from kvcached.kv import chunk_view, torch_dtype
+        from kvcached.contract.kv import chunk_view, torch_dtype
 
         if self._handle is None:
             raise PoolMappingError("the pool is not mapped")
@@ -140,7 +140,7 @@ class PoolMap:
         """A tensor [n, 2, layers, kv_heads, chunk_tokens, head_dim] over ``n`` chunks laid back
         to back from ``offset`` (no copy): one view for a run of contiguous pool blocks. The
         run must lie in one slab (:func:`kvcached_client._core.pool_runs` splits runs there)."""
-        from kvcached.kv import torch_dtype
+        from kvcached.contract.kv import torch_dtype
 
         nbytes = n * layout.chunk_bytes
         if self._handle is None:

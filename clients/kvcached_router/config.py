@@ -47,7 +47,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, packaged (a dependency there; see pyproject.toml)
     import tomli as tomllib
 
-from kvcached.keys import KVLayout
+from kvcached.contract.keys import KVLayout
 from kvcached_router.policy import POLICIES
 
 

@@ -21,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
-from kvcached.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvcached.contract.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 
 class HostIndex:

@@ -42,7 +42,7 @@ import numpy as np
 from aiohttp import ClientConnectionError, ClientSession, ClientTimeout, TCPConnector, web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvcached.keys import ChunkHash, ChunkHasher, Namespace, load_shared_key
+from kvcached.contract.keys import ChunkHash, ChunkHasher, Namespace, load_shared_key
 from kvcached_client.text import normalize, normalize_messages
 from kvcached_router.config import HostConfig, RouterConfig, RouterConfigError, load_config
 from kvcached_router.index import HostIndex

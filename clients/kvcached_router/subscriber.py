@@ -31,7 +31,7 @@ import time
 import zmq
 import zmq.asyncio
 
-from kvcached.events import decoder
+from kvcached.contract.events import decoder
 from kvcached_router.index import HostIndex
 
 log = logging.getLogger(__name__)

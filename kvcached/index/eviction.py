@@ -110,7 +110,7 @@ from typing import Callable, Generic, Protocol, Sequence, TypeVar
 from kvcached.config import ADMISSIONS, EVICTION_POLICIES, AdmissionName, EvictionPolicyName
 from kvcached.index.minisim import MiniSims
 from kvcached.index.sketch import FrequencySketch
-from kvcached.keys import ChunkHash
+from kvcached.contract.keys import ChunkHash
 
 #: The policies' names (the first is the default); admissions: "always" stores every chunk a
 #: reservation has room for, "frequency" is a doorkeeper.

@@ -44,7 +44,7 @@ import heapq
 import itertools
 from typing import Sequence
 
-from kvcached.keys import ChunkHash
+from kvcached.contract.keys import ChunkHash
 
 #: Chunks a mini cache holds (the sample rate follows from the pool's size).
 MINI_CHUNKS = 1024

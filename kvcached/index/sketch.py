@@ -29,7 +29,7 @@ import struct
 
 import numpy as np
 
-from kvcached.keys import ChunkHash
+from kvcached.contract.keys import ChunkHash
 
 #: Counters saturate here (8 bits).
 MAX_COUNT = 255

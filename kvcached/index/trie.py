@@ -2,7 +2,7 @@
 
 Representation: a flat map ``chunk hash -> Node`` with parent links, which is
 a prefix trie in disguise. Chunk hashes are chained (``h_i`` covers chunk i
-*and* its whole prefix, see :mod:`kvcached.keys`), so "the child of node P
+*and* its whole prefix, see :mod:`kvcached.contract.keys`), so "the child of node P
 for chunk tokens T" is simply ``map[H(P.hash || T)]``; longest-prefix match
 walks the prompt's hashes in order and stops at the first miss, O(chunks).
 
@@ -44,10 +44,10 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator, Protocol, Sequence
 
-from kvcached.errors import InternalInvariantError, RefcountUnderflow
+from kvcached.contract.errors import InternalInvariantError, RefcountUnderflow
 from kvcached.index.eviction import EvictionPolicy, EvictionQueue, LruPolicy
-from kvcached.keys import ChunkHash, LayoutId
-from kvcached.locations import NVME, POOL, TierId
+from kvcached.contract.keys import ChunkHash, LayoutId
+from kvcached.contract.locations import NVME, POOL, TierId
 
 _IN_LEAVES = 1
 _IN_POOL_LRU = 2

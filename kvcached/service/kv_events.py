@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from kvcached.events import EventBatch, KvEventLog, encoder
+from kvcached.contract.events import EventBatch, encoder
+from kvcached.events import KvEventLog
 
 log = logging.getLogger(__name__)
 

@@ -35,10 +35,11 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 import grpc
 
 from kvcached import __version__
-from kvcached.errors import ErrorKind, InvalidArgument, KvcacheError, SessionNotOpen, WouldBlock, shown
-from kvcached.keys import LayoutId
+from kvcached.contract.errors import ErrorKind, InvalidArgument, KvcacheError, SessionNotOpen, WouldBlock, shown
+from kvcached.contract.keys import LayoutId
 from kvcached.leases import LeaseId, ReservationId, SessionId
 from kvcached.receipts import CommitReceipt, EvictReceipt, LeaseReceipt, ReservationReceipt
+from kvcached.contract import proto
 from kvcached.service import convert
 from kvcached.store import DEFAULT_SESSION, Store
 from kvcached.v1 import kvcached_pb2 as pb
@@ -170,7 +171,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
 
     async def RegisterLayout(self, request: pb.RegisterLayoutRequest, context) -> pb.RegisterLayoutResponse:
         def register() -> tuple[LayoutId, int]:
-            layout = convert.layout_from_proto(request.layout)
+            layout = proto.layout_from_proto(request.layout)
             return self.store.register_layout(layout), layout.chunk_bytes
 
         lid, chunk_bytes = await self._run(context, register)
@@ -180,7 +181,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         def lookup_all() -> list[int]:
             if len(request.tokens) > MAX_IDS_PER_CALL:  # counted before any prompt is copied out
                 raise InvalidArgument(f"at most {MAX_IDS_PER_CALL} prompts per Lookup")
-            prompts = [convert.tokens_from_proto(t) for t in request.tokens]  # all checked before any lookup
+            prompts = [proto.tokens_from_proto(t) for t in request.tokens]  # all checked before any lookup
             return [self.store.lookup(LayoutId(request.layout_id), t) for t in prompts]
 
         return pb.LookupResponse(cached_tokens=await self._run(context, lookup_all, inline=True))
@@ -193,11 +194,11 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         tokens = request.tokens
 
         def acquire() -> LeaseReceipt:
-            return self.store.acquire(LayoutId(request.layout_id), convert.tokens_from_proto(tokens),
+            return self.store.acquire(LayoutId(request.layout_id), proto.tokens_from_proto(tokens),
                                       self._session(request.session_id), ttl=_ttl(request.ttl_seconds),
                                       promote=not request.read_nvme_directly,
                                       max_chunks=0 if request.no_cache else None,
-                                      placement=convert.placement_from_proto(request.placement))
+                                      placement=proto.placement_from_proto(request.placement))
 
         r = await self._run(context, acquire, inline=True)
         return convert.lease_to_proto(r, self._remaining(r.expires_at))
@@ -220,10 +221,10 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         tokens = request.tokens
 
         def reserve() -> ReservationReceipt:
-            return self.store.reserve(LayoutId(request.layout_id), convert.tokens_from_proto(tokens),
+            return self.store.reserve(LayoutId(request.layout_id), proto.tokens_from_proto(tokens),
                                       self._session(request.session_id), ttl=_ttl(request.ttl_seconds),
                                       store_nothing=self._bypass(request), open_empty=not request.skip_empty,
-                                      placement=convert.placement_from_proto(request.placement))
+                                      placement=proto.placement_from_proto(request.placement))
 
         r = await self._run(context, reserve, inline=True)
         ttl = self._remaining(r.expires_at) if r.opened else 0.0
@@ -250,10 +251,10 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
 
         def both() -> tuple[LeaseReceipt, ReservationReceipt]:
             return self.store.acquire_reserve(
-                LayoutId(request.layout_id), convert.tokens_from_proto(tokens), self._session(request.session_id),
+                LayoutId(request.layout_id), proto.tokens_from_proto(tokens), self._session(request.session_id),
                 ttl=_ttl(request.lease_ttl_seconds), reservation_ttl=_ttl(request.reservation_ttl_seconds),
                 promote=not request.read_nvme_directly, no_cache=request.no_cache, store_nothing=self._bypass(request),
-                placement=convert.placement_from_proto(request.placement))
+                placement=proto.placement_from_proto(request.placement))
 
         lease, r = await self._run(context, both, inline=True)
         return pb.AcquireReserveResponse(
@@ -326,18 +327,18 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
 
     async def GetPoolHandle(self, request: pb.PoolHandleRequest, context) -> pb.PoolHandle:
         nvme = self.store.nvme
-        return convert.pool_handle_to_proto(self.store.pool_handle(), os.path.abspath(nvme.path) if nvme else "")
+        return proto.pool_handle_to_proto(self.store.pool_handle(), os.path.abspath(nvme.path) if nvme else "")
 
     async def PutBytes(self, request: pb.PutBytesRequest, context) -> pb.CommitResponse:
         tokens = request.tokens
 
         def put() -> CommitReceipt | None:
-            checked, session = convert.tokens_from_proto(tokens), self._session(request.session_id)
+            checked, session = proto.tokens_from_proto(tokens), self._session(request.session_id)
             if self._bypass(request):
                 self.store.hashes(LayoutId(request.layout_id), checked)  # still validated
                 return None
             return self.store.put(LayoutId(request.layout_id), checked, list(request.chunks), session,
-                                  convert.placement_from_proto(request.placement))
+                                  proto.placement_from_proto(request.placement))
 
         c = await self._run(context, put)
         return pb.CommitResponse(committed_chunks=0) if c is None else convert.commit_to_proto(c)
@@ -346,7 +347,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         tokens = request.tokens
 
         def read() -> tuple[int, list[bytes]]:
-            checked, session = convert.tokens_from_proto(tokens), self._session(request.session_id)
+            checked, session = proto.tokens_from_proto(tokens), self._session(request.session_id)
             # The reply must fit in one message: return the longest cached prefix that does
             # (matched_tokens says how much), rather than fail in the transport after the work.
             fits = (self.max_message_bytes - 4096) // (self.store.layout(LayoutId(request.layout_id)).chunk_bytes + 16)
@@ -381,7 +382,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             if prefix:
                 if not request.layout_id:
                     raise InvalidArgument("evict by prefix needs a layout_id")
-                return self.store.evict_prefix(LayoutId(request.layout_id), convert.tokens_from_proto(prefix))
+                return self.store.evict_prefix(LayoutId(request.layout_id), proto.tokens_from_proto(prefix))
             return self.store.evict(LayoutId(request.layout_id) if request.layout_id else None)
 
         r = await self._run(context, evict)

@@ -1,5 +1,6 @@
 """Tiers hold chunk bytes under their hash. They know nothing of the index, leases or RPC."""
 
-from kvcached.tiers.base import ChunkMeta, Slot, Tier
+from kvcached.contract.record import ChunkMeta
+from kvcached.tiers.base import Slot, Tier
 
 __all__ = ["ChunkMeta", "Slot", "Tier"]

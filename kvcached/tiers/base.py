@@ -29,19 +29,9 @@ import abc
 from dataclasses import dataclass
 from typing import Iterator
 
-from kvcached.keys import ChunkHash, LayoutId
-from kvcached.locations import TierId
-
-
-@dataclass(frozen=True)
-class ChunkMeta:
-    """What a tier records next to the payload (NVMe persists it: the index is rebuilt from it)."""
-
-    chunk_hash: ChunkHash
-    parent_hash: ChunkHash  # for position 0: the namespace seed h_{-1}
-    layout_id: LayoutId
-    position: int  # chunk index in its prompt, 0-based
-    token_count: int
+from kvcached.contract.keys import ChunkHash
+from kvcached.contract.record import ChunkMeta
+from kvcached.contract.locations import TierId
 
 
 @dataclass(frozen=True)
@@ -59,7 +49,7 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     def reserve(self, nbytes: int) -> Slot:
-        """Set aside room for one chunk. Raises :class:`~kvcached.errors.TierFull`."""
+        """Set aside room for one chunk. Raises :class:`~kvcached.contract.errors.TierFull`."""
 
     @abc.abstractmethod
     def write(self, slot: Slot, data: bytes | memoryview) -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import bisect
 from typing import Callable
 
-from kvcached.errors import InternalInvariantError
+from kvcached.contract.errors import InternalInvariantError
 
 #: Allocation grain: every chunk starts at a multiple of it (see kvcached.config.BLOCK_ALIGN).
 GRAIN = 64

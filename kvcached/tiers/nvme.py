@@ -16,7 +16,7 @@ Durability settings (``lmdb.open`` flags and why):
   start); past that the tier stops admitting and the store evicts, instead of
   the daemon crashing. ENOSPC is treated the same way. Growing is safe while
   other threads read or write: every transaction holds a :class:`TxnGate`
-  shared and the resize holds it exclusive (see :mod:`kvcached.tiers.lmdbgate`
+  shared and the resize holds it exclusive (see :mod:`kvcached.contract.lmdbgate`
   for what happens otherwise). Clients reading the file directly map far more
   than the file and adopt a grown map themselves (:mod:`kvcached_client.nvme`).
 * Stale reader slots left by killed processes are cleared at open
@@ -25,7 +25,7 @@ Durability settings (``lmdb.open`` flags and why):
   long enough to make the file grow.
 
 Named databases: ``chunks`` (chunk hash -> header + payload, see
-:mod:`kvcached.tiers.record`) and ``layouts`` (layout id -> JSON), so that
+:mod:`kvcached.contract.record`) and ``layouts`` (layout id -> JSON), so that
 the index can be rebuilt without any client having re-registered.
 
 Not thread-safe on its own (see :mod:`kvcached.tiers.base`); LMDB calls here
@@ -43,13 +43,14 @@ from typing import Callable, Iterator, Sequence, TypeVar
 
 import lmdb
 
-from kvcached.errors import ChunkNotCached, CorruptChunk, InternalInvariantError, InvalidKV, TierFull
-from kvcached.keys import ChunkHash, KVLayout, LayoutId
+from kvcached.contract.errors import ChunkNotCached, CorruptChunk, InternalInvariantError, InvalidKV, TierFull
+from kvcached.contract.keys import ChunkHash, KVLayout, LayoutId
 from kvcached.config import FileAccess
-from kvcached.locations import TierId
-from kvcached.tiers.base import ChunkMeta, Slot, Tier
-from kvcached.tiers.lmdbgate import TxnGate
-from kvcached.tiers.record import (
+from kvcached.contract.locations import TierId
+from kvcached.contract.record import ChunkMeta
+from kvcached.tiers.base import Slot, Tier
+from kvcached.contract.lmdbgate import TxnGate
+from kvcached.contract.record import (
     FORMAT_VERSION,
     HEADER_SIZE,
     RecordBuffer,

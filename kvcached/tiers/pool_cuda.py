@@ -32,17 +32,15 @@ import secrets
 from typing import TYPE_CHECKING, Callable
 
 from kvcached.config import BLOCK_ALIGN
-from kvcached.errors import InvalidArgument, TierFull, Unavailable
-from kvcached.tiers.packed import CudaIpc, PackedPool, PoolHandle
+from kvcached.contract.errors import InvalidArgument, TierFull
+from kvcached.contract.pool import CudaIpc, PoolHandle
+from kvcached.contract.poolmap import CudaUnavailable, check_slab_aligned, device_uuid
+from kvcached.tiers.packed import PackedPool
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-
-
-class CudaUnavailable(Unavailable):
-    """CUDA was asked for but cannot be used as configured."""
 
 
 def check_allocator() -> None:
@@ -78,25 +76,12 @@ def resolve_devices(device: str) -> "list[torch.device]":
     return out
 
 
-def device_uuid(dev: "torch.device") -> str:
-    import torch
-
-    return str(torch.cuda.get_device_properties(dev).uuid)
-
-
 def default_pool_bytes(device: str, domains: int = 1) -> int:
     """Half of each device's free memory (the least free of them), split evenly among
     ``domains`` pools: the size of each GPU's slab."""
     import torch
 
     return min(torch.cuda.mem_get_info(d)[0] for d in resolve_devices(device)) // 2 // domains
-
-
-def check_slab_aligned(slab: "torch.Tensor") -> None:
-    """Chunk offsets are multiples of BLOCK_ALIGN (kvcached.tiers.packed); so must the slab's base
-    be, or a chunk cannot be viewed as its dtype. The caching allocator aligns to 512 bytes."""
-    if slab.data_ptr() % BLOCK_ALIGN:
-        raise ValueError(f"CUDA pool slab at {slab.data_ptr():#x} is not {BLOCK_ALIGN}-byte aligned")
 
 
 class _Slab:
@@ -181,41 +166,3 @@ class CudaPool(PackedPool):
 
     def close(self) -> None:
         self._slabs = []
-
-
-class CudaPoolMapping:
-    """A client's view of the daemon's CUDA slab, opened once per generation."""
-
-    def __init__(self, handle: PoolHandle) -> None:
-        import torch
-
-        ipc = handle.cuda
-        if handle.kind != "cuda" or ipc is None:
-            raise ValueError("CudaPoolMapping maps 'cuda' pools")
-        if not torch.cuda.is_available():
-            raise CudaUnavailable("the daemon's pool is in GPU memory but CUDA is not available in this process")
-        local = [i for i in range(torch.cuda.device_count()) if device_uuid(torch.device("cuda", i)) == ipc.device_uuid]
-        if not local:
-            raise CudaUnavailable(
-                f"the daemon's pool is on GPU {ipc.device_uuid}, which this process cannot see "
-                "(check CUDA_VISIBLE_DEVICES); use the bytes fallback from another device"
-            )
-        self.handle = handle
-        self.device = torch.device("cuda", local[0])
-        torch.cuda._lazy_init()
-        storage = torch.UntypedStorage._new_shared_cuda(
-            local[0], ipc.handle, ipc.size_bytes, ipc.offset_bytes, ipc.ref_counter_handle or None,
-            ipc.ref_counter_offset, ipc.event_handle or None, ipc.event_sync_required,
-        )
-        self.slab = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (ipc.size_bytes,), (1,))
-        if self.slab.numel() < handle.nbytes:
-            raise ValueError(f"CUDA pool storage has {self.slab.numel()} bytes, the handle says {handle.nbytes}")
-        check_slab_aligned(self.slab)
-
-    def block(self, offset: int, nbytes: int) -> "torch.Tensor":
-        if offset < 0 or nbytes < 0 or offset + nbytes > self.handle.nbytes:
-            raise ValueError(f"chunk [{offset}, {offset + nbytes}) is outside the pool")
-        return self.slab[offset : offset + nbytes]
-
-    def close(self) -> None:
-        self.slab = None  # type: ignore[assignment]

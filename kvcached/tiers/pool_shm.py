@@ -27,18 +27,18 @@ import logging
 import mmap
 import os
 import secrets
-import threading
 from typing import Callable
 
-from kvcached.errors import TierFull
+from kvcached.contract.errors import TierFull
 from kvcached.config import FileAccess
 from kvcached.tiers.base import Slot
 from kvcached.config import BLOCK_ALIGN
-from kvcached.tiers.packed import PackedPool, PoolHandle
+from kvcached.contract.pool import PoolHandle
+from kvcached.contract.poolmap import SHM_DIR, populate_pages
+from kvcached.tiers.packed import PackedPool
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 
 
 class HostPool(PackedPool):
@@ -165,81 +165,4 @@ def process_alive(pid: int) -> bool:
     return True
 
 
-#: madvise(2) advice values (linux/mman.h), not in Python's mmap module before 3.13
-_MADV_POPULATE_READ = 22
-_MADV_POPULATE_WRITE = 23
-
-
-def populate_pages(mm: mmap.mmap, writable: bool) -> threading.Thread:
-    """Map every page of ``mm`` into this process now, on a background thread, instead of one page
-    fault per 4 KiB the first time a copy touches it. The daemon allocated the pages
-    (``posix_fallocate``); what is left is this process's page tables, and those faults were most
-    of a first store's cost: measured, 96 MiB of chunks copied out of a CPU paged cache took 40 ms
-    into freshly mapped pool pages and 17-19 ms into populated ones. ``madvise(MADV_POPULATE_WRITE)``
-    (Linux 5.14) runs without the GIL; on an older kernel it fails and nothing changes. A copy
-    racing it only takes the faults it would have taken anyway."""
-
-    def run() -> None:
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            buf = ctypes.c_char.from_buffer(mm)
-            addr = ctypes.addressof(buf)
-            del buf  # no exported buffer left: close() may unmap while this runs (madvise then fails)
-            advice = _MADV_POPULATE_WRITE if writable else _MADV_POPULATE_READ
-            libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(len(mm)), ctypes.c_int(advice))
-        except (OSError, ValueError, TypeError, AttributeError):  # a closed mapping, no libc: fine
-            pass
-
-    t = threading.Thread(target=run, daemon=True, name="kvcached-pool-populate")
-    t.start()
-    return t
-
-
-class HostPoolMapping:
-    """A client's mapping of a daemon's host pool, by name.
-
-    Deliberately not :class:`multiprocessing.shared_memory.SharedMemory`: on
-    Python < 3.13 attaching registers the segment with the resource tracker,
-    which unlinks the daemon's pool when the *client* exits.
-    """
-
-    def __init__(self, handle: PoolHandle, *, writable: bool = True, populate: bool = True) -> None:
-        if handle.kind != "shm":
-            raise ValueError(f"HostPoolMapping maps 'shm' pools, not {handle.kind!r}")
-        self.handle = handle
-        path = os.path.join(SHM_DIR, handle.name)
-        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
-        try:
-            size = os.fstat(fd).st_size
-            if size != handle.nbytes:
-                raise ValueError(f"pool {handle.name} is {size} bytes, handle says {handle.nbytes}")
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
-        finally:
-            os.close(fd)
-        self.view = memoryview(self._mmap)
-        #: the background page-table fill (:func:`populate_pages`), None when not started
-        self.populating = populate_pages(self._mmap, writable) if populate and size else None
-
-    def block(self, offset: int, nbytes: int) -> memoryview:
-        if offset < 0 or nbytes < 0 or offset + nbytes > self.handle.nbytes:
-            raise ValueError(f"chunk [{offset}, {offset + nbytes}) is outside the pool")
-        return self.view[offset : offset + nbytes]
-
-    def close(self) -> None:
-        self.view.release()
-        try:
-            self._mmap.close()
-        except BufferError:
-            pass
-
-    def __enter__(self) -> "HostPoolMapping":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-__all__ = ["HostPool", "HostPoolMapping", "PoolHandle", "remove_stale_segments"]
+__all__ = ["HostPool", "remove_stale_segments"]

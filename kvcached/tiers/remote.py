@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from kvcached.keys import ChunkHash, LayoutId
-from kvcached.tiers.base import ChunkMeta
+from kvcached.contract.keys import ChunkHash, LayoutId
+from kvcached.contract.record import ChunkMeta
 
 
 class RemoteTier(Protocol):

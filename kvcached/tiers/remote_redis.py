@@ -4,7 +4,7 @@ This module is the tier's data path only (issue 17 wires it under NVMe): probe h
 chunks of a prompt the remote holds, fetch and verify them, publish chunks. It knows nothing of
 the index or of when chunks should go there.
 
-* One key and one value per chunk (:mod:`kvcached.tiers.remote_codec`), every key with a TTL
+* One key and one value per chunk (:mod:`kvcached.contract.remote_format`), every key with a TTL
   (``ttl``) so that Redis's ``volatile-*`` eviction policies can make room.
 * A probe or a fetch is one pipelined round trip per node: chained hashes give every key of a
   prompt up front, grouped by the node that owns their slot (redis-py keeps the slot map).
@@ -31,7 +31,7 @@ the index or of when chunks should go there.
   for the breaker (a frozen cluster opens it as a refusing one does); its thread finishes, or
   times out, on its own, and its result is dropped. When every I/O thread is still busy with
   such calls, a new call is a miss at once (``skipped_busy``) instead of queueing behind them.
-* A value is served only after :func:`kvcached.tiers.remote_codec.decode` accepts it (MAC,
+* A value is served only after :func:`kvcached.contract.remote_format.decode` accepts it (MAC,
   header, length, checksum); a refused value is counted by reason, logged, and ends the fetch
   there (a chunk is only usable with its whole prefix).
 
@@ -54,11 +54,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union, cast
 
-from kvcached.keys import ChunkHash, LayoutId
-from kvcached.tiers.base import ChunkMeta
-from kvcached.tiers.record import HEADER_SIZE
-from kvcached.tiers.remote_codec import (MAC_BYTES, RemoteValueRefused, decode, encode, remote_key, value_size,
-                                         verify_parts)
+from kvcached.contract.keys import ChunkHash, LayoutId
+from kvcached.contract.record import ChunkMeta
+from kvcached.contract.record import HEADER_SIZE
+from kvcached.contract.remote_format import (MAC_BYTES, RemoteValueRefused, decode, encode, remote_key, value_size,
+                                             verify_parts)
 from kvcached.tiers.resp import ErrorReply, RespConnection
 
 log = logging.getLogger("kvcached.remote")

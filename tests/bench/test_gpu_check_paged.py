@@ -16,7 +16,7 @@ import torch
 
 from bench import gpu_check as G
 from bench.harness.daemon import Daemon
-from kvcached.keys import KVLayout
+from kvcached.contract.keys import KVLayout
 from kvcached_client import Client
 from kvcached_client.vllm.paged import CHANNEL_SPLIT, PagedLayout
 

@@ -57,7 +57,7 @@ def test_a_reader_adopts_the_daemons_grown_map_when_the_file_outgrows_its_own(tm
     import kvcached_client.nvme as reader_mod
     import torch
 
-    from kvcached.keys import KVLayout
+    from kvcached.contract.keys import KVLayout
     from tests.tiers.test_nvme import meta
 
     path = str(tmp_path / "nvme")

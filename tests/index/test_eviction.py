@@ -9,8 +9,8 @@ import pytest
 
 from kvcached.index import FrequencyPolicy, LruPolicy, PrefixIndex, make_policy
 from kvcached.index.sketch import MAX_COUNT, FrequencySketch
-from kvcached.keys import ChunkHash, LayoutId
-from kvcached.locations import TierId
+from kvcached.contract.keys import ChunkHash, LayoutId
+from kvcached.contract.locations import TierId
 from tests.index.test_trie import h, order
 
 L = LayoutId("layout")

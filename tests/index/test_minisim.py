@@ -8,7 +8,7 @@ import itertools
 
 from kvcached.index.eviction import AdaptivePolicy, EvictionQueue, FrequencyPolicy
 from kvcached.index.minisim import SEEN_PER_CHUNK, MiniSims
-from kvcached.keys import ChunkHash
+from kvcached.contract.keys import ChunkHash
 
 
 def h(i: int) -> ChunkHash:

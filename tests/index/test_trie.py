@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvcached.errors import InternalInvariantError, RefcountUnderflow
+from kvcached.contract.errors import InternalInvariantError, RefcountUnderflow
 from kvcached.index import PrefixIndex
-from kvcached.keys import ChunkHash, LayoutId
-from kvcached.locations import TierId
+from kvcached.contract.keys import ChunkHash, LayoutId
+from kvcached.contract.locations import TierId
 
 L = LayoutId("layout")
 P, N = TierId.POOL, TierId.NVME

@@ -15,7 +15,7 @@ are dropped (a truncation that happens to be a valid shorter request is not bad 
 sending it could also change state, which the test forbids).
 
 RegisterLayout has no model: whether a layout is valid is the daemon's own rule set, and
-judging a variant with the daemon's validator (``convert.layout_from_proto``) would check the
+judging a variant with the daemon's validator (``proto.layout_from_proto``) would check the
 daemon against itself: a validator that wrongly accepted a truncated layout would drop, as
 "valid", the very case that should catch it. Every layout a generated RegisterLayout variant
 parses into has its status written down by hand in :data:`LAYOUT_STATUSES`; a variant whose
@@ -39,8 +39,8 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError, Message
 
-from kvcached.keys import KVLayout
-from kvcached.service import convert
+from kvcached.contract.keys import KVLayout
+from kvcached.contract import proto
 from kvcached.service.servicer import MAX_IDS_PER_CALL, MAX_TTL
 from kvcached.v1 import kvcached_pb2 as pb
 from tests.reliability.conftest import LAYOUT
@@ -203,8 +203,8 @@ def _layout_key(layout: pb.Layout | None) -> bytes | None:
 LAYOUT_STATUS: dict[bytes | None, grpc.StatusCode] = {
     _layout_key(None if f is None else pb.Layout(**f)): code for f, code, _ in LAYOUT_STATUSES
 }
-assert convert.layout_to_proto(LAYOUT) == pb.Layout(**REL), "LAYOUT changed: update REL and LAYOUT_STATUSES"
-assert convert.layout_to_proto(VOCAB) == pb.Layout(**VREL), "VOCAB changed: update VREL and LAYOUT_STATUSES"
+assert proto.layout_to_proto(LAYOUT) == pb.Layout(**REL), "LAYOUT changed: update REL and LAYOUT_STATUSES"
+assert proto.layout_to_proto(VOCAB) == pb.Layout(**VREL), "VOCAB changed: update VREL and LAYOUT_STATUSES"
 
 
 class NoModel(Exception):
@@ -416,8 +416,8 @@ def cut_points(data: bytes) -> list[int]:
 def base_requests(w: World) -> list[tuple[str, Message]]:
     """One valid, accepted request per RPC that has fields (what the cut and retype families start from)."""
     return [
-        ("RegisterLayout", pb.RegisterLayoutRequest(layout=convert.layout_to_proto(LAYOUT))),
-        ("RegisterLayout", pb.RegisterLayoutRequest(layout=convert.layout_to_proto(VOCAB))),
+        ("RegisterLayout", pb.RegisterLayoutRequest(layout=proto.layout_to_proto(LAYOUT))),
+        ("RegisterLayout", pb.RegisterLayoutRequest(layout=proto.layout_to_proto(VOCAB))),
         ("Lookup", pb.LookupRequest(layout_id=w.lid, tokens=[w.cached, w.fresh])),
         ("Acquire", pb.AcquireRequest(layout_id=w.lid, tokens=w.cached, session_id=w.sid, ttl_seconds=60,
                                       read_nvme_directly=True, no_cache=True)),
@@ -446,7 +446,7 @@ def _truncated(w: World) -> Iterator[Case]:
             yield Case(f"truncated-{method}-{k}-at-{cut}of{len(data)}", "truncated", method, data[:cut], code,
                        f"a valid {method} request cut after {cut} of {len(data)} bytes",
                        PARSE if _unparsable(method, data[:cut]) else MENTIONS[code] or SOME_FIELD)
-    layout = convert.layout_to_proto(LAYOUT).SerializeToString()
+    layout = proto.layout_to_proto(LAYOUT).SerializeToString()
     for cut in cut_points(layout):
         inner = layout[:cut]
         raw = tag(1, 2) + varint(len(inner)) + inner

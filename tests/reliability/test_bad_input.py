@@ -24,7 +24,7 @@ import time
 import grpc
 import torch
 
-from kvcached.service import convert
+from kvcached.contract import proto
 from kvcached.service.servicer import MAX_TTL
 from kvcached.v1 import kvcached_pb2 as pb
 from kvcached.v1 import kvcached_pb2_grpc as pb_grpc
@@ -54,8 +54,8 @@ def wait_for(predicate, timeout: float = 10.0) -> None:
 def set_up_world(stub: pb_grpc.KVCacheStub, sid: str, other_sid: str, closed_sid: str) -> World:
     """Everything the corpus refers to, made before the first snapshot. Long TTLs: nothing may
     expire while the corpus runs (that would change the state between two snapshots)."""
-    lid = stub.RegisterLayout(pb.RegisterLayoutRequest(layout=convert.layout_to_proto(LAYOUT))).layout_id
-    vlid = stub.RegisterLayout(pb.RegisterLayoutRequest(layout=convert.layout_to_proto(VOCAB))).layout_id
+    lid = stub.RegisterLayout(pb.RegisterLayoutRequest(layout=proto.layout_to_proto(LAYOUT))).layout_id
+    vlid = stub.RegisterLayout(pb.RegisterLayoutRequest(layout=proto.layout_to_proto(VOCAB))).layout_id
     assert (lid, vlid) == (LAYOUT.layout_id, VOCAB.layout_id)
     cached = tokens(2 * CT)
     put = stub.PutBytes(pb.PutBytesRequest(layout_id=lid, tokens=cached, chunks=[chunk(1), chunk(2)]))

@@ -35,7 +35,7 @@ def test_a_direct_nvme_reader_keeps_working_across_restarts_as_the_file_grows(ma
     """The same client reads NVMe chunks straight from the LMDB file before and after SIGKILL +
     restart, with the file grown by more than py-lmdb's default 10 MiB map in between."""
     import torch
-    from kvcached.keys import KVLayout
+    from kvcached.contract.keys import KVLayout
     from kvcached_client import Client
 
     fat = KVLayout("test/crash-fat@1", num_layers=4, num_kv_heads=4, head_dim=64, dtype="float32", chunk_tokens=16)

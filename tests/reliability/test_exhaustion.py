@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcached.keys import ChunkHasher, Namespace
+from kvcached.contract.keys import ChunkHasher, Namespace
 from kvcached.v1 import kvcached_pb2 as pb
 from kvcached_client import Client, PutReceipt
 from kvcached_client.nvme import NvmeReader

@@ -12,10 +12,10 @@ Three parts:
     to everything (the deterministic corpus in :mod:`tests.reliability.corpus` sends Drain
     only bytes that cannot parse).
 (b) ``test_decoding_*``: random layouts and token arrays through the decoding functions of
-    :mod:`kvcached.service.convert` and :func:`kvcached.keys.normalize_tokens`: they return
-    a well-formed value or raise a :class:`kvcached.errors.KvcacheError` subclass, never
+    :mod:`kvcached.service.convert` and :func:`kvcached.contract.keys.normalize_tokens`: they return
+    a well-formed value or raise a :class:`kvcached.contract.errors.KvcacheError` subclass, never
     another exception. A pool handle is either refused with
-    :class:`kvcached.errors.InvalidPoolHandle` or one a client can map (:func:`mappable`,
+    :class:`kvcached.contract.errors.InvalidPoolHandle` or one a client can map (:func:`mappable`,
     the rules written out here), field for field.
 (c) The store-operations half of the harness is the stateful test in
     ``tests/test_store_stateful.py`` (random sequences of acquire/reserve/commit/abort/
@@ -45,9 +45,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from kvcached.errors import InvalidPoolHandle, KvcacheError
-from kvcached.keys import DTYPE_SIZES, KVLayout, normalize_tokens
-from kvcached.service import convert
+from kvcached.contract.errors import InvalidPoolHandle, KvcacheError
+from kvcached.contract.keys import DTYPE_SIZES, KVLayout, normalize_tokens
+from kvcached.contract import proto
 from kvcached.v1 import kvcached_pb2 as pb
 from kvcached.v1 import kvcached_pb2_grpc as pb_grpc
 from kvcached_client import Client
@@ -112,8 +112,8 @@ def test_fuzzed_bytes_to_every_rpc(make_daemon):
         sid = c.session_id()
         channel = grpc.insecure_channel(f"unix:{d.socket}")
         stub = pb_grpc.KVCacheStub(channel)
-        lid = stub.RegisterLayout(pb.RegisterLayoutRequest(layout=convert.layout_to_proto(LAYOUT))).layout_id
-        stub.RegisterLayout(pb.RegisterLayoutRequest(layout=convert.layout_to_proto(VOCAB)))
+        lid = stub.RegisterLayout(pb.RegisterLayoutRequest(layout=proto.layout_to_proto(LAYOUT))).layout_id
+        stub.RegisterLayout(pb.RegisterLayoutRequest(layout=proto.layout_to_proto(VOCAB)))
         stub.PutBytes(pb.PutBytesRequest(layout_id=lid, tokens=tokens(2 * CT), chunks=[chunk(1), chunk(2)]))
         lease = stub.Acquire(pb.AcquireRequest(layout_id=lid, tokens=tokens(2 * CT), session_id=sid)).lease_id
         res = stub.Reserve(pb.ReserveRequest(layout_id=lid, tokens=tokens(2 * CT, 90_000), session_id=sid))
@@ -182,19 +182,19 @@ layouts = st.builds(
 @given(layouts)
 def test_decoding_layouts(msg: pb.Layout) -> None:
     try:
-        layout = convert.layout_from_proto(msg)
+        layout = proto.layout_from_proto(msg)
     except KvcacheError:
         return
     assert isinstance(layout, KVLayout) and layout.chunk_bytes > 0
     assert len(layout.layout_id) == 32
-    assert convert.layout_from_proto(convert.layout_to_proto(layout)) == layout  # a stable round trip
+    assert proto.layout_from_proto(proto.layout_to_proto(layout)) == layout  # a stable round trip
 
 
 @FUZZ
 @given(st.binary(max_size=4096))
 def test_decoding_packed_tokens(raw: bytes) -> None:
     try:
-        out = convert.tokens_from_proto(raw)
+        out = proto.tokens_from_proto(raw)
     except KvcacheError:
         assert len(raw) % 4
         return
@@ -273,7 +273,7 @@ def mappable(msg: pb.PoolHandle) -> bool:
 def test_decoding_pool_handles(msg: pb.PoolHandle) -> None:
     """Every handle is either refused with InvalidPoolHandle or one a client can map, field for field."""
     try:
-        h = convert.pool_handle_from_proto(msg)
+        h = proto.pool_handle_from_proto(msg)
     except InvalidPoolHandle as e:
         assert not mappable(msg), f"a mappable handle was refused: {e}"
         assert str(e).startswith("the daemon's pool handle is unusable: "), e
@@ -287,7 +287,7 @@ def test_decoding_pool_handles(msg: pb.PoolHandle) -> None:
     else:
         assert h.cuda is not None and len(h.cuda.handle) == 64 and h.cuda.size_bytes >= h.nbytes
         assert h.cuda.device_uuid == msg.device_uuid and h.cuda.event_sync_required == msg.event_sync_required
-    assert convert.pool_handle_from_proto(convert.pool_handle_to_proto(h)) == h  # a stable round trip
+    assert proto.pool_handle_from_proto(proto.pool_handle_to_proto(h)) == h  # a stable round trip
 
 
 @pytest.mark.parametrize("fields, why", [
@@ -315,7 +315,7 @@ def test_unusable_pool_handles_are_refused(fields: dict, why: str) -> None:
     good = dict(kind="shm", name="kvcached.default.1.abc", block_bytes=512, num_blocks=8, generation="abc",
                 ipc_handle=b"\1" * 64, device_uuid="GPU-1234", ipc_size_bytes=4096, event_handle=b"\2" * 64,
                 event_sync_required=True)
-    assert convert.pool_handle_from_proto(pb.PoolHandle(**good)).nbytes == 4096  # the control: valid as it is
-    assert convert.pool_handle_from_proto(pb.PoolHandle(**{**good, "kind": "cuda"})).cuda is not None
+    assert proto.pool_handle_from_proto(pb.PoolHandle(**good)).nbytes == 4096  # the control: valid as it is
+    assert proto.pool_handle_from_proto(pb.PoolHandle(**{**good, "kind": "cuda"})).cuda is not None
     with pytest.raises(InvalidPoolHandle, match=re.escape(why)):
-        convert.pool_handle_from_proto(pb.PoolHandle(**{**good, **fields}))
+        proto.pool_handle_from_proto(pb.PoolHandle(**{**good, **fields}))

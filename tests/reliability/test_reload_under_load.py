@@ -10,7 +10,7 @@ import signal
 import threading
 import time
 
-from kvcached.keys import KVLayout
+from kvcached.contract.keys import KVLayout
 from kvcached_client import Client
 
 LAYOUT = KVLayout("test/reload@1", num_layers=1, num_kv_heads=1, head_dim=4, dtype="float32", chunk_tokens=4)

@@ -52,7 +52,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcached.keys import ChunkHasher, Namespace, load_or_create_key
+from kvcached.contract.keys import ChunkHasher, Namespace, load_or_create_key
 from kvcached.v1 import kvcached_pb2 as pb
 from kvcached.v1 import kvcached_pb2_grpc as pb_grpc
 from kvcached_client import Client

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcached.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvcached.contract.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcached_router.index import HostIndex
 from kvcached_router.policy import HostState, Router
 

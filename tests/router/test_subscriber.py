@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvcached.keys import ChunkHasher, Namespace, load_shared_key, write_new_key
+from kvcached.contract.keys import ChunkHasher, Namespace, load_shared_key, write_new_key
 from kvcached_client import Client
 from kvcached_router.index import HostIndex
 from kvcached_router.subscriber import EventSubscriber

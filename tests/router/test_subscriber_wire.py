@@ -15,7 +15,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvcached.events import BlockRemoved, BlockStored, EventBatch
+from kvcached.contract.events import BlockRemoved, BlockStored, EventBatch
 from kvcached_router.index import HostIndex
 from kvcached_router.subscriber import END_SEQ, EventSubscriber
 

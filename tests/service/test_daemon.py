@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from kvcached.keys import KVLayout
+from kvcached.contract.keys import KVLayout
 from kvcached_client import Client, FailedPreconditionError
 from tests.service.conftest import LAYOUT, run_py
 

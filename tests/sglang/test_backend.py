@@ -8,7 +8,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from kvcached.keys import CLIENT_KEYS, KVLayout
+from kvcached.contract.keys import CLIENT_KEYS, KVLayout
 from kvcached_client import Client, FailedPreconditionError
 from kvcached_client.sglang.pages import KEY_SCHEME, UnsupportedPool, key_words
 from tests.sglang.conftest import HERE, ROOT, sglang_env

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcached.errors import InternalInvariantError
+from kvcached.contract.errors import InternalInvariantError
 from kvcached.tiers.extents import ExtentAllocator
 
 

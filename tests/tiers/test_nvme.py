@@ -5,11 +5,11 @@ import os
 import lmdb
 import pytest
 
-from kvcached.errors import ChunkNotCached, CorruptChunk, TierFull
-from kvcached.keys import ChunkHash, KVLayout, LayoutId
-from kvcached.tiers.base import ChunkMeta
+from kvcached.contract.errors import ChunkNotCached, CorruptChunk, TierFull
+from kvcached.contract.keys import ChunkHash, KVLayout, LayoutId
+from kvcached.contract.record import ChunkMeta
 from kvcached.tiers.nvme import NvmeTier
-from kvcached.tiers.record import HEADER_SIZE, decode_header, encode_header
+from kvcached.contract.record import HEADER_SIZE, decode_header, encode_header
 
 LID = LayoutId("ab" * 16)
 

@@ -3,7 +3,7 @@
 LMDB may only resize a map while no transaction of the process is open: with a
 write transaction open it refuses, and under an open read transaction it
 unmaps the reader's pages (the process dies with SIGSEGV when the reader
-touches its buffer). The tier's :class:`~kvcached.tiers.lmdbgate.TxnGate`
+touches its buffer). The tier's :class:`~kvcached.contract.lmdbgate.TxnGate`
 makes the resize wait. Readers are paused *inside* their transaction by
 wrapping the tier's copy/encode function: that pause is the one fault these
 tests cannot cause otherwise.
@@ -19,10 +19,10 @@ import time
 import pytest
 
 import kvcached.tiers.nvme as nvme_mod
-from kvcached.errors import TierFull
-from kvcached.tiers.lmdbgate import TxnGate
+from kvcached.contract.errors import TierFull
+from kvcached.contract.lmdbgate import TxnGate
 from kvcached.tiers.nvme import NvmeTier
-from kvcached.tiers.record import RecordBuffer
+from kvcached.contract.record import RecordBuffer
 from tests.tiers.test_nvme import meta, put
 
 VALUE = 32 << 10

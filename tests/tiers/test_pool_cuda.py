@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from kvcached.config import StoreConfig
-from kvcached.service.convert import pool_handle_from_proto, pool_handle_to_proto
-from kvcached.tiers.packed import CudaIpc, PoolHandle
-from kvcached.tiers.pool_cuda import CudaUnavailable, check_allocator
+from kvcached.contract.proto import pool_handle_from_proto, pool_handle_to_proto
+from kvcached.contract.pool import CudaIpc, PoolHandle
+from kvcached.contract.poolmap import CudaUnavailable
+from kvcached.tiers.pool_cuda import check_allocator
 from kvcached.tiers.registry import make_pool
 
 
@@ -125,7 +126,7 @@ def test_gpu_lease_spanning_pool_and_nvme_direct_chunks_gives_one_cuda_tensor(ma
 
 @gpu
 def test_gpu_blocks_of_a_derived_size_view_as_a_two_byte_dtype(make_daemon):
-    from kvcached.keys import KVLayout
+    from kvcached.contract.keys import KVLayout
     from kvcached_client import Client
 
     # 1000017 // 16 is odd: a bare pool // 16 block put block 1 at an odd offset, which a bfloat16

@@ -6,10 +6,11 @@ import sys
 
 import pytest
 
-from kvcached.errors import ChunkNotCached, InternalInvariantError, InvalidKV, TierFull
-from kvcached.keys import ChunkHash, LayoutId
-from kvcached.tiers.base import ChunkMeta
-from kvcached.tiers.pool_shm import HostPool, HostPoolMapping
+from kvcached.contract.errors import ChunkNotCached, InternalInvariantError, InvalidKV, TierFull
+from kvcached.contract.keys import ChunkHash, LayoutId
+from kvcached.contract.record import ChunkMeta
+from kvcached.contract.poolmap import HostPoolMapping
+from kvcached.tiers.pool_shm import HostPool
 
 BLOCK = 4096
 
@@ -93,7 +94,8 @@ def test_close_unlinks_the_segment():
 
 _READER = r"""
 import sys, json
-from kvcached.tiers.pool_shm import HostPoolMapping, PoolHandle
+from kvcached.contract.pool import PoolHandle
+from kvcached.contract.poolmap import HostPoolMapping
 h = PoolHandle(**json.loads(sys.argv[1]))
 offset, n = int(sys.argv[2]), int(sys.argv[3])
 with HostPoolMapping(h, writable=True) as m:

@@ -12,11 +12,11 @@ import lmdb
 import pytest
 import xxhash
 
-from kvcached.errors import CorruptChunk
-from kvcached.keys import ChunkHash, LayoutId
-from kvcached.tiers.base import ChunkMeta
+from kvcached.contract.errors import CorruptChunk
+from kvcached.contract.keys import ChunkHash, LayoutId
+from kvcached.contract.record import ChunkMeta
 from kvcached.tiers.nvme import NvmeTier
-from kvcached.tiers.record import (
+from kvcached.contract.record import (
     FORMAT_VERSION,
     HEADER_SIZE,
     HEADER_SIZES,
@@ -43,7 +43,7 @@ GOLDEN_META = ChunkMeta(
 )
 GOLDEN_PAYLOAD = b"kvcached payload"
 KEY = GOLDEN_META.chunk_hash
-# Computed once with struct and zlib.crc32 from the format-1 table in kvcached/tiers/record.py's
+# Computed once with struct and zlib.crc32 from the format-1 table in kvcached/contract/record.py's
 # docstring (as test_golden_v1_matches_the_documented_layout checks), then pasted. What tiers
 # written before format 2 hold: it must keep reading.
 GOLDEN_V1 = bytes.fromhex(

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import os
 
-from kvcached.keys import ChunkHash, LayoutId
-from kvcached.tiers.base import ChunkMeta
-from kvcached.tiers.remote_codec import decode, encode, mac_key, remote_key
+from kvcached.contract.keys import ChunkHash, LayoutId
+from kvcached.contract.record import ChunkMeta
+from kvcached.contract.remote_format import decode, encode, mac_key, remote_key
 from bench.harness.redis_servers import RedisCluster, RedisServer, free_ports
 from tests.requirements import require_redis
 

@@ -1,4 +1,4 @@
-"""The remote tier's keys and values (kvcached.tiers.remote_codec): what is served, what is not."""
+"""The remote tier's keys and values (kvcached.contract.remote_format): what is served, what is not."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import os
 
 import pytest
 
-from kvcached.errors import CorruptChunk
-from kvcached.keys import ChunkHash, LayoutId
-from kvcached.tiers.base import ChunkMeta
-from kvcached.tiers.remote_codec import MAC_BYTES, RemoteValueRefused, decode, encode, key_prefix, mac_key, remote_key
+from kvcached.contract.errors import CorruptChunk
+from kvcached.contract.keys import ChunkHash, LayoutId
+from kvcached.contract.record import ChunkMeta
+from kvcached.contract.remote_format import MAC_BYTES, RemoteValueRefused, decode, encode, key_prefix, mac_key, remote_key
 
 LAYOUT = LayoutId("0f" * 16)
 H = ChunkHash(bytes(range(16)))

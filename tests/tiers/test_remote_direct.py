@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from kvcached.keys import ChunkHash
-from kvcached.tiers.remote_codec import encode, mac_key, remote_key
+from kvcached.contract.keys import ChunkHash
+from kvcached.contract.remote_format import encode, mac_key, remote_key
 from kvcached.tiers.remote_redis import RemoteConfig, RemoteRedisTier
 from kvcached.tiers.resp import RespConnection, RespProtocolError
 from bench.harness.redis_servers import RedisCluster, cli

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from kvcached.keys import ChunkHash, LayoutId
-from kvcached.tiers.base import ChunkMeta
-from kvcached.tiers.remote_codec import encode, mac_key, remote_key
+from kvcached.contract.keys import ChunkHash, LayoutId
+from kvcached.contract.record import ChunkMeta
+from kvcached.contract.remote_format import encode, mac_key, remote_key
 from kvcached.tiers.remote_redis import IO_THREADS, Breaker, RemoteConfig, RemoteRedisTier
 from bench.harness.redis_servers import RedisCluster, cli
 from tests.requirements import require_redis

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from kvcached.keys import KVLayout
+from kvcached.contract.keys import KVLayout
 from kvcached_client import Client
 from tests.vllm.conftest import prompt
 from tests.vllm.faults import HOLD_FILE_ENV

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvcached.keys import KVLayout
+from kvcached.contract.keys import KVLayout
 from kvcached_client import Client
 from tests.requirements import require
 from tests.vllm.conftest import have_vllm, prompt

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcached.keys import KVLayout
+from kvcached.contract.keys import KVLayout
 from kvcached_client import Client
 from bench.harness.daemon import Daemon
 from tests.vllm.conftest import chunk_bytes, prompt

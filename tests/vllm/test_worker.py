@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from kvcached.keys import KVLayout
+from kvcached.contract.keys import KVLayout
 from kvcached_client import Client
 from tests.requirements import require
 from tests.vllm.conftest import have_vllm, prompt

@@ -34,7 +34,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from prometheus_client import Counter
 
-from kvcached.keys import KVLayout
+from kvcached.contract.keys import KVLayout
 from kvcached_client.client import Client
 from kvcached_client.failopen import FailOpen
 from kvcached_client.sglang.pages import KEY_WORDS, HostPages, UnsupportedPool, key_words

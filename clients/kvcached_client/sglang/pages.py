@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvcached.keys import CLIENT_KEYS, KVLayout
+from kvcached.contract.keys import CLIENT_KEYS, KVLayout
 
 #: The ``client_keys`` scheme of chunks keyed by SGLang's SHA-256 page chain.
 KEY_SCHEME = "sglang-page-sha256"

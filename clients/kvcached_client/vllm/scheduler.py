@@ -62,7 +62,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from kvcached.keys import KVLayout
+from kvcached.contract.keys import KVLayout
 from kvcached_client._core import LeaseTicket, ReservationTicket
 from kvcached_client.client import CacheRequest, Client, Reservation
 from kvcached_client.errors import DeadlineExceededError, KvcachedError, UnavailableError

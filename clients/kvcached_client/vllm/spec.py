@@ -47,7 +47,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvcached.keys import KVLayout
+from kvcached.contract.keys import KVLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

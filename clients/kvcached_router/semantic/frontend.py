@@ -35,7 +35,7 @@ import numpy as np
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvcached.metrics import SIMILARITY_BUCKETS
+from kvcached.contract.buckets import SIMILARITY_BUCKETS
 from kvcached_client.policy import CachePolicy
 from kvcached_router.config import SemanticConfig
 from kvcached_router.semantic.cache import MISS, CacheLimits, CacheRequest, Lookup, SemanticCache

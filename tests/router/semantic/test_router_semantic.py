@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from aiohttp import web
 
-from kvcached.keys import write_new_key
+from kvcached.contract.keys import write_new_key
 from kvcached_router.config import RouterConfigError, config_from_dict
 from kvcached_router.semantic.drift import semantic_checks
 from kvcached_router.semantic.exchange import (CachedAnswer, Choice, answer_from_json, answer_from_sse,

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvcached.errors import InvalidKV
-from kvcached.keys import KVLayout
+from kvcached.contract.errors import InvalidKV
+from kvcached.contract.keys import KVLayout
 
 if TYPE_CHECKING:
     import torch

@@ -9,7 +9,7 @@ Format 2 (written), 88-byte header::
     0      4    magic b"KVCN"
     4      2    format version (2)
     6      2    flags (0)
-    8      16   layout id (its 16 raw bytes: BLAKE2b-128 of the layout encoding, see kvcached.keys)
+    8      16   layout id (its 16 raw bytes: BLAKE2b-128 of the layout encoding, see kvcached.contract.keys)
     24     16   chunk hash (also the LMDB key)
     40     16   parent hash (namespace seed h_{-1} for position 0)
     56     4    position (chunk index in the prompt)
@@ -65,9 +65,19 @@ try:  # ISA-L computes the same CRC-32 ~8x faster (bench/chunk_read.py); zlib is
 except ImportError:  # pragma: no cover - isal is a dependency, but the format must not need it
     from zlib import crc32 as _crc32
 
-from kvcached.errors import CorruptChunk
-from kvcached.keys import ChunkHash, LayoutId
-from kvcached.tiers.base import ChunkMeta
+from kvcached.contract.errors import CorruptChunk
+from kvcached.contract.keys import ChunkHash, LayoutId
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """What a tier records next to the payload (NVMe persists it: the index is rebuilt from it)."""
+
+    chunk_hash: ChunkHash
+    parent_hash: ChunkHash  # for position 0: the namespace seed h_{-1}
+    layout_id: LayoutId
+    position: int  # chunk index in its prompt, 0-based
+    token_count: int
+
 
 MAGIC = b"KVCN"
 FORMAT_VERSION = 2  # what encode_header writes

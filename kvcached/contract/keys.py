@@ -33,7 +33,7 @@ Exactly (``||`` concatenates; ``u64le`` is an 8-byte little-endian unsigned)::
 ``i * chunk_tokens`` .. ``(i + 1) * chunk_tokens - 1`` as little-endian
 uint32, fixed width, so it needs no length prefix (``chunk_tokens`` is in
 the namespace; the parent is always 16 bytes). Chunk hashes and layout ids
-are what the NVMe tier is keyed and stamped with (:mod:`kvcached.tiers.record`):
+are what the NVMe tier is keyed and stamped with (:mod:`kvcached.contract.record`):
 changing any byte of this encoding orphans every existing tier.
 ``tests/test_keys.py`` recomputes it with plain ``hashlib`` and pins golden
 values.
@@ -64,7 +64,7 @@ from typing import NewType, Sequence, Union
 
 import numpy as np
 
-from kvcached.errors import InvalidLayout, InvalidTokens, shown
+from kvcached.contract.errors import InvalidLayout, InvalidTokens, shown
 
 ChunkHash = NewType("ChunkHash", bytes)
 """16-byte keyed chained digest of a chunk and its whole prefix (see module docstring)."""

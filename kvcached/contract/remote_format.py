@@ -5,7 +5,7 @@ half-evicted, and no hash tag (no ``{...}``): the keys of a domain spread over e
 Redis Cluster. The ``kvc:<domain>:`` prefix is what a domain's Redis ACL user is limited to
 (``~kvc:<domain>:*``).
 
-Value: an NVMe record (:mod:`kvcached.tiers.record`, format 2: header with layout, hash,
+Value: an NVMe record (:mod:`kvcached.contract.record`, format 2: header with layout, hash,
 parent, position and an XXH3-64 of the payload, then the payload), then a 32-byte keyed
 BLAKE3 MAC over the record. The MAC key is derived from the domain's hash key, which every
 host of the trust domain shares (the same key is what makes their chunk hashes equal), so a
@@ -15,7 +15,7 @@ hand (several GB/s on one core, against ~0.8 GB/s for HMAC-SHA-256 here).
 
 A value is served only if it is long enough, its MAC holds, its header names the requested
 chunk hash and layout, and its payload checksum holds; :func:`decode` raises
-:class:`RemoteValueRefused` (a :class:`kvcached.errors.CorruptChunk`) with the reason otherwise.
+:class:`RemoteValueRefused` (a :class:`kvcached.contract.errors.CorruptChunk`) with the reason otherwise.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import hmac
 
 import blake3
 
-from kvcached.errors import CorruptChunk
-from kvcached.keys import ChunkHash, LayoutId
-from kvcached.tiers.base import ChunkMeta
-from kvcached.tiers.record import HEADER_SIZE, check_payload_of, decode_header, encode_header
+from kvcached.contract.errors import CorruptChunk
+from kvcached.contract.keys import ChunkHash, LayoutId
+from kvcached.contract.record import ChunkMeta
+from kvcached.contract.record import HEADER_SIZE, check_payload_of, decode_header, encode_header
 
 MAC_BYTES = 32
 MAC_CONTEXT = "kvcached 2026-12 remote tier value MAC v1"
