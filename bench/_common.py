@@ -7,6 +7,7 @@ which makes ``kvcached`` and ``kvcached_client`` importable from the source tree
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import math
@@ -198,6 +199,25 @@ def write_results(name: str, payload: dict, out_dir: str | None = None, *, quick
         plot(payload, wrote[-1])
     print("\n" + "\n".join(f"wrote {p}" for p in wrote))
     return path
+
+
+def bench_parser(doc: str, quick: str) -> argparse.ArgumentParser:
+    """The start of a bench's ``main``: a parser described by the first line of the module's
+    docstring (``doc``, shown whole under ``--help``), with the two flags every bench takes:
+    ``--quick`` (``quick``: what it runs then) and ``--out`` (the results directory)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=quick)
+    p.add_argument("--out", default=None, help=f"results directory (default {RESULTS_DIR})")
+    return p
+
+
+def finish(name: str, res: dict, args: argparse.Namespace, report: Callable[[dict], object], *,
+           plot: Callable[[dict, str], object] | None = None) -> str:
+    """The end of a bench's ``main``: ``res["quick"]``, ``report(res)`` (the printed tables), then
+    :func:`write_results` into ``args.out``; returns the JSON's path."""
+    res["quick"] = args.quick
+    report(res)
+    return write_results(name, res, args.out, quick=args.quick, plot=plot)
 
 
 # -- figures ----------------------------------------------------------------------------------

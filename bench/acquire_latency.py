@@ -44,7 +44,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
 import numpy as np
-from bench._common import REPO_ROOT, RESULTS_DIR, format_table, ratio, summarize_ns, time_calls, timer_overhead_ns, write_results
+from bench._common import (
+    REPO_ROOT, bench_parser, format_table, ratio, summarize_ns, time_calls, timer_overhead_ns, write_results,
+)
 
 from kvcached.config import StoreConfig
 from kvcached.contract.keys import KVLayout, normalize_tokens
@@ -328,13 +330,11 @@ def sglang_side(prompt: np.ndarray, shape: dict, args: argparse.Namespace) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small index, few iterations (a few seconds)")
+    p = bench_parser(__doc__, "small index, few iterations (a few seconds)")
     p.add_argument("--iterations", type=int, default=None, help="samples per contender (default 2000; quick 200)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 10; quick 2)")
     p.add_argument("--fill", type=int, default=None, help="other chunks in the index (default 100000; quick 5000)")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--out", default=None, help=f"results directory (default {RESULTS_DIR})")
     args = p.parse_args(argv)
     args.iterations = args.iterations or (200 if args.quick else 2000)
     args.rounds = args.rounds or (2 if args.quick else 10)

@@ -76,7 +76,7 @@ import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
-from bench._common import RESULTS_DIR, Daemon, format_table, install_sigterm_exit, ratio, summarize_ns, write_results
+from bench._common import Daemon, bench_parser, format_table, install_sigterm_exit, ratio, summarize_ns, write_results
 
 import lmdb
 import numpy as np
@@ -753,15 +753,13 @@ def run_size(size: str, args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="2 MiB only, few rounds (a few seconds)")
+    p = bench_parser(__doc__, "2 MiB only, few rounds (a few seconds)")
     p.add_argument("--sizes", default=None, help="comma-separated: 2MiB,16MiB (default both; quick 2MiB)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 40; quick 2)")
     p.add_argument("--reps", type=int, default=None, help="ops per contender per round (default 32 MiB / chunk, >= 4)")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
                    help="the Redis to compare with (default the local one); rows are skipped if it does not answer")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--out", default=None, help=f"results directory (default {RESULTS_DIR})")
     args = p.parse_args(argv)
     args.rounds = args.rounds or (2 if args.quick else 40)
     sizes = (args.sizes or ("2MiB" if args.quick else "2MiB,16MiB")).split(",")

@@ -42,7 +42,7 @@ from typing import Callable, Iterator
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
 import numpy as np
-from bench._common import Daemon, format_table, ratio, summarize_ns, write_results
+from bench._common import Daemon, bench_parser, finish, format_table, ratio, summarize_ns
 
 PROMPT_TOKENS = 2048
 CHUNK_TOKENS = 32
@@ -190,19 +190,15 @@ def print_report(res: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="few rounds (a few seconds)")
+    p = bench_parser(__doc__, "few rounds (a few seconds)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 8; quick 1)")
     p.add_argument("--per-round", type=int, default=None, help="requests per row per round (default 25; quick 5)")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--out", default=None, help="results directory (default bench/results)")
     args = p.parse_args(argv)
     args.rounds = args.rounds or (1 if args.quick else 8)
     args.per_round = args.per_round or (5 if args.quick else 25)
     res = run(args)
-    res["quick"] = args.quick
-    print_report(res)
-    write_results("hf_path", res, args.out, quick=args.quick)
+    finish("hf_path", res, args, print_report)
     return 0
 
 

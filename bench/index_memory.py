@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import numpy as np
 import pygtrie
-from bench._common import RESULTS_DIR, format_table, ratio, summarize_ns, time_calls, write_results
+from bench._common import bench_parser, finish, format_table, ratio, summarize_ns, time_calls
 
 from kvcached.index import Node, PrefixIndex, make_policy
 from kvcached.contract.locations import TierId
@@ -373,24 +373,20 @@ def print_report(res: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="50k chunks, fewer match samples (a few seconds)")
+    p = bench_parser(__doc__, "50k chunks, fewer match samples (a few seconds)")
     p.add_argument("--chunks", type=int, default=None, help="chunks in the flat index (default 1,000,000)")
     p.add_argument("--trie-chunks", type=int, default=None,
                    help="chunks in the pygtrie index (default: same as --chunks)")
     p.add_argument("--queries", type=int, default=None, help="distinct 64-chunk prompts matched (default 1000)")
     p.add_argument("--reps", type=int, default=None, help="passes over the queries (default 2)")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--out", default=None, help=f"results directory (default {RESULTS_DIR})")
     args = p.parse_args(argv)
     args.chunks = args.chunks or (50_000 if args.quick else 1_000_000)
     args.trie_chunks = min(args.trie_chunks or args.chunks, args.chunks)
     args.queries = args.queries or (200 if args.quick else 1000)
     args.reps = args.reps or (1 if args.quick else 2)
     res = run(args)
-    res["quick"] = args.quick
-    print_report(res)
-    write_results("index_memory", res, args.out, quick=args.quick)
+    finish("index_memory", res, args, print_report)
     return 0
 
 

@@ -80,26 +80,12 @@ from typing import Callable, Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
 import numpy as np
-from bench._common import RESULTS_DIR, TRACE_DIR, format_table, ratio, save_figure, subplots, summarize_ns, write_results
+from bench._common import (
+    RESULTS_DIR, TRACE_DIR, bench_parser, finish, format_table, ratio, save_figure, subplots, summarize_ns,
+)
 from bench._matchers import (
-    CHUNK_TOKENS,
-    LAYOUT,
-    LSH_THRESHOLD,
-    NUM_PERM,
-    SHINGLE,
-    VOCAB,
-    BloomMatcher,
-    ChainHashes,
-    ChunkSketcher,
-    Lookup,
-    MinHashMatcher,
-    SetMatcher,
-    StoredPrompt,
-    TrieMatcher,
-    Workload,
-    build_workload,
-    score,
-    score_by_kind,
+    CHUNK_TOKENS, LAYOUT, LSH_THRESHOLD, NUM_PERM, SHINGLE, VOCAB, BloomMatcher, ChainHashes, ChunkSketcher, Lookup,
+    MinHashMatcher, SetMatcher, StoredPrompt, TrieMatcher, Workload, build_workload, score, score_by_kind,
 )
 from datasketch import MinHash
 from rbloom import Bloom
@@ -532,16 +518,12 @@ def plot(res: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a small cache and few lookups (< 30 s)")
+    p = bench_parser(__doc__, "a small cache and few lookups (< 30 s)")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--trace-dir", default=TRACE_DIR, help="the Mooncake FAST'25 traces (default: ../shared/traces)")
-    p.add_argument("--out", default=None, help=f"results directory (default {RESULTS_DIR})")
     args = p.parse_args(argv)
     res = run(args)
-    res["quick"] = args.quick
-    print_report(res)
-    write_results("matchers", res, args.out, quick=args.quick, plot=plot)
+    finish("matchers", res, args, print_report, plot=plot)
     return 0
 
 

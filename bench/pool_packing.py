@@ -84,7 +84,7 @@ from collections import OrderedDict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
-from bench._common import RESULTS_DIR, format_table, percentile, ratio, save_figure, subplots, write_results
+from bench._common import bench_parser, finish, format_table, percentile, ratio, save_figure, subplots
 
 from kvcached.contract.keys import KVLayout
 from kvcached.tiers.extents import ExtentAllocator
@@ -710,19 +710,15 @@ def plot(res: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="256 MiB pool, 2,000 churn inserts (a few seconds)")
+    p = bench_parser(__doc__, "256 MiB pool, 2,000 churn inserts (a few seconds)")
     p.add_argument("--pool-mib", type=int, default=None, help="pool capacity in MiB (default 1024; --quick 256)")
     p.add_argument("--inserts", type=int, default=None, help="churn inserts (default 20,000; --quick 2,000)")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--out", default=None, help=f"results directory (default {RESULTS_DIR})")
     args = p.parse_args(argv)
     args.pool_mib = args.pool_mib or (256 if args.quick else 1024)
     args.inserts = args.inserts or (2_000 if args.quick else 20_000)
     res = run(args)
-    res["quick"] = args.quick
-    print_report(res)
-    write_results("pool_packing", res, args.out, quick=args.quick, plot=plot)
+    finish("pool_packing", res, args, print_report, plot=plot)
     return 0
 
 

@@ -55,7 +55,6 @@ Output: bench/results/soak.json, bench/results/soak.png; exit status 1 if a chec
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -63,32 +62,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
-from bench._common import REPO_ROOT, RESULTS_DIR, TRACE_DIR, Daemon, format_table, install_sigterm_exit, percentile, save_figure, subplots, write_results
-
-import numpy as np
-
-BLOCK = 512  # tokens per trace block = chunk_tokens of both models
-CHUNK_BYTES = 16 * 1024
-RPC_TIMEOUT = 10.0  # what the client library passes on every call
-CRASH_RC = 86  # exit status of a worker that ended abruptly on purpose
-MiB = 1 << 20
-
-#: Two models served by the same daemon; both 512-token chunks of 16 KiB.
-MODELS = {
-    "conversation": dict(model="soak/model-a@1", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16",
-                         chunk_tokens=BLOCK),
-    "synthetic": dict(model="soak/model-b@1", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float16",
-                      chunk_tokens=BLOCK),
-}
-TAGS = {"conversation": 1, "synthetic": 2}
-PAYLOAD_SEED = 0x5EED_50AC
+from bench._common import (
+    REPO_ROOT, TRACE_DIR, Daemon, bench_parser, finish, format_table, install_sigterm_exit, save_figure, subplots,
+)
+from bench._soak_observe import Sampler, analyze, leftover, read_daemon_log, read_doc, stats_row, tail_log
+from bench._soak_worker import CHUNK_BYTES, CRASH_RC, RPC_TIMEOUT, MiB, worker_main
 
 
 @dataclasses.dataclass
@@ -113,38 +97,6 @@ class SoakConfig:
 
     def resolved_pool_chunks(self) -> int:
         return self.pool_chunks or self.clients * (self.max_chunks + 1) + 512
-
-
-# -- payloads (shared by workers and tests) --------------------------------------------------
-
-_M64 = (1 << 64) - 1
-
-
-def mix64(tag: int, h: int) -> int:
-    """splitmix64 of (model tag, block id): the per-chunk word XORed into the base."""
-    z = (((tag << 40) ^ h) * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & _M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-    return z ^ (z >> 31)
-
-
-def payload_base(nbytes: int = CHUNK_BYTES) -> np.ndarray:
-    return np.frombuffer(np.random.default_rng(PAYLOAD_SEED).bytes(nbytes), dtype=np.uint64).copy()
-
-
-def payload(base: np.ndarray, tag: int, h: int) -> np.ndarray:
-    """The bytes chunk ``h`` of model ``tag`` must hold, as uint64 words."""
-    return base ^ np.uint64(mix64(tag, h))
-
-
-_AR = np.arange(BLOCK, dtype=np.uint32)
-
-
-def prompt_tokens(hash_ids: list[int], input_length: int, max_chunks: int) -> np.ndarray:
-    """Block h -> tokens h*512 .. h*512+511 (as in trace_replay.py), cut to max_chunks full chunks."""
-    n = min(input_length, max_chunks * BLOCK)
-    ids = np.asarray(hash_ids[: -(-n // BLOCK)], dtype=np.uint32)
-    return (ids[:, None] * np.uint32(BLOCK) + _AR[None, :]).ravel()[:n]
 
 
 # -- trace shares -----------------------------------------------------------------------------
@@ -193,349 +145,6 @@ def write_shares(cfg: SoakConfig, workdir: str) -> dict[tuple[str, int], str]:
                 json.dump({"trace": name, "t0_ms": t0, "period_ms": period, "requests": share}, f)
             paths[(name, k)] = p
     return paths
-
-
-# -- worker process ---------------------------------------------------------------------------
-
-
-class _RpcFailed(Exception):
-    pass
-
-
-def worker_main(spec: dict) -> int:
-    """One inference process: replay a share until the deadline, write counters to spec['out']."""
-    import random
-
-    import grpc
-    import lmdb
-    from kvcached.contract.errors import CorruptChunk
-    from kvcached.contract.keys import KVLayout
-    from kvcached.contract.record import copy_verified
-    from kvcached.v1 import kvcached_pb2 as pb
-    from kvcached.v1 import kvcached_pb2_grpc as pb_grpc
-    from kvcached_client import _core
-    from kvcached_client.nvme import _acquire_env
-    from kvcached_client.pool import PoolMap
-
-    with open(spec["share"]) as f:
-        share = json.load(f)
-    trace = share["trace"]
-    reqs, t0_ms, period_ms = share["requests"], share["t0_ms"], share["period_ms"]
-    tag = TAGS[trace]
-    layout = KVLayout(**MODELS[trace])
-    assert layout.chunk_bytes == CHUNK_BYTES
-    base = payload_base(layout.chunk_bytes)
-    direct = bool(spec["direct"])
-    run_t0, deadline, speed = spec["run_t0"], spec["deadline"], spec["speed"]
-    max_chunks, verify = spec["max_chunks"], spec["verify"]
-    rng = random.Random(spec["seed"])
-    crash_p = 1.0 / spec["crash_every"] if spec["crash_every"] else 0.0
-
-    ops: Counter = Counter()
-    failed_ops: Counter = Counter()
-    failures: list[dict] = []
-    mismatches: list[dict] = []
-    client_errors: list[dict] = []
-    lat: dict[str, list[int]] = {k: [] for k in ("lookup", "acquire", "release", "reserve", "commit")}
-    acq_t: list[int] = []  # ms since run_t0 of each timed acquire
-    lags: list[float] = []
-    c = Counter()  # requests, tokens, chunks, bytes
-
-    def note_failure(method: str, e: grpc.RpcError) -> None:
-        failed_ops[method] += 1
-        if len(failures) < 50:
-            failures.append({"method": method, "code": e.code().name if e.code() else "?", "details": e.details(),
-                             "t": round(time.time() - run_t0, 3), "worker": spec["name"], "pid": os.getpid()})
-
-    def call(method: str, fn, req, timed: bool = True):
-        t = time.perf_counter_ns()
-        try:
-            resp = fn(req, timeout=RPC_TIMEOUT)
-        except grpc.RpcError as e:
-            note_failure(method, e)
-            raise _RpcFailed(method) from None
-        ops[method] += 1
-        if timed:
-            lat[method].append((time.perf_counter_ns() - t) // 1000)
-        return resp
-
-    channel = grpc.insecure_channel(_core.target(spec["socket"]), options=_core.CHANNEL_OPTIONS)
-    stub = pb_grpc.KVCacheStub(channel)
-    end = threading.Event()
-    name = f"{spec['name']} pid {os.getpid()}"
-
-    def session_requests():
-        yield pb.SessionRequest(client_name=name)
-        end.wait()  # held open until the worker closes it; the daemon releases everything when it ends
-
-    pool = PoolMap()
-    mapping = None
-    nvme: tuple | None = None
-    scratch = np.empty(layout.chunk_bytes // 8, dtype=np.uint64)
-    state = {"next": spec["start"]}
-
-    def ensure_pool(generation: str):
-        nonlocal mapping, nvme_path
-        if mapping is None or pool.generation != generation:
-            msg = call("pool_handle", stub.GetPoolHandle, pb.PoolHandleRequest(), timed=False)
-            mapping = pool.ensure(_core.handle_from_proto(msg))
-            nvme_path = msg.nvme_path
-        return mapping
-
-    nvme_path = ""
-
-    def read_nvme(key: bytes) -> np.ndarray | None:
-        nonlocal nvme
-        if nvme is None:
-            nvme = _acquire_env(nvme_path)
-        env, db, _gate = nvme
-        try:
-            with env.begin(db=db, buffers=True) as txn:  # the client library's shared reader env
-                value = txn.get(key)
-                if value is None:
-                    return None
-                copy_verified(value, key, memoryview(scratch).cast("B"))
-        except lmdb.Error as e:  # a fault of the client's read path (the run fails on any)
-            c["client_errors"] += 1
-            if len(client_errors) < 10:
-                client_errors.append({"worker": spec["name"], "error": f"{type(e).__name__}: {e}",
-                                      "t": round(time.time() - run_t0, 3)})
-            raise
-        return scratch
-
-    def check_chunks(resp, ids: list[int], req_no: int) -> None:
-        locs = _core.locations(resp.chunks)
-        if not locs:
-            return
-        m = ensure_pool(resp.pool_generation)
-        for loc in locs:
-            c["chunks_leased"] += 1
-            if verify < 1.0 and rng.random() >= verify:
-                continue
-            h = ids[loc.position]
-            where = "nvme" if loc.offset == _core.NVME_CHUNK else "pool"
-            try:
-                if where == "nvme":
-                    c["nvme_direct_reads"] += 1
-                    got = read_nvme(loc.nvme_key)
-                    if got is None:
-                        raise CorruptChunk("pinned chunk is missing from the LMDB file")
-                else:
-                    if loc.nbytes != layout.chunk_bytes:
-                        raise CorruptChunk(f"chunk_bytes {loc.nbytes} != {layout.chunk_bytes}")
-                    got = np.frombuffer(m.block(loc.offset, loc.nbytes), dtype=np.uint64)
-            except CorruptChunk as e:
-                c["chunks_bad"] += 1
-                if len(mismatches) < 20:
-                    mismatches.append({"worker": spec["name"], "request": req_no, "position": loc.position,
-                                       "block": h, "tier": where, "offset": loc.offset, "error": str(e)})
-                continue
-            want = payload(base, tag, h)
-            if not np.array_equal(got, want):
-                c["chunks_bad"] += 1
-                if len(mismatches) < 20:
-                    bad = np.flatnonzero(got != want)
-                    mismatches.append({"worker": spec["name"], "request": req_no, "position": loc.position,
-                                       "block": h, "tier": where, "offset": loc.offset, "bad_words": int(bad.size),
-                                       "first_bad_word": int(bad[0]),
-                                       "mix_of_got": hex(int(got[0] ^ base[0]))})
-            else:
-                c["chunks_verified"] += 1
-                c["bytes_verified"] += layout.chunk_bytes
-
-    def write_slots(resp, ids: list[int], limit: int | None = None) -> int:
-        locs = _core.locations(resp.slots)
-        if not locs:
-            return 0
-        m = ensure_pool(resp.pool_generation)
-        for loc in locs[:limit]:
-            dest = np.frombuffer(m.block(loc.offset, loc.nbytes), dtype=np.uint64)
-            np.bitwise_xor(base, np.uint64(mix64(tag, ids[loc.position])), out=dest)
-        return len(locs)
-
-    def crash() -> None:
-        dump(crashed=True)
-        os._exit(CRASH_RC)  # no Release, no Abort, no session close: the daemon must clean up
-
-    def dump(crashed: bool = False) -> None:
-        doc = {
-            "name": spec["name"], "trace": trace, "direct": direct, "crashed": crashed, "next": state["next"],
-            "ops": dict(ops), "failed_ops": dict(failed_ops), "failures": failures, "mismatches": mismatches,
-            "client_errors": client_errors,
-            "counts": dict(c), "lat_us": lat, "acquire_t_ms": acq_t, "lag_ms": [round(x * 1000, 1) for x in lags],
-        }
-        tmp = spec["out"] + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(doc, f)
-        os.replace(tmp, spec["out"])
-
-    session = stub.Session(session_requests())
-    try:
-        sid = next(session).session_id
-    except grpc.RpcError as e:
-        note_failure("session", e)
-        dump()
-        return 1
-    ops["session"] += 1
-    try:
-        lid = call("register", stub.RegisterLayout, _core.layout_request(layout), timed=False).layout_id
-    except _RpcFailed:
-        dump()
-        return 1
-    n = len(reqs)
-    i = spec["start"]
-    while True:
-        p, j = divmod(i, n)
-        ts, input_length, output_length, ids = reqs[j]
-        due = run_t0 + (p * period_ms + ts - t0_ms) / 1000.0 / speed
-        now = time.time()
-        if due >= deadline or now >= deadline:
-            break
-        if due > now:
-            time.sleep(due - now)
-            now = time.time()
-        lags.append(max(0.0, now - due))
-        state["next"] = i + 1
-        i += 1
-        tokens = prompt_tokens(ids, input_length, max_chunks)
-        packed = tokens.tobytes()
-        full = len(tokens) // BLOCK
-        c["requests"] += 1
-        c["prompt_chunks"] += full
-        crash_now = crash_p and rng.random() < crash_p
-        lease = None
-        try:
-            call("lookup", stub.Lookup, pb.LookupRequest(layout_id=lid, tokens=[packed]))
-            t = time.time()
-            lease = call("acquire", stub.Acquire, pb.AcquireRequest(
-                layout_id=lid, tokens=packed, session_id=sid, read_nvme_directly=direct))
-            acq_t.append(int((t - run_t0) * 1000))
-            c["hit_chunks"] += lease.matched_tokens // BLOCK
-            if lease.matched_tokens > full * BLOCK or lease.matched_tokens % BLOCK:
-                c["bad_matched_tokens"] += 1
-            check_chunks(lease, ids, i - 1)
-            if not crash_now:
-                r = call("release", stub.Release, pb.ReleaseRequest(lease_ids=[lease.lease_id], session_id=sid))
-                if r.released != 1:
-                    c["release_not_live"] += 1  # the lease had expired or vanished under us
-                lease = None
-            res = call("reserve", stub.Reserve, pb.ReserveRequest(
-                layout_id=lid, tokens=packed, session_id=sid, expected_output_tokens=output_length))
-            if crash_now:
-                slots = len(res.slots.offsets)
-                write_slots(res, ids, limit=slots // 2)
-                c["crashes"] += 1
-                crash()
-            try:
-                c["chunks_written"] += write_slots(res, ids)
-            except BaseException:
-                call("abort", stub.Abort, pb.AbortRequest(reservation_ids=[res.reservation_id], session_id=sid), timed=False)
-                raise
-            r = call("commit", stub.Commit, pb.CommitRequest(reservation_id=res.reservation_id, session_id=sid))
-            c["chunks_committed"] += r.committed_chunks
-        except _RpcFailed:
-            c["requests_failed"] += 1
-            if lease is not None:
-                try:
-                    call("release", stub.Release, pb.ReleaseRequest(lease_ids=[lease.lease_id], session_id=sid), timed=False)
-                except _RpcFailed:
-                    pass
-
-    end.set()
-    session.cancel()
-    channel.close()
-    if nvme is not None:
-        from kvcached_client.nvme import _release_env
-
-        _release_env(nvme_path)
-    pool.close()
-    dump()
-    return 0
-
-
-# -- daemon sampling --------------------------------------------------------------------------
-
-
-def read_proc(pid: int) -> dict | None:
-    """VmRSS and its parts (KiB), threads, fds, CPU seconds of ``pid``; None once it is gone."""
-    out: dict = {}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                if k in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM"):
-                    out[k] = int(v.split()[0])
-                elif k == "Threads":
-                    out[k] = int(v)
-        out["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        out["cpu_s"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-    return out
-
-
-class Sampler(threading.Thread):
-    """Every ``rss_interval``: the daemon's /proc figures; every ``stats_interval``: its Stats."""
-
-    def __init__(self, pid: int, socket: str, run_t0: float, cfg: SoakConfig) -> None:
-        super().__init__(daemon=True)
-        self.pid, self.socket, self.run_t0, self.cfg = pid, socket, run_t0, cfg
-        self.proc: list[dict] = []
-        self.stats: list[dict] = []
-        self.failures: list[dict] = []
-        self._halt = threading.Event()
-
-    def run(self) -> None:
-        import grpc
-
-        from kvcached.v1 import kvcached_pb2 as pb
-        from kvcached.v1 import kvcached_pb2_grpc as pb_grpc
-
-        channel = grpc.insecure_channel(f"unix:{self.socket}")
-        stub = pb_grpc.KVCacheStub(channel)
-        next_stats = 0.0
-        try:
-            while not self._halt.is_set():
-                t = time.time() - self.run_t0
-                p = read_proc(self.pid)
-                if p is not None:
-                    p["t"] = round(t, 3)
-                    self.proc.append(p)
-                if t >= next_stats:
-                    next_stats = t + self.cfg.stats_interval
-                    try:
-                        d = json.loads(stub.Stats(pb.StatsRequest(), timeout=RPC_TIMEOUT).json)
-                        self.stats.append({"t": round(t, 3), **_stats_row(d)})
-                    except grpc.RpcError as e:
-                        self.failures.append({"method": "stats (sampler)", "code": e.code().name, "details": e.details(),
-                                              "t": round(t, 3), "worker": "sampler"})
-                self._halt.wait(self.cfg.rss_interval)
-        finally:
-            channel.close()
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(30)
-
-
-def _stats_row(d: dict) -> dict:
-    c, pool, nv = d["counters"], d["pool"], d.get("nvme") or {}
-    return {
-        "leases_active": d["leases_active"], "reservations_active": d["reservations_active"],
-        "sessions_open": d.get("sessions_open"), "indexed_chunks": d["indexed_chunks"],
-        "pool_free_bytes": pool["free_bytes"], "pool_largest_free_bytes": pool["largest_free_bytes"],
-        "pool_payload_bytes": pool["payload_bytes"], "pool_leased_chunks": pool["leased_chunks"],
-        "pool_reserved_chunks": pool["reserved_chunks"], "nvme_chunks": nv.get("chunks"),
-        "nvme_used_bytes": nv.get("used_bytes"),
-        "nvme_file_bytes": nv.get("file_bytes"), "nvme_readers": nv.get("readers"),
-        "pool_evictions": c["pool_evictions"], "nvme_evictions": c["nvme_evictions"], "demotions": c["demotions"],
-        "promotions": c["promotions"], "hit_rate": d["hit_rate"], "acquires": c["acquires"],
-        "leases_expired": c["leases_expired"], "reservations_expired": c["reservations_expired"],
-        "leases_session_released": c["leases_session_released"], "dropped_no_room": c["dropped_no_room"],
-        "corrupt_dropped": c["corrupt_dropped"], "inline_fallbacks": d.get("inline_fallbacks"),
-    }
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -619,11 +228,11 @@ def run_soak(cfg: SoakConfig, log=print) -> dict:
                             proc.kill()
                             proc.wait()
                             worker_errors.append({"worker": spec["name"], "rc": "killed: still running 60 s after "
-                                                  "the deadline", "log": _tail(workdir, spec["name"])})
+                                                  "the deadline", "log": tail_log(workdir, spec["name"])})
                             del procs[k]
                         continue
                     del procs[k]
-                    doc = _read_doc(spec["out"])
+                    doc = read_doc(spec["out"])
                     if doc is not None:
                         worker_docs.append(doc)
                     if rc == CRASH_RC and doc is not None and doc.get("crashed"):
@@ -631,7 +240,7 @@ def run_soak(cfg: SoakConfig, log=print) -> dict:
                             nspec = spec_for(k, doc["next"])
                             procs[k] = (_spawn(nspec, workdir), nspec)
                     elif rc != 0 or doc is None:
-                        worker_errors.append({"worker": spec["name"], "rc": rc, "log": _tail(workdir, spec["name"])})
+                        worker_errors.append({"worker": spec["name"], "rc": rc, "log": tail_log(workdir, spec["name"])})
                 if now - last_note >= 30 and now < deadline:
                     last_note = now
                     s = sampler.stats[-1] if sampler.stats else {}
@@ -648,10 +257,10 @@ def run_soak(cfg: SoakConfig, log=print) -> dict:
                 first = last = None
                 t_zero = None
                 while True:
-                    row = _stats_row(json.loads(stub.Stats(pb.StatsRequest(), timeout=RPC_TIMEOUT).json))
+                    row = stats_row(json.loads(stub.Stats(pb.StatsRequest(), timeout=RPC_TIMEOUT).json))
                     first = first or row
                     last = row
-                    if _leftover(row) == 0:
+                    if leftover(row) == 0:
                         t_zero = time.time() - clients_done
                         break
                     if time.time() - clients_done > 10:
@@ -671,7 +280,7 @@ def run_soak(cfg: SoakConfig, log=print) -> dict:
             result["final_pool"] = final["pool"]
             result["final_nvme"] = final.get("nvme")
             result["daemon_alive_at_end"] = alive
-            daemon_log = _daemon_log(d)
+            daemon_log = read_daemon_log(d)
             result["daemon_stop_exit_code"] = d.stop()
             result["daemon_log_errors"] = [ln for ln in daemon_log.splitlines()
                                            if "Traceback" in ln or " ERROR" in ln or "CRITICAL" in ln][:20]
@@ -688,159 +297,6 @@ def run_soak(cfg: SoakConfig, log=print) -> dict:
     result["wall_seconds"] = time.time() - wall0
     analyze(result, worker_docs, cfg)
     return result
-
-
-def _leftover(row: dict) -> int:
-    return (row["leases_active"] + row["reservations_active"] + (row["sessions_open"] or 0)
-            + row["pool_leased_chunks"] + row["pool_reserved_chunks"])
-
-
-def _read_doc(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _tail(workdir: str, name: str, n: int = 3000) -> str:
-    try:
-        with open(os.path.join(workdir, f"{name}.err")) as f:
-            return f.read()[-n:]
-    except OSError:
-        return ""
-
-
-def _daemon_log(d: Daemon) -> str:
-    out = []
-    for name in ("stdout.log", "stderr.log"):
-        try:
-            with open(os.path.join(d.dir, name)) as f:
-                out.append(f.read())
-        except OSError:
-            pass
-    return "\n".join(out)
-
-
-# -- analysis ------------------------------------------------------------------------------------
-
-
-def _slope_per_min(ts: list[float], ys: list[float]) -> float:
-    if len(ts) < 3:
-        return float("nan")
-    return float(np.polyfit(np.asarray(ts), np.asarray(ys), 1)[0] * 60)
-
-
-def _lat_summary(xs_us: list[int]) -> dict:
-    xs = sorted(xs_us)
-    return {"n": len(xs), "p50_us": percentile(xs, 50), "p90_us": percentile(xs, 90), "p99_us": percentile(xs, 99),
-            "max_us": float(xs[-1]) if xs else float("nan")}
-
-
-def analyze(result: dict, docs: list[dict], cfg: SoakConfig) -> None:
-    ops: Counter = Counter()
-    failed: Counter = Counter()
-    counts: Counter = Counter()
-    failures: list[dict] = []
-    mismatches: list[dict] = []
-    client_errors: list[dict] = []
-    lat: dict[str, list[int]] = {}
-    acq_points: list[tuple[int, int]] = []
-    lags: list[float] = []
-    for doc in docs:
-        ops.update(doc["ops"])
-        failed.update(doc["failed_ops"])
-        counts.update(doc["counts"])
-        failures.extend(doc["failures"])
-        mismatches.extend(doc["mismatches"])
-        client_errors.extend(doc.get("client_errors", []))
-        for k, xs in doc["lat_us"].items():
-            lat.setdefault(k, []).extend(xs)
-        acq_points.extend(zip(doc["acquire_t_ms"], doc["lat_us"]["acquire"]))
-        lags.extend(doc["lag_ms"])
-    failures.extend(result.get("sampler_failures", []))
-    failed_total = sum(failed.values()) + len(result.get("sampler_failures", []))
-    result["ops"] = dict(ops)
-    result["ops_total"] = sum(ops.values())
-    result["failed_ops"] = dict(failed)
-    result["failed_rpcs"] = failed_total
-    result["failures"] = failures[:50]
-    result["failure_codes"] = dict(Counter(f"{f['method']}: {f['code']}" for f in failures))
-    result["counts"] = dict(counts)
-    result["worker_processes"] = len(docs)
-    result["mismatches"] = mismatches[:20]
-    result["client_errors"] = client_errors[:20]
-    result["latency"] = {k: _lat_summary(v) for k, v in lat.items()}
-    lags.sort()
-    result["schedule_lag_ms"] = {"p50": percentile(lags, 50), "p99": percentile(lags, 99),
-                                 "max": lags[-1] if lags else float("nan")}
-    req = counts["requests"]
-    result["requests_per_s"] = req / cfg.seconds if cfg.seconds else float("nan")
-    result["hit_rate_chunks"] = counts["hit_chunks"] / counts["prompt_chunks"] if counts["prompt_chunks"] else 0.0
-
-    # acquire latency per window
-    win = cfg.window if cfg.seconds >= 4 * cfg.window else max(1.0, cfg.seconds / 4)
-    buckets: dict[int, list[int]] = {}
-    for t_ms, us in acq_points:
-        buckets.setdefault(int(t_ms / 1000 // win), []).append(us)
-    result["acquire_windows"] = [
-        {"t": (b + 0.5) * win, **_lat_summary(v)} for b, v in sorted(buckets.items()) if b * win < cfg.seconds
-    ]
-
-    # RSS
-    samples = [s for s in result.get("rss_samples", []) if 0 <= s["t"] <= cfg.seconds + 0.5]
-    warm_t = cfg.warmup * cfg.seconds
-    post = [s for s in samples if s["t"] >= warm_t]
-    rss: dict = {"warmup_end_s": warm_t}
-    if len(post) >= 2:
-        a, b = post[0], post[-1]
-        for key, label in (("VmRSS", "vmrss"), ("RssAnon", "anon"), ("RssFile", "file"), ("RssShmem", "shmem")):
-            rss[f"{label}_warm_mib"] = a[key] / 1024
-            rss[f"{label}_end_mib"] = b[key] / 1024
-            rss[f"{label}_ratio"] = b[key] / a[key] if a[key] else float("nan")
-            rss[f"{label}_slope_mib_per_min"] = _slope_per_min([s["t"] for s in post], [s[key] / 1024 for s in post])
-        rss["peak_vmrss_mib"] = max(s["VmRSS"] for s in samples) / 1024
-        rss["threads_warm"], rss["threads_end"] = a["Threads"], b["Threads"]
-        rss["fds_warm"], rss["fds_end"] = a["fds"], b["fds"]
-        rss["daemon_cpu_s"] = samples[-1]["cpu_s"] - samples[0]["cpu_s"]
-        rss["daemon_cpu_util"] = rss["daemon_cpu_s"] / max(1e-9, samples[-1]["t"] - samples[0]["t"])
-        tol = cfg.rss_tolerance
-        # one-sided: shrinking after warm-up (freed gRPC buffers, arenas returned) is no leak
-        rss["anon_flat"] = bool(rss["anon_ratio"] <= 1 + tol)
-        rss["vmrss_flat"] = bool(rss["vmrss_ratio"] <= 1 + tol)
-    else:
-        rss["anon_flat"] = rss["vmrss_flat"] = False
-    result["rss"] = rss
-
-    after = result.get("after_clients", {})
-    final = after.get("final_stats") or {}
-    fc = result.get("final_counters", {})
-    result["evictions"] = {k: fc.get(k) for k in ("pool_evictions", "nvme_evictions", "demotions", "promotions",
-                                                   "prefetched", "dropped_no_room")}
-    result["hit_rate_daemon_tokens"] = final.get("hit_rate")
-    leaked = {k: final.get(k) for k in ("leases_active", "reservations_active", "sessions_open", "pool_leased_chunks",
-                                        "pool_reserved_chunks")}
-    result["leaked"] = leaked
-    crashes = counts["crashes"]
-    result["abrupt_session_ends"] = crashes
-    result["checks"] = {
-        "zero_failed_rpcs": failed_total == 0,
-        "zero_worker_errors": not result.get("worker_errors"),
-        "zero_client_errors": counts["client_errors"] == 0,
-        "zero_leaks_after_clients_exit": bool(final) and all(v == 0 for v in leaked.values()),
-        "every_byte_verified": counts["chunks_bad"] == 0 and counts["bad_matched_tokens"] == 0
-        and counts["chunks_verified"] > 0
-        and (cfg.verify < 1.0 or counts["chunks_verified"] == counts["chunks_leased"]),
-        "no_lease_expired_under_a_client": counts["release_not_live"] == 0 and fc.get("leases_expired", 0) == 0,
-        "daemon_alive": bool(result.get("daemon_alive_at_end")) and result.get("daemon_stop_exit_code") == 0,
-        "no_errors_in_daemon_log": not result.get("daemon_log_errors"),
-        # every abrupt exit held exactly one lease, which only the session's end could release
-        "session_end_released_crashed_leases": fc.get("leases_session_released") == crashes,
-        "rss_anon_flat": rss["anon_flat"],  # private memory: heap, index, leases (where a leak grows)
-        "vmrss_flat": rss["vmrss_flat"],  # + mapped pool and LMDB pages (grow with the LMDB file)
-        "eviction_happened": (fc.get("pool_evictions") or 0) > 0 and (fc.get("nvme_evictions") or 0) > 0,
-    }
-    result["ok"] = all(result["checks"].values())
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -935,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         except BaseException:
             traceback.print_exc()
             return 1
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__, "4 clients x 8 s; writes soak.quick.json")
     d = SoakConfig()
     p.add_argument("--clients", type=int, default=d.clients, help=f"client processes (32..64 intended; default {d.clients})")
     p.add_argument("--seconds", type=float, default=d.seconds, help=f"run time (default {d.seconds:g})")
@@ -952,8 +408,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verify", type=float, default=d.verify, help="fraction of leased chunks compared (default all)")
     p.add_argument("--warmup", type=float, default=d.warmup, help="fraction of the run before the RSS baseline")
     p.add_argument("--rss-tolerance", type=float, default=d.rss_tolerance)
-    p.add_argument("--quick", action="store_true", help="4 clients x 8 s; writes soak.quick.json")
-    p.add_argument("--out", default=None, help=f"results directory (default {RESULTS_DIR})")
     args = p.parse_args(argv)
     if not os.path.isdir(TRACE_DIR):
         print(f"the Mooncake traces are not at {TRACE_DIR} (set KVCACHED_TRACES)", file=sys.stderr)
@@ -967,9 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                                   nvme_mib=min(cfg.nvme_mib, 16), window=1.0)
     install_sigterm_exit()
     res = run_soak(cfg)
-    res["quick"] = args.quick
-    print_report(res)
-    write_results("soak", res, args.out, quick=args.quick, plot=plot)
+    finish("soak", res, args, print_report, plot=plot)
     return 0 if res["ok"] else 1
 
 

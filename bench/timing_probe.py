@@ -38,7 +38,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
-from bench._common import RESULTS_DIR, Daemon, format_table, install_sigterm_exit, write_results
+from bench._common import Daemon, bench_parser, finish, format_table, install_sigterm_exit
 
 import grpc
 import numpy as np
@@ -238,14 +238,12 @@ def print_report(res: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="N = 300 per set, concurrency 1 only (a few seconds)")
+    p = bench_parser(__doc__, "N = 300 per set, concurrency 1 only (a few seconds)")
     p.add_argument("--n", type=int, default=None, help="prompts per set (default 5000; quick 300)")
     p.add_argument("--chunks", type=int, default=8, help="chunks per prompt (default 8)")
     p.add_argument("--concurrency", default=None, help="comma-separated (default 1,4; quick 1)")
     p.add_argument("--kinds", default="acquire,lookup", help="probe kinds (default acquire,lookup)")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--out", default=None, help=f"results directory (default {RESULTS_DIR})")
     args = p.parse_args(argv)
     args.n = args.n or (300 if args.quick else 5000)
     args.concurrency = [int(x) for x in (args.concurrency or ("1" if args.quick else "1,4")).split(",")]
@@ -254,9 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--kinds: acquire and/or lookup")
     install_sigterm_exit()
     res = run(args)
-    res["quick"] = args.quick
-    print_report(res)
-    write_results("timing_probe", res, args.out, quick=args.quick)
+    finish("timing_probe", res, args, print_report)
     return 0 if res["all_attacks_within_limit"] and res["domain_b_hit_tokens"] == 0 else 1
 
 

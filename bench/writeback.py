@@ -80,7 +80,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
 import numpy as np
-from bench._common import RESULTS_DIR, format_table, ratio, save_figure, subplots, summarize_ns, write_json
+from bench._common import RESULTS_DIR, bench_parser, format_table, ratio, save_figure, subplots, summarize_ns, write_json
 
 from kvcached.config import MiB, StoreConfig
 from kvcached.contract.keys import KVLayout
@@ -710,8 +710,7 @@ def plot(res: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small pool, one rep (a few seconds)")
+    p = bench_parser(__doc__, "small pool, one rep (a few seconds)")
     p.add_argument("--reps", type=int, default=None, help="repetitions of every case (default 7; quick 1)")
     p.add_argument("--pool-mib", type=int, default=None, help="pool size (default 256; quick 32)")
     p.add_argument("--nvme-mib", type=int, default=None, help="NVMe tier size (default 4096; quick 512)")
@@ -719,7 +718,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle-s", type=float, default=None, help="idle reader phase (default 1.0; quick 0.3)")
     p.add_argument("--reader-gap-us", type=int, default=200, help="reader's sleep between acquire+release pairs")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--out", default=None, help=f"results directory (default {RESULTS_DIR})")
     args = p.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 7)
     args.pool_mib = args.pool_mib or (32 if args.quick else 256)
