@@ -44,7 +44,7 @@ replays the three policies in the real engine on the Mooncake traces and five sy
 workloads; ``frequency`` (weight 1) reaches 1.44x the LRU engine on the conversation trace at 1k
 blocks and 1.41x on a scan, but 0.86x on agent sessions at 20 % of their blocks and 0.88x behind
 a shared tool prefix at 5 % (once-hot context chunks keep their boost long after their session
-ended). ``adaptive`` reaches 1.73x and 1.43x there and never less than 0.996x LRU anywhere; its
+ended). ``adaptive`` reaches 1.74x and 1.44x there and never less than 0.993x LRU anywhere; its
 mini caches cost about 15 us per request (engine time 1.03-1.18x the LRU engine's).
 
 Why the frequency key, by measurement. ``bench/eviction_candidates.py`` replays the candidates on the
@@ -83,9 +83,9 @@ oracle admission + LRU     0.36 / 0.89  0.41 / 0.84  knows which chunks come bac
   key alone moves the default from run to run (the same replay of the shift workload at 68
   blocks: 0.386-0.409 over four runs). A change of *weight* (an ``adaptive`` switch) changes
   the scale by a factor, not a drift, and does re-rank.
-* On agent sessions at 0.5 % and 1 % of their blocks (57 and 114), a request's context (97
-  blocks on average) is larger than the pool, so every miss replaces the pool whatever the
-  order: every policy reaches the same hit rate. Only admission could keep more, and the
+* On agent sessions at 0.5 % and 1 % of their blocks (57 and 114), a request's context averages
+  97 blocks, so a miss replaces most of the pool whatever the order: every policy reaches the
+  same hit rate (1.00-1.02x LRU). Only admission could keep more, and the
   doorkeepers tried (this module's at weights 1 and 4; one on an LRFU key, half-lives of 0.5,
   2 and 8 turnovers) reached 0.57-1.04x LRU. The session a request continues is drawn
   uniformly there, and no online policy can expect more than 0.52x the offline optimum at 57
