@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -304,12 +305,27 @@ def _run(cmd: list[str], env: dict, timeout: float, label: str) -> str:
         out, _ = proc.communicate()
         pytest.fail(f"{label} ran past {timeout} s:\n{out[-6000:]}")
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # anything it left in the background
-        except ProcessLookupError:
-            pass
+        _kill_group(proc.pid)
     assert proc.returncode == 0, f"{label} failed ({proc.returncode}):\n{out[-6000:]}"
     return out
+
+
+def _kill_group(pgid: int, timeout: float = 15.0) -> None:
+    """SIGKILL what a block left in the background and wait until it is gone: a daemon it
+    started keeps answering on the default socket until it has exited (a busy box takes a
+    while to tear down its pool mapping), and the next block's daemon would find the socket
+    served."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
 
 
 def _untracked() -> set[str]:

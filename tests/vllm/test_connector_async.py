@@ -142,7 +142,8 @@ def test_a_request_queued_past_the_lease_ttl_keeps_its_hit(vdaemon, engines, ref
     queued = st["finished"]["long"]["t"] - added
     assert st["finished"]["hit"]["t"] > st["finished"]["long"]["t"], "the hit did not wait behind the long request"
     assert queued > 1.0, f"the long request took {queued:.2f} s: too short to outlive the lease"
-    assert st["finished"]["hit"]["num_cached"] == 4 * CHUNK and st["finished"]["hit"]["tokens"] == want[0], st
+    assert st["finished"]["hit"]["num_cached"] == 4 * CHUNK and st["finished"]["hit"]["tokens"] == want[0], (
+        st["finished"]["hit"], st["scheduler"], st["worker"])
     assert st["scheduler"].get("lease_renewals", 0) >= 1 and st["worker"]["expired_leases"] == 0, st["scheduler"]
     assert_nothing_pinned(vdaemon)
 
