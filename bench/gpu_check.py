@@ -814,7 +814,9 @@ def paged_check(c, client_factory: Callable, layout, n_chunks: int, fig: dict, *
             check(not any(loc.nvme_key for loc in lease.locations), "the pattern prompt's lease has chunks on NVMe")
             chunks = [lease.chunk(i) for i in range(n_chunks)]
             ct = layout.chunk_tokens
-            check(all(ch.device == torch.device(device) for ch in chunks), f"leased chunks are not on {device}")
+            want = torch.device(device)  # "cuda" names no index; a leased chunk is on cuda:N
+            check(all(ch.device.type == want.type and want.index in (None, ch.device.index) for ch in chunks),
+                  f"leased chunks are not on {device}: {sorted({str(ch.device) for ch in chunks})}")
             bad = [i for i, ch in enumerate(chunks) if not same_bits(ch, kv[:, :, :, i * ct : (i + 1) * ct])]
             check(not bad, f"leased chunks {bad} differ from the pattern prompt that was put")
             for k, order in enumerate(ORDERS):

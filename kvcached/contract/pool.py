@@ -23,7 +23,7 @@ class CudaIpc:
 
     device_index: int  # in the daemon's numbering; clients match by device_uuid
     device_uuid: str
-    handle: bytes
+    handle: bytes  # the bare cudaIpcMemHandle_t (poolmap.cuda_mem_handle), not torch's wrapping of it
     size_bytes: int
     offset_bytes: int
     ref_counter_handle: bytes

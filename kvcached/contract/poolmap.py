@@ -102,6 +102,57 @@ class CudaUnavailable(Unavailable):
     """CUDA was asked for but cannot be used as configured."""
 
 
+#: ``sizeof(cudaIpcMemHandle_t)``: what the pool handle carries on the wire
+CUDA_MEM_HANDLE_BYTES = 64
+_TORCH_CUDA_MALLOC = ord("c")  # c10's SHAREABLE_CUDA_MALLOC type byte
+_TORCH_EXPANDABLE = ord("e")  # c10's SHAREABLE_CUDA_EXPANDABLE_SEGMENT type byte
+
+
+def cuda_mem_handle(torch_handle: bytes) -> bytes:
+    """The bare ``cudaIpcMemHandle_t`` inside the storage handle this process's torch exported.
+
+    torch wraps the CUDA handle in a header of its own, ``[version][type][payload]`` (the version
+    byte was 2 up to torch 2.12 and is 3 from 2.13, with the same ``'c'`` payload; torch before the
+    header wrote the 64 bytes bare). The daemon sends the bare handle, which CUDA defines, so that
+    a client on another torch than the daemon's can open it (:func:`torch_storage_handle` wraps it
+    again for the client's torch): a vLLM or SGLang venv rarely has the daemon's torch.
+    """
+    if len(torch_handle) == CUDA_MEM_HANDLE_BYTES:
+        return torch_handle
+    if len(torch_handle) >= 2 and torch_handle[1] == _TORCH_EXPANDABLE:
+        raise ValueError("the slab is an expandable segment, which CUDA IPC cannot share as one handle")
+    if len(torch_handle) != CUDA_MEM_HANDLE_BYTES + 2 or torch_handle[1] != _TORCH_CUDA_MALLOC:
+        raise ValueError(f"an unknown torch CUDA storage handle of {len(torch_handle)} bytes "
+                         f"(header {torch_handle[:2].hex()})")
+    return torch_handle[2:]
+
+
+def torch_storage_handle(mem_handle: bytes, header_version: int | None) -> bytes:
+    """``mem_handle`` (a bare ``cudaIpcMemHandle_t``) as the storage handle a torch whose exported
+    handles carry ``header_version`` opens (None: a torch that writes them bare)."""
+    if len(mem_handle) != CUDA_MEM_HANDLE_BYTES:
+        raise ValueError(f"a CUDA IPC memory handle has {CUDA_MEM_HANDLE_BYTES} bytes, not {len(mem_handle)}")
+    if header_version is None:
+        return mem_handle
+    return bytes([header_version, _TORCH_CUDA_MALLOC]) + mem_handle
+
+
+_header_version: list[int | None] = []  # this process's torch's, once probed
+
+
+def local_handle_version(dev: "torch.device") -> int | None:
+    """The header version of the CUDA storage handles this process's torch writes, read once from
+    a handle it exports for a small tensor of its own (None: it writes them bare). Reading it is
+    the only sure way: the version is torch's private format and has changed between releases."""
+    if not _header_version:
+        import torch
+
+        probe = torch.empty(1, dtype=torch.uint8, device=dev)
+        handle = bytes(probe.untyped_storage()._share_cuda_()[1])
+        _header_version.append(None if len(handle) == CUDA_MEM_HANDLE_BYTES else handle[0])
+    return _header_version[0]
+
+
 def device_uuid(dev: "torch.device") -> str:
     import torch
 
@@ -135,8 +186,9 @@ class CudaPoolMapping:
         self.handle = handle
         self.device = torch.device("cuda", local[0])
         torch.cuda._lazy_init()
+        handle_bytes = torch_storage_handle(ipc.handle, local_handle_version(self.device))
         storage = torch.UntypedStorage._new_shared_cuda(
-            local[0], ipc.handle, ipc.size_bytes, ipc.offset_bytes, ipc.ref_counter_handle or None,
+            local[0], handle_bytes, ipc.size_bytes, ipc.offset_bytes, ipc.ref_counter_handle or None,
             ipc.ref_counter_offset, ipc.event_handle or None, ipc.event_sync_required,
         )
         self.slab = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (ipc.size_bytes,), (1,))

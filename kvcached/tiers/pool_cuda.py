@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Callable
 from kvcached.config import BLOCK_ALIGN
 from kvcached.contract.errors import InvalidArgument, TierFull
 from kvcached.contract.pool import CudaIpc, PoolHandle
-from kvcached.contract.poolmap import CudaUnavailable, check_slab_aligned, device_uuid
+from kvcached.contract.poolmap import CudaUnavailable, check_slab_aligned, cuda_mem_handle, device_uuid
 from kvcached.tiers.packed import PackedPool
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ class _Slab:
         self.ipc = CudaIpc(
             device_index=int(dev_index),
             device_uuid=device_uuid(dev),
-            handle=bytes(handle),
+            handle=cuda_mem_handle(bytes(handle)),
             size_bytes=int(size_bytes),
             offset_bytes=int(offset_bytes),
             ref_counter_handle=bytes(rc_handle or b""),

@@ -13,7 +13,7 @@ import torch
 from kvcached.config import StoreConfig
 from kvcached.contract.proto import pool_handle_from_proto, pool_handle_to_proto
 from kvcached.contract.pool import CudaIpc, PoolHandle
-from kvcached.contract.poolmap import CudaUnavailable
+from kvcached.contract.poolmap import CudaUnavailable, cuda_mem_handle, torch_storage_handle
 from kvcached.tiers.pool_cuda import check_allocator
 from kvcached.tiers.registry import make_pool
 
@@ -53,6 +53,28 @@ def test_cuda_handle_round_trips_through_protobuf():
     assert pool_handle_from_proto(pool_handle_to_proto(h)) == h
     shm = PoolHandle("shm", "kvcached.default.1.abc", 4096, 8, "abc")
     assert pool_handle_from_proto(pool_handle_to_proto(shm)) == shm
+
+
+@pytest.mark.parametrize("version", [None, 2, 3])
+def test_the_wire_carries_the_bare_cuda_handle_and_each_torch_gets_its_own_wrapping(version):
+    """Seen on an H200 with torch 2.11: ``_share_cuda_`` gives 66 bytes (torch's version byte, type
+    'c', the 64-byte cudaIpcMemHandle_t); torch 2.13 writes version 3, and a torch refuses a newer
+    version than its own. The daemon sends the bare 64 bytes; each client wraps them for its torch."""
+    mem = bytes(range(64))
+    exported = mem if version is None else bytes([version]) + b"c" + mem
+    assert cuda_mem_handle(exported) == mem
+    for client_version in (None, 2, 3):
+        wrapped = torch_storage_handle(mem, client_version)
+        assert cuda_mem_handle(wrapped) == mem
+        assert wrapped == (mem if client_version is None else bytes([client_version]) + b"c" + mem)
+
+
+@pytest.mark.parametrize("bad", [bytes([2]) + b"e" + bytes(80), bytes([2]) + b"x" + bytes(64), bytes(65), b""])
+def test_an_expandable_or_unknown_torch_handle_is_refused_at_export(bad):
+    with pytest.raises(ValueError):
+        cuda_mem_handle(bad)
+    with pytest.raises(ValueError):
+        torch_storage_handle(bad[:63], 2)
 
 
 _WRITER = r"""
@@ -110,7 +132,7 @@ def test_gpu_lease_spanning_pool_and_nvme_direct_chunks_gives_one_cuda_tensor(ma
     from kvcached_client import Client
     from tests.service.test_daemon import FAT, PROMPT, demote_prompt
 
-    d = make_daemon(device="cuda", pool_bytes="2M")
+    d = make_daemon(device="cuda", pool_bytes="2M", writeback=False)  # as fat_daemon: exactly two demotions
     a = torch.randn(2, 4, 4, 48, 64)
     with Client(d.socket, nvme_read="direct") as c:
         demote_prompt(c, a)  # chunk 0 stays in the GPU pool, chunks 1 and 2 are NVMe-only
@@ -129,13 +151,14 @@ def test_gpu_blocks_of_a_derived_size_view_as_a_two_byte_dtype(make_daemon):
     from kvcached.contract.keys import KVLayout
     from kvcached_client import Client
 
-    # 1000017 // 16 is odd: a bare pool // 16 block put block 1 at an odd offset, which a bfloat16
-    # view of the CUDA slab refuses ("storage offset must be divisible by the element size").
+    # An odd pool size: a chunk at an odd offset is one a bfloat16 view of the CUDA slab refuses
+    # ("storage offset must be divisible by the element size"); the packed pool aligns every chunk.
     d = make_daemon(device="cuda", pool_bytes=1000017)
     layout = KVLayout("test/gpu-bf16@1", num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", chunk_tokens=16)
     kv = torch.randn(2, 2, 2, 64, 8).to(torch.bfloat16)
     with Client(d.socket) as c:
-        assert c.pool_handle().block_bytes % 64 == 0
+        h = c.pool_handle()
+        assert h.align_bytes % 64 == 0 and h.size_bytes % h.align_bytes == 0
         assert c.put(layout, list(range(64)), kv).stored_chunks == 4  # blocks 0..3
         with c.acquire(layout, list(range(64))) as lease:
             assert torch.equal(lease.kv().cpu(), kv)
