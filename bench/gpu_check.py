@@ -413,10 +413,12 @@ def layout_mismatch(got, want, order: str) -> str | None:
 
 
 def block_ids_for(n_blocks: int, num_blocks: int, seed: int) -> list[int]:
-    """``n_blocks`` distinct block ids out of ``num_blocks``, scattered as vLLM allocates them."""
+    """``n_blocks`` distinct block ids out of ``num_blocks``, scattered as vLLM allocates them. Never
+    block 0: that is vLLM's null block (a sliding window's padding), which the worker skips."""
     import torch
 
-    return torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))[:n_blocks].tolist()
+    perm = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed))
+    return (perm[:n_blocks] + 1).tolist()
 
 
 def scatter_chunks(converter, views: list, chunks: list, ids_dev, per_chunk: int) -> None:

@@ -101,6 +101,16 @@ def test_a_self_consistent_wrong_converter_fails(order: str, wrong: PagedLayout,
         G.converter_check(wrong, chunks, kv, order, block=BLOCK, rounds=1)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_the_checks_block_ids_never_name_vllms_null_block(seed: int) -> None:
+    """On the H200 a check whose ids held block 0 saw that block unloaded (the worker skips vLLM's
+    null block, as it must): a false failure. Drawn as vLLM draws them, ids are distinct and never 0."""
+    from kvcached_client.vllm.worker import NULL_BLOCK
+
+    ids = G.block_ids_for(64, 128, seed)
+    assert NULL_BLOCK not in ids and len(set(ids)) == 64 and max(ids) < 128
+
+
 def test_the_sync_watch_counts_synchronisations() -> None:
     orig = torch.cuda.synchronize
 
