@@ -63,6 +63,7 @@ Run: .venv/bin/python bench/gpu_check.py [--chunk-mib 16] [--chunks 8] [--rounds
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -713,21 +714,34 @@ def worker_check(c, client_factory: Callable, layout, lease, kv, order: str, sto
                   f"blocks hold (per-layer sums {sums.tolist()[:4]}... vs {ref.tolist()[:4]}...): the layer's wait "
                   "does not order the forward after its copies")
 
-        # 2. the same load, timed
-        times = []
+        # 2. the same load, timed: the worker as it is and, side by side (rounds interleaved), the
+        # worker making one converter call per chunk and layer (PagedLayout.batches off); GPU time
+        # (events on the current stream) and the host's time in the step calls (the engine's thread)
+        contenders = {"as_is": converter, "per_chunk_calls": dataclasses.replace(converter, batches=False)}
+        times: dict[str, list[float]] = {k: [] for k in contenders}
+        host: dict[str, list[float]] = {k: [] for k in contenders}
         for _ in range(max(1, rounds)):
-            meta = load_plan(False)
-            clock.start()
-            watch.call(w.begin_step, meta)
-            watch.call(w.start_load, meta)
-            for name in names:
-                watch.call(w.wait_for_layer, name)
-            times.append(clock.stop())
-            watch.call(w.finish_step)
-            loaded("a timed synchronous load")
-        load_s = statistics.median(times)
+            for mode, conv in contenders.items():
+                w.converter = conv
+                meta = load_plan(False)
+                clock.start()
+                t0 = time.perf_counter()
+                watch.call(w.begin_step, meta)
+                watch.call(w.start_load, meta)
+                for name in names:
+                    watch.call(w.wait_for_layer, name)
+                host[mode].append(time.perf_counter() - t0)
+                times[mode].append(clock.stop())
+                watch.call(w.finish_step)
+                loaded("a timed synchronous load")
+        w.converter = converter
+        load_s = statistics.median(times["as_is"])
+        per_chunk_s = statistics.median(times["per_chunk_calls"])
         fig.update(load_seconds=load_s, load_gbps=nbytes / load_s / 1e9, load_ratio_vs_d2d=d2d / load_s,
-                   load_rounds=len(times))
+                   load_rounds=len(times["as_is"]), load_host_seconds=statistics.median(host["as_is"]),
+                   converter_batches=converter.batches, load_seconds_per_chunk_calls=per_chunk_s,
+                   load_host_seconds_per_chunk_calls=statistics.median(host["per_chunk_calls"]),
+                   load_speedup_vs_per_chunk_calls=per_chunk_s / load_s)
 
         # 3. asynchronous load into the zeroed cache
         phys.zero_()
@@ -976,6 +990,33 @@ class GpuCheck:
         fig["h2d_pageable_gbps"] = nbytes / self._h2d_seconds(nbytes, pinned=False) / 1e9
         fig["promoted_bytes_per_round"] = nbytes
         fig["ratio_vs_h2d_pinned"] = promo / pinned
+        fig.update(self._host_read(nbytes))
+        fig["ratio_vs_host_read_cold"] = promo / fig["host_read_cold_gbps"]
+
+    def _host_read(self, nbytes: int) -> dict:
+        """Attribution: how fast this host copies ``nbytes`` of the NVMe tier's LMDB file (in the
+        page cache: just written) into pinned memory, the first time the file is mapped (each 4 KiB
+        page faults in, as in the daemon's mapping after a value is rewritten) and again (mapped).
+        The daemon's promotion reads a value into pinned staging, then copies it to the GPU."""
+        import mmap
+
+        import torch
+
+        paths = [os.path.join(d, f) for d, _, fs in os.walk(self.daemon.state_dir) for f in fs if f == "data.mdb"]
+        check(bool(paths), f"no data.mdb under {self.daemon.state_dir}")
+        size = min(nbytes, os.path.getsize(paths[0])) // 4096 * 4096
+        pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        out = {"host_read_bytes": size}
+        for label in ("cold", "warm"):
+            if label == "cold":
+                f = open(paths[0], "rb")
+                mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+            t = time.perf_counter()
+            pinned.numpy()[:] = memoryview(mm)[:size]
+            out[f"host_read_{label}_gbps"] = size / (time.perf_counter() - t) / 1e9
+        mm.close()
+        f.close()
+        return out
 
     def _h2d_seconds(self, nbytes: int, *, pinned: bool) -> float:
         """Median GPU seconds of one plain host-to-device copy of ``nbytes`` (CUDA events)."""

@@ -185,7 +185,8 @@ def test_the_paged_step_on_a_cpu_daemon(daemon, no_vllm) -> None:
         assert w["sync_load_matches_expected_layout"] and w["layer_reads_after_wait"], w
         assert w["async_load_matches_expected_layout"] and w["store_bit_exact"] and w["stored_chunks"] == 2, w
         assert w["side_streams"] is False  # a CPU cache: the worker copies at once
-        assert w["load_seconds"] > 0 and w["store_seconds"] > 0
+        assert w["load_seconds"] > 0 and w["store_seconds"] > 0 and w["load_seconds_per_chunk_calls"] > 0
+        assert w["converter_batches"] is True and w["load_host_seconds"] > 0
     assert fig["worker_calls_watched"] > 20
     assert fig["worker_synchronize_calls"] == dict.fromkeys(G.SyncWatch.KINDS, 0)
 

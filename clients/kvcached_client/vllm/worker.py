@@ -64,6 +64,14 @@ class _Copy:
     group: int = 0
 
 
+def _ranges(index: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """``index``'s entries ``[lo, lo + n)`` for each ``(lo, n)`` of ``spans``, in order: a slice
+    when the spans follow each other (one KV-cache group: always), else one concatenation."""
+    if all(spans[i][0] + spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1)):
+        return index[spans[0][0] : spans[-1][0] + spans[-1][1]]
+    return torch.cat([index[lo : lo + n] for lo, n in spans])
+
+
 def real_runs(ids: "list[int] | tuple[int, ...]") -> list[tuple[int, int]]:
     """``(offset, length)`` of each run of real (non-null) block ids: a sliding-window group's
     blocks before its window are vLLM's null block, and are neither loaded nor stored."""
@@ -233,9 +241,16 @@ class WorkerSide:
 
     def _copy_layer(self, items: list[_Copy], index: torch.Tensor, layer: int) -> None:
         cache, n, group = self.caches[layer], self.block_size, self.layer_groups[layer]
-        for it in items:
-            if it.group != group:
-                continue
+        mine = [it for it in items if it.group == group]
+        if not mine:
+            return
+        if self.converter.batches and len(mine) > 1:
+            # One scatter for the layer: the chunks' token ranges concatenated (one kernel), then
+            # the converter's index copy, instead of a scatter per chunk.
+            kv = torch.cat([it.chunk[:, layer, :, it.sub * n : (it.sub + it.take) * n] for it in mine], dim=2)
+            self.converter.scatter(cache, _ranges(index, [(it.lo, it.take) for it in mine]), kv)
+            return
+        for it in mine:
             self.converter.scatter(cache, index[it.lo : it.lo + it.take],
                                    it.chunk[:, layer, :, it.sub * n : (it.sub + it.take) * n])
 
@@ -380,9 +395,21 @@ class WorkerSide:
 
     def _copy_out(self, work: list[_Write], index: torch.Tensor, layer: int, cache: torch.Tensor, batch: _InFlight) -> None:
         n, group = self.block_size, self.layer_groups[layer]
-        for res, slot, first, count, g, lo in work:
-            if g != group:
-                continue
+        mine = [w for w in work if w[4] == group]
+        if self.converter.batches and len(mine) > 1:
+            # One gather for the layer into a staging tensor, then a copy per chunk, instead of a
+            # gather per chunk (see PagedLayout.batches).
+            like = mine[0][0].view(mine[0][1])  # [2, layers, kv_heads, chunk_tokens, head_dim]
+            tmp = torch.empty((2, like.shape[2], sum(w[3] for w in mine) * n, like.shape[4]), dtype=like.dtype,
+                              device=cache.device)
+            self.converter.gather(cache, _ranges(index, [(w[5], w[3]) for w in mine]), tmp)
+            at = 0
+            for res, slot, first, count, _g, _lo in mine:
+                res.view(slot)[:, layer, :, first * n : (first + count) * n].copy_(tmp[:, :, at : at + count * n])
+                at += count * n
+            batch.keep.append(tmp)  # a host pool's copy may still read it when this returns
+            return
+        for res, slot, first, count, g, lo in mine:
             dst = res.view(slot)[:, layer, :, first * n : (first + count) * n]
             block_ids = index[lo : lo + count]
             if dst.device == cache.device:
