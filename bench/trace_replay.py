@@ -70,7 +70,7 @@ from collections import OrderedDict
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np
-from _common import RESULTS_DIR, TRACE_DIR, format_table, write_json
+from _common import RESULTS_DIR, TRACE_DIR, finish, format_table
 from workloads import BOUNDED, WORKLOADS, online_bound
 
 from kvcached.config import StoreConfig
@@ -601,14 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cost_run:
         return cost_run(args)
-    res = run(args)
-    res["quick"] = args.quick
-    print_report(res)
-    stem = "trace_replay.quick" if args.quick else "trace_replay"
-    path = write_json(stem, res, args.out)
-    png = os.path.join(os.path.dirname(path), stem + ".png")
-    plot(res, png)
-    print(f"\nwrote {path}\nwrote {png}")
+    finish("trace_replay", run(args), args, print_report, plot=plot)
     return 0
 
 

@@ -149,7 +149,7 @@ class Mover:
     def _window(self, nbytes: int, slab: int = 0) -> list[ChunkHash] | None:
         """The contiguous window of ``slab`` to evict for ``nbytes``: among the oldest quarter of
         the pool's LRU span first (by last use), then among any evictable chunk. The cheapest
-        window ignores recency; bench/pool_packing.py measured that limiting it to old chunks
+        window ignores recency; bench/studies/pool_packing.py measured that limiting it to old chunks
         keeps re-used chunks cached far more often (0.90 vs 0.68 of re-touches hit) at the same
         packing (98 % vs 99 % of the pool holding KV)."""
         lru, get = self.index.pool_lru, self.index.get

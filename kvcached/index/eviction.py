@@ -47,7 +47,7 @@ a shared tool prefix at 5 % (once-hot context chunks keep their boost long after
 ended). ``adaptive`` reaches 1.74x and 1.44x there and never less than 0.993x LRU anywhere; its
 mini caches cost about 15 us per request (engine time 1.03-1.18x the LRU engine's).
 
-Why the frequency key, by measurement. ``bench/eviction_candidates.py`` replays the candidates on the
+Why the frequency key, by measurement. ``bench/sim/eviction_candidates.py`` replays the candidates on the
 Mooncake FAST'25 traces (512-token blocks) with the engine's rules (prefix hits, leaf-first
 eviction, the extended prefix pinned); ratios to the offline optimum (Belady's MIN with bypass)
 at 1k / 10k blocks, conversation then synthetic:

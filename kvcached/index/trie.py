@@ -6,7 +6,7 @@ a prefix trie in disguise. Chunk hashes are chained (``h_i`` covers chunk i
 for chunk tokens T" is simply ``map[H(P.hash || T)]``; longest-prefix match
 walks the prompt's hashes in order and stops at the first miss, O(chunks).
 
-Why not pygtrie (the design card's first choice): ``bench/index_memory.py``
+Why not pygtrie (the design card's first choice): ``bench/studies/index_memory.py``
 builds the same 1M-chunk index both ways in one run, with the same node
 records and eviction queues. pygtrie wraps every node in its own ``_Node``
 with a children mapping and is walked by the tuple of hashes on the path:

@@ -6,7 +6,7 @@ answers "where do ``n`` bytes go" and "which allocations, if freed, would make
 room for ``n`` contiguous bytes"; it knows nothing of chunks, tiers or pins.
 
 Why extents at a 64-byte grain, not pages or size classes (measured by
-``bench/pool_packing.py``, one run, all real geometries and a mixed churn):
+``bench/studies/pool_packing.py``, one run, all real geometries and a mixed churn):
 
 * **Per-chunk waste** is the run rounded up to the grain. Real chunks are
   multiples of 4 KiB (a 128-token bf16 chunk of any model), test layouts are

@@ -259,6 +259,9 @@ CHECKS = {
     "remote_tier": check_remote_tier,
 }
 
+#: benches outside bench/ itself: the one-off studies
+PLACE = {"index_memory": ("studies",)}
+
 
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_benchmark_runs_quick(name, tmp_path):
@@ -269,7 +272,8 @@ def test_benchmark_runs_quick(name, tmp_path):
     # servicer by name
     extra = ["--what-if", "floor,handlers", "--channels", "shared"] if name == "rpc_latency" else []
     r = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", f"{name}.py"), "--quick", "--out", str(tmp_path), *extra],
+        [sys.executable, os.path.join(ROOT, "bench", *PLACE.get(name, ()), f"{name}.py"), "--quick", "--out",
+         str(tmp_path), *extra],
         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -281,11 +285,11 @@ def test_benchmark_runs_quick(name, tmp_path):
 
 
 def test_pool_packing_quick(tmp_path):
-    # bench/pool_packing.py: pool bytes holding KV per geometry (scenario A) and under a mixed
+    # bench/studies/pool_packing.py: pool bytes holding KV per geometry (scenario A) and under a mixed
     # churn (scenario B), the shipped extents-64B allocator next to fixed 16 MiB blocks and the
     # other packed designs; JSON and PNG written.
     r = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "pool_packing.py"), "--quick", "--out", str(tmp_path)],
+        [sys.executable, os.path.join(ROOT, "bench", "studies", "pool_packing.py"), "--quick", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

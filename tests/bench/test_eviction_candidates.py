@@ -1,4 +1,4 @@
-"""``bench/eviction_candidates.py --quick`` runs and writes a JSON that holds together.
+"""``bench/sim/eviction_candidates.py --quick`` runs and writes a JSON that holds together.
 
 Speed is not asserted. Without ``../shared/traces`` the script replays the committed excerpt of
 both traces (tests/data), the same fallback ``test_bench_smoke.py`` uses for trace_replay.
@@ -15,7 +15,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRACES = os.path.join(ROOT, "..", "shared", "traces", "mooncake-fast25")
 EXCERPT = os.path.join(ROOT, "tests", "data", "mooncake-fast25-excerpt")
-SCRIPT = os.path.join(ROOT, "bench", "eviction_candidates.py")
+SCRIPT = os.path.join(ROOT, "bench", "sim", "eviction_candidates.py")
 
 ONLINE = {
     "lru", "frequency_beta0.5", "frequency_beta1", "frequency_beta2", "frequency_no_memory", "gdsf",

@@ -1,4 +1,4 @@
-"""``bench/matchers.py``: its reference, its contenders and its metrics on inputs whose true cached
+"""``bench/studies/matchers.py``: its reference, its contenders and its metrics on inputs whose true cached
 prefix is known by construction, then the whole run on a small slice of the traces.
 
 Speed is not asserted. Without ``../shared/traces`` the run reads the committed excerpt (tests/data).
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from datasketch import MinHash
 
-from bench import _matchers as M
-from bench import matchers
+from bench.studies import _matchers as M
+from bench.studies import matchers
 from bench._common import write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -68,8 +68,8 @@ a table per trace (contender rows x capacity columns of ratio to optimum); ``bes
 the best contender that is neither the optimum nor an oracle. Everything is deterministic
 (fixed seed for the sampled contender).
 
-Run:   .venv/bin/python bench/eviction_candidates.py          (~2-3 min on a 2-core box)
-       .venv/bin/python bench/eviction_candidates.py --quick  (seconds; first 800 requests of
+Run:   .venv/bin/python bench/sim/eviction_candidates.py          (~2-3 min on a 2-core box)
+       .venv/bin/python bench/sim/eviction_candidates.py --quick  (seconds; first 800 requests of
                                                                each trace, capacities 100 and
                                                                1000; writes *.quick.json/.png)
        --out DIR writes elsewhere.
@@ -88,9 +88,9 @@ import sys
 import time
 from collections.abc import Callable
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run as a file: import bench
 
-from _common import REPO_ROOT, RESULTS_DIR, TRACE_DIR, format_table, write_json
+from bench._common import REPO_ROOT, RESULTS_DIR, TRACE_DIR, finish, format_table
 TRACES = ("conversation", "synthetic")
 BLOCK = 512
 CAPACITIES = (1_000, 10_000, 30_000, 50_000)
@@ -725,14 +725,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=None, help="comma-separated contenders to run (lru is always added)")
     p.add_argument("--out", default=None, help=f"results directory (default {RESULTS_DIR})")
     args = p.parse_args(argv)
-    res = run(args)
-    res["quick"] = args.quick
-    print_report(res)
-    stem = "eviction_candidates.quick" if args.quick else "eviction_candidates"
-    path = write_json(stem, res, args.out)
-    png = os.path.join(os.path.dirname(path), stem + ".png")
-    plot(res, png)
-    print(f"\nwrote {path}\nwrote {png}")
+    finish("eviction_candidates", run(args), args, print_report, plot=plot)
     return 0
 
 

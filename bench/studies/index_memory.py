@@ -31,8 +31,8 @@ hash chain yields, so no cached ``hash()``), returning the matched nodes in orde
 ``PrefixIndex.match`` does. pygtrie is matched two ways: ``Trie.longest_prefix`` + a walk up the
 parent links, and ``[s.value for s in Trie.prefixes(key)]``; the faster one is its figure.
 
-Run:   .venv/bin/python bench/index_memory.py          (~1-2 min on a 2-core box)
-       .venv/bin/python bench/index_memory.py --quick  (a few seconds; writes *.quick.json)
+Run:   .venv/bin/python bench/studies/index_memory.py          (~1-2 min on a 2-core box)
+       .venv/bin/python bench/studies/index_memory.py --quick  (a few seconds; writes *.quick.json)
 Output: bench/results/index_memory.json
 """
 
@@ -45,7 +45,7 @@ import sys
 import time
 import tracemalloc
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run as a file: import bench
 
 import numpy as np
 import pygtrie

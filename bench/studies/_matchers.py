@@ -1,4 +1,4 @@
-"""The pieces of ``bench/matchers.py``: its workload, the exact reference it is scored against,
+"""The pieces of ``bench/studies/matchers.py``: its workload, the exact reference it is scored against,
 the four kinds of matcher it compares, and the scoring. Not a benchmark itself (see
 ``matchers.py`` for the question and the method); imported by it and by
 ``tests/bench/test_matchers.py``.

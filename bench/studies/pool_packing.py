@@ -66,8 +66,8 @@ least recently used quarter of the chunks, falling back to any chunk), and
 Also measured: the cost of one ``ExtentAllocator.window`` call against the number of
 allocations in the pool (it sorts every allocation and gap on each call).
 
-Run:   .venv/bin/python bench/pool_packing.py          (~5-10 s on a 2-core box)
-       .venv/bin/python bench/pool_packing.py --quick  (a few seconds; writes *.quick.json / *.quick.png)
+Run:   .venv/bin/python bench/studies/pool_packing.py          (~5-10 s on a 2-core box)
+       .venv/bin/python bench/studies/pool_packing.py --quick  (a few seconds; writes *.quick.json / *.quick.png)
 Output: bench/results/pool_packing.json, bench/results/pool_packing.png
 """
 
@@ -82,7 +82,7 @@ import sys
 import time
 from collections import OrderedDict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run as a file: import bench
 
 from bench._common import bench_parser, finish, format_table, percentile, ratio, save_figure, subplots
 

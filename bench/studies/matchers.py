@@ -59,10 +59,10 @@ the router's per-host index (its ``HostIndex`` layout, a dict of counts and a se
 rebuilt here on the same hashes for its bytes per chunk). The remote tier's figures come from
 ``bench/results/remote_tier.json`` (quoted, not re-measured).
 
-Run:   .venv/bin/python bench/matchers.py          (~3 min on a 2-core box)
-       .venv/bin/python bench/matchers.py --quick  (< 30 s; writes *.quick.json / *.quick.png)
+Run:   .venv/bin/python bench/studies/matchers.py          (~3 min on a 2-core box)
+       .venv/bin/python bench/studies/matchers.py --quick  (< 30 s; writes *.quick.json / *.quick.png)
 Output: bench/results/matchers.json, bench/results/matchers.png
-The workload, the reference, the contenders and the scoring live in ``bench/_matchers.py``.
+The workload, the reference, the contenders and the scoring live in ``bench/studies/_matchers.py``.
 """
 
 from __future__ import annotations
@@ -77,13 +77,13 @@ import time
 import tracemalloc
 from typing import Callable, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run as a file: import bench
 
 import numpy as np
 from bench._common import (
     RESULTS_DIR, TRACE_DIR, bench_parser, finish, format_table, ratio, save_figure, subplots, summarize_ns,
 )
-from bench._matchers import (
+from bench.studies._matchers import (
     CHUNK_TOKENS, LAYOUT, LSH_THRESHOLD, NUM_PERM, SHINGLE, VOCAB, BloomMatcher, ChainHashes, ChunkSketcher, Lookup,
     MinHashMatcher, SetMatcher, StoredPrompt, TrieMatcher, Workload, build_workload, score, score_by_kind,
 )
