@@ -25,7 +25,8 @@ and once more at the end (also on an exception or SIGTERM), with the daemon's lo
    prompt: promoted bytes / wall time of the acquire RPC, median over rounds, vs a plain
    pinned (and pageable) host-to-device copy of the same bytes measured in the same run. The
    NVMe reads are likely served from the page cache (the chunks were just written): this times
-   the daemon's promotion path, not the disk. Each promoted prompt is checked bit-exactly.
+   the daemon's promotion path, not the disk. Each promoted prompt is checked bit-exactly. To
+   attribute it: this host's copy of the LMDB file into pinned memory, first mapped and mapped.
 5. ``vllm_paged``: the vLLM connector's GPU data path without vLLM (its CUDA build does not fit
    the device tool's 64 MiB carry; kvcached_client.vllm.plan falls back to stand-ins for vLLM's
    base classes), checked against a paged cache built independently of the converters
@@ -41,7 +42,9 @@ and once more at the end (also on an exception or SIGTERM), with the daemon's lo
    done, the cache bit-exact; an asynchronous load, reported by ``get_finished``; a store of a
    new prompt (``acquire_reserve``, the paged cache filled from an expected layout, a save
    plan, reported, committed, read back bit-exact). Figures: the scatter's, the worker's load's
-   and its store's GPU time (CUDA events) vs a plain device copy of the same bytes, and how
+   and its store's GPU time (CUDA events) vs a plain device copy of the same bytes, the load and
+   the store each beside the worker making one converter call per chunk and layer (same run),
+   the host's time in the load's step calls, and how
    often the worker's step calls synchronised the device (``torch.cuda.synchronize`` and the
    stream and event waits, counted): it must be 0.
 6. ``killed_client``: a holder process (``nvme_read="promote"``) leases the prompt's pool chunks
@@ -762,44 +765,60 @@ def worker_check(c, client_factory: Callable, layout, lease, kv, order: str, sto
                              f"expected layout: {wrong}")
 
         # 4. store: the cache holds a new prompt (as if the forward had computed it)
-        c.sync()  # the previous order's read-back lease is released on the daemon before this reserve
         kv_s = pattern_kv(lay.num_layers, lay.num_kv_heads, len(store_tokens), lay.head_dim, torch_dtype(lay.dtype),
                           seed=store_seed, device=device)
         ids_s = block_ids_for(n_blocks, num_blocks, seed + 1)
         phys.copy_(expected_paged(kv_s, ids_s, block, num_blocks, order))
-        req = c.acquire_reserve(lay, store_tokens, reservation_ttl=600)
-        try:
-            slots = [s.position for s in req.reservation.slots]
-            check(req.matched_tokens == 0 and slots == list(range(n_chunks)),
-                  f"{order}: the store prompt's reservation: {req.matched_tokens} tokens cached, slots {slots}; "
-                  f"expected none cached and slots 0..{n_chunks - 1}")
-            meta = KvcachedMetadata(saves=[SavePlan(req_id="s", key=2, tickets=(req.reservation.ticket(),),
-                                                    from_block=0, to_block=n_blocks, block_ids=(tuple(ids_s),),
-                                                    blocks_per_chunk=n_blocks // n_chunks, to_chunk=n_chunks)])
-            clock.start()
-            watch.call(w.begin_step, meta)
-            watch.call(w.start_load, meta)
-            watch.call(w.finish_step)  # the compute stream waits for the store's copies
-            store_s = clock.stop()
-            report, _ = _wait_report(w, watch, lambda r, f: (2, 0) in r.saved, "a store", timeout)
-            check(report.saved == {(2, 0): [n_chunks]} and not report.loaded and not report.load_failed,
-                  f"{order}: the worker reported saved={report.saved}, loaded={report.loaded}, "
-                  f"load_failed={report.load_failed}; expected saved={{(2, 0): [{n_chunks}]}} only")
-            stored = req.finish().stored_chunks
-        except BaseException:
-            if not req.reservation.done:
-                req.finish(commit=False)
-            raise
-        check(stored == n_chunks, f"{order}: the commit stored {stored} of {n_chunks} chunks")
+
+        def store(tokens: list[int], conv, what: str) -> float:
+            """One store of the cache's prompt under ``tokens`` with converter ``conv``; its GPU seconds,
+            after checking it was reported, committed whole and reads back bit-exact."""
+            c.sync()  # the previous read-back lease is released on the daemon before this reserve
+            w.converter = conv
+            req = c.acquire_reserve(lay, tokens, reservation_ttl=600)
+            try:
+                slots = [s.position for s in req.reservation.slots]
+                check(req.matched_tokens == 0 and slots == list(range(n_chunks)),
+                      f"{order}: {what}: the store prompt's reservation: {req.matched_tokens} tokens cached, slots "
+                      f"{slots}; expected none cached and slots 0..{n_chunks - 1}")
+                meta = KvcachedMetadata(saves=[SavePlan(req_id="s", key=2, tickets=(req.reservation.ticket(),),
+                                                        from_block=0, to_block=n_blocks, block_ids=(tuple(ids_s),),
+                                                        blocks_per_chunk=n_blocks // n_chunks, to_chunk=n_chunks)])
+                clock.start()
+                watch.call(w.begin_step, meta)
+                watch.call(w.start_load, meta)
+                watch.call(w.finish_step)  # the compute stream waits for the store's copies
+                seconds = clock.stop()
+                report, _ = _wait_report(w, watch, lambda r, f: (2, 0) in r.saved, "a store", timeout)
+                check(report.saved == {(2, 0): [n_chunks]} and not report.loaded and not report.load_failed,
+                      f"{order}: {what}: the worker reported saved={report.saved}, loaded={report.loaded}, "
+                      f"load_failed={report.load_failed}; expected saved={{(2, 0): [{n_chunks}]}} only")
+                stored = req.finish().stored_chunks
+            except BaseException:
+                if not req.reservation.done:
+                    req.finish(commit=False)
+                raise
+            finally:
+                w.converter = converter
+            check(stored == n_chunks, f"{order}: {what}: the commit stored {stored} of {n_chunks} chunks")
+            with c.acquire(lay, tokens) as back:
+                check(back.matched_tokens == len(tokens),
+                      f"{order}: {what}: the stored prompt matched {back.matched_tokens} of {len(tokens)} tokens")
+                ct = lay.chunk_tokens
+                bad = [i for i in range(len(back)) if not same_bits(back.chunk(i), kv_s[:, :, :, i * ct : (i + 1) * ct])]
+            fig["store_bit_exact"] = fig.get("store_bit_exact", True) and not bad
+            check(not bad, f"{order}: {what}: stored chunks {bad} differ from the K/V the paged cache was built from")
+            fig["stored_chunks"] = stored
+            return seconds
+
+        # the worker as it is, then (a contender, one store each) making one converter call per chunk
+        # and layer, under other tokens: the same bytes stored again
+        store_s = store(store_tokens, converter, "a store")
+        per_chunk_store_s = store([t + 500_000 for t in store_tokens], contenders["per_chunk_calls"],
+                                  "a store with per-chunk calls")
         fig.update(store_seconds=store_s, store_gbps=nbytes / store_s / 1e9, store_ratio_vs_d2d=d2d / store_s,
-                   stored_chunks=stored)
-        with c.acquire(lay, store_tokens) as back:
-            check(back.matched_tokens == len(store_tokens),
-                  f"{order}: the stored prompt matched {back.matched_tokens} of {len(store_tokens)} tokens")
-            ct = lay.chunk_tokens
-            bad = [i for i in range(len(back)) if not same_bits(back.chunk(i), kv_s[:, :, :, i * ct : (i + 1) * ct])]
-        fig["store_bit_exact"] = not bad
-        check(not bad, f"{order}: stored chunks {bad} differ from the K/V the paged cache was built from")
+                   store_seconds_per_chunk_calls=per_chunk_store_s,
+                   store_speedup_vs_per_chunk_calls=per_chunk_store_s / store_s)
     finally:
         w.close()
     return fig

@@ -187,6 +187,7 @@ def test_the_paged_step_on_a_cpu_daemon(daemon, no_vllm) -> None:
         assert w["side_streams"] is False  # a CPU cache: the worker copies at once
         assert w["load_seconds"] > 0 and w["store_seconds"] > 0 and w["load_seconds_per_chunk_calls"] > 0
         assert w["converter_batches"] is True and w["load_host_seconds"] > 0
+        assert w["store_seconds_per_chunk_calls"] > 0 and w["store_speedup_vs_per_chunk_calls"] > 0
     assert fig["worker_calls_watched"] > 20
     assert fig["worker_synchronize_calls"] == dict.fromkeys(G.SyncWatch.KINDS, 0)
 
