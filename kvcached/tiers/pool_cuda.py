@@ -84,6 +84,17 @@ def default_pool_bytes(device: str, domains: int = 1) -> int:
     return min(torch.cuda.mem_get_info(d)[0] for d in resolve_devices(device)) // 2 // domains
 
 
+def _exported(torch_handle: bytes) -> bytes:
+    """The slab's bare CUDA IPC handle, or a clear start-up error naming this torch."""
+    import torch
+
+    try:
+        return cuda_mem_handle(torch_handle)
+    except ValueError as e:
+        raise CudaUnavailable(f"cannot share the GPU pool with clients: {e} (torch {torch.__version__}); "
+                              "use --device cpu, or report this torch version") from e
+
+
 class _Slab:
     """One GPU's slab: the tensor, its exported handle, and pinned staging for daemon-side copies."""
 
@@ -104,7 +115,7 @@ class _Slab:
         self.ipc = CudaIpc(
             device_index=int(dev_index),
             device_uuid=device_uuid(dev),
-            handle=cuda_mem_handle(bytes(handle)),
+            handle=_exported(bytes(handle)),
             size_bytes=int(size_bytes),
             offset_bytes=int(offset_bytes),
             ref_counter_handle=bytes(rc_handle or b""),

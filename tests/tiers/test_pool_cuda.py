@@ -77,6 +77,14 @@ def test_an_expandable_or_unknown_torch_handle_is_refused_at_export(bad):
         torch_storage_handle(bad[:63], 2)
 
 
+def test_a_handle_the_daemon_cannot_export_stops_it_with_a_clear_error():
+    from kvcached.tiers.pool_cuda import _exported
+
+    with pytest.raises(CudaUnavailable, match=r"cannot share the GPU pool with clients: .*expandable segment.*torch "):
+        _exported(bytes([2]) + b"e" + bytes(80))
+    assert _exported(bytes([3]) + b"c" + bytes(range(64))) == bytes(range(64))
+
+
 _WRITER = r"""
 import sys, torch
 from kvcached_client import Client
