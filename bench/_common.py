@@ -93,9 +93,15 @@ def _git_state() -> dict:
 
 
 def _exe() -> str:
+    """The interpreter as the command line would name it, never as a path of this machine: relative
+    to the working directory or to the repository (a run from a worktree uses the main checkout's
+    .venv), else its file name."""
     exe = sys.executable or "python"
-    rel = os.path.relpath(exe)
-    return rel if not rel.startswith("..") else exe
+    for base in (os.getcwd(), REPO_ROOT):
+        rel = os.path.relpath(exe, base)
+        if not rel.startswith(".."):
+            return rel
+    return os.path.basename(exe)
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
