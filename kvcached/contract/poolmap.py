@@ -5,6 +5,7 @@ host shared memory by name (:class:`HostPoolMapping`) or a GPU slab by CUDA IPC
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import threading
@@ -137,20 +138,16 @@ def torch_storage_handle(mem_handle: bytes, header_version: int | None) -> bytes
     return bytes([header_version, _TORCH_CUDA_MALLOC]) + mem_handle
 
 
-_header_version: list[int | None] = []  # this process's torch's, once probed
-
-
+@functools.cache
 def local_handle_version(dev: "torch.device") -> int | None:
     """The header version of the CUDA storage handles this process's torch writes, read once from
     a handle it exports for a small tensor of its own (None: it writes them bare). Reading it is
     the only sure way: the version is torch's private format and has changed between releases."""
-    if not _header_version:
-        import torch
+    import torch
 
-        probe = torch.empty(1, dtype=torch.uint8, device=dev)
-        handle = bytes(probe.untyped_storage()._share_cuda_()[1])
-        _header_version.append(None if len(handle) == CUDA_MEM_HANDLE_BYTES else handle[0])
-    return _header_version[0]
+    probe = torch.empty(1, dtype=torch.uint8, device=dev)
+    handle = bytes(probe.untyped_storage()._share_cuda_()[1])
+    return None if len(handle) == CUDA_MEM_HANDLE_BYTES else handle[0]
 
 
 def device_uuid(dev: "torch.device") -> str:
