@@ -60,10 +60,10 @@ def hosts(tmp_path, cluster) -> Iterator[Callable[..., tuple[Daemon, Daemon]]]:
             pw.write_text("s3cret\n")
             pw.chmod(0o600)
             settings.update(remote_username="kvc-default", remote_password_file=str(pw))
+        settings.setdefault("remote_timeout", 0.3)
         for name in ("a", "b"):
             os.makedirs(tmp_path / name)
-            d = Daemon(str(tmp_path / name), hash_key_file=key, remote_nodes=nodes, remote_cluster=True,
-                       remote_timeout=0.3, **settings)
+            d = Daemon(str(tmp_path / name), hash_key_file=key, remote_nodes=nodes, remote_cluster=True, **settings)
             started.append(d.start())
         return started[0], started[1]
 
@@ -74,13 +74,17 @@ def hosts(tmp_path, cluster) -> Iterator[Callable[..., tuple[Daemon, Daemon]]]:
 
 
 def test_what_host_a_puts_host_b_acquires_from_the_cluster_then_from_its_own_tiers(hosts):
-    a, b = hosts(acl=True)
+    # A publishes in the background and drops a batch that misses the remote deadline (fail
+    # open); its first batch also connects and authenticates to the cluster's nodes, which on a
+    # loaded 2-core box can take longer than the 0.3 s the other tests use. This test is about
+    # the hit, not the deadline (the failover tests below are): a deadline a busy box meets.
+    a, b = hosts(acl=True, remote_timeout=2.0)
     with Client(a.socket) as ca, Client(b.socket) as cb:
         want = [chunk("a", 0, i) for i in range(CHUNKS)]
         assert ca.put_bytes(LAYOUT, tokens("a", 0), want).cached_tokens == CHUNKS * CT
         wait_for(lambda: remote(ca)["published"] >= CHUNKS, 10, "A to publish")
-        # B's first fetch also connects to the cluster's nodes, all within the 0.3 s remote
-        # deadline: on a loaded box it can run out, and that acquire fails open (a miss, no hit
+        # B's first fetch also connects to the cluster's nodes, all within the remote deadline:
+        # on a loaded box it can still run out, and that acquire fails open (a miss, no hit
         # counted). Ask again until the fill lands.
         deadline = time.monotonic() + 20
         while True:
