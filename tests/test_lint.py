@@ -54,12 +54,14 @@ def mypy(*args: str) -> subprocess.CompletedProcess:
 CHECKED = ("kvcached", "kvcached_client", "kvcached_router", "kvcachectl")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("python", OLDEST_AND_NEWEST)
 def test_mypy_finds_nothing_in_the_shipped_packages(python):
     r = mypy("--python-version", python, *[a for p in CHECKED for a in ("-p", p)])
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_mypy_catches_a_wrong_id_type(tmp_path):
     """The check above cannot pass by checking nothing: with the same configuration, a plain
     string where the store wants a layout id (a NewType) is an error."""

@@ -36,6 +36,9 @@ from kvcached.contract.keys import write_new_key
 from kvcached_client import Client
 from tests.requirements import require_redis
 
+pytestmark = pytest.mark.slow  # two real daemons and a 6-node Redis Cluster per test: run first (tests/conftest.py)
+
+
 @pytest.fixture
 def cluster(tmp_path) -> Iterator[RedisCluster]:
     require_redis()

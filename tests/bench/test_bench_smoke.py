@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each a whole bench run in quick mode, seconds each: run first (tests/conftest.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRACES = os.path.join(ROOT, "..", "shared", "traces", "mooncake-fast25")
 EXCERPT = os.path.join(ROOT, "tests", "data", "mooncake-fast25-excerpt")

@@ -15,6 +15,8 @@ import pytest
 from bench.routing.fleet import SimFleet
 from bench.routing.router import chat, get, post, start_router, state, wait, words
 
+pytestmark = pytest.mark.slow  # real daemons, simulated hosts and a router, seconds each: run first (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):

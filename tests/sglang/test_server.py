@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from bench.harness.daemon import Daemon
 from tests.sglang.conftest import PAGE, metric, storage_tokens, wait_chunks
+
+pytestmark = pytest.mark.slow  # real SGLang servers, a minute: run first (tests/conftest.py)
 
 PROMPT = " ".join(f"w{(i * 37) % 1000 + 3}" for i in range(200))  # 200 tokens: 12 full pages
 PAGES = 200 // PAGE
