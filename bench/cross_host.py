@@ -566,12 +566,8 @@ def run_step(step: tuple, cluster: RedisCluster, ports: dict[str, int], root: Pa
         extra = RedisServer(free_ports(1)[0], str(root / f"extra-{time.monotonic_ns()}"),
                             extra=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                                    "--cluster-node-timeout", "2000"]).start()
-        hosts.settle(p0)
-        cli(cluster.nodes[0].port, "--cluster", "add-node", f"127.0.0.1:{extra.port}", f"127.0.0.1:{p0}")
-        cluster.nodes.append(extra)
+        hosts.add_primary(cluster, extra, via=p0)
         ports["x"] = extra.port
-        hosts.wait_for(lambda: "cluster_state:ok" in cli(extra.port, "cluster", "info"), 30,
-                                "the new node to join")
     else:  # remove: it holds no slots any more
         extra = next(n for n in cluster.nodes if n.port == ports["x"])
         hosts.settle(p0)

@@ -31,7 +31,8 @@ import pytest
 
 from bench.harness.daemon import BIN, Daemon
 from bench.harness.redis_servers import RedisCluster, RedisServer, cli, free_ports
-from bench.harness.remote_hosts import CHUNKS, CT, LAYOUT, Load, chunk, node_id, read, remote, reshard, settle, tokens, wait_for
+from bench.harness.remote_hosts import (CHUNKS, CT, LAYOUT, Load, add_primary, chunk, node_id, read, remote, reshard,
+                                        settle, tokens, wait_for)
 from kvcached.contract.keys import write_new_key
 from kvcached_client import Client
 from tests.requirements import require_redis
@@ -212,10 +213,7 @@ def test_resharding_and_a_node_added_and_removed_under_load(hosts, cluster, tmp_
             reshard(cluster, p[0], p[1], 2000)
             before = cluster_hits()
             wait_for(lambda: cluster_hits() > before, 30, "hits from the cluster after a reshard")
-            settle(p[0])
-            cli(cluster.nodes[0].port, "--cluster", "add-node", f"127.0.0.1:{extra.port}", f"127.0.0.1:{p[0]}")
-            cluster.nodes.append(extra)
-            wait_for(lambda: "cluster_state:ok" in cli(extra.port, "cluster", "info"), 30, "the new node to join")
+            add_primary(cluster, extra, via=p[0])
             reshard(cluster, p[1], extra.port, 1500)
             before = cluster_hits()
             wait_for(lambda: cluster_hits() > before, 30, "hits from the cluster with a fourth primary")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from bench.harness.layouts import DAEMON_LAYOUT as LAYOUT
 from bench.harness.layouts import TINY
-from bench.harness.redis_servers import RedisCluster, cli, free_ports
+from bench.harness.redis_servers import RedisCluster, RedisServer, cli, free_ports
 from kvcached.config import StoreConfig
 from kvcached.store import Store
 from kvcached.contract.record import HEADER_SIZE
@@ -138,6 +138,27 @@ def settle(port: int, timeout: float = 30.0) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def add_primary(cluster: RedisCluster, extra: RedisServer, via: int, timeout: float = 30.0) -> None:
+    """Join the empty cluster-mode node ``extra`` to ``cluster`` as a primary (through the node on
+    port ``via``), and wait until every live node lists it as one: the new node's own
+    ``cluster_state:ok`` comes first, and a reshard towards it run from a node that has not heard
+    of it yet is refused ("not known or not a master")."""
+    settle(via)
+    cli(cluster.nodes[0].port, "--cluster", "add-node", f"127.0.0.1:{extra.port}", f"127.0.0.1:{via}")
+    cluster.nodes.append(extra)
+    wait_for(lambda: "cluster_state:ok" in cli(extra.port, "cluster", "info"), timeout, "the new node to join")
+    new = node_id(extra.port)
+
+    def known_everywhere() -> bool:  # CLUSTER NODES lines: "<id> <addr> <flags,...> ..."
+        for n in cluster.live():
+            line = next((x for x in cli(n.port, "cluster", "nodes").splitlines() if x.startswith(new)), "")
+            if not line or "master" not in line.split()[2].split(","):
+                return False
+        return True
+
+    wait_for(known_everywhere, timeout, "every node to know the new primary")
 
 
 def reshard(cluster: RedisCluster, src: int, dst: int, slots: int) -> None:
