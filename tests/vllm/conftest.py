@@ -23,6 +23,7 @@ from typing import IO, Iterator
 import pytest
 
 from bench.harness.daemon import Daemon
+from kvcached_client import Client
 from tests.requirements import require
 from tests.vllm.zygote import EXIT_LINE
 
@@ -255,13 +256,36 @@ def vdaemon(tmp_path) -> Iterator[Daemon]:
     yield d
     if d.proc is not None:
         try:  # whatever the test did, nothing it started holds a lease or a reservation now
-            from kvcached_client import Client
-
-            with Client(d.socket, session=False) as c:
-                s = c.stats()
-            assert (s["leases_active"], s["reservations_active"]) == (0, 0), s
+            assert_nothing_pinned(d)
         finally:
             d.stop()
+
+
+def daemon_stats(d: Daemon) -> dict:
+    with Client(d.socket, session=False) as c:
+        return c.stats()
+
+
+def settled(d: Daemon, key: str, want: int, timeout: float = 5.0) -> int:
+    """``key`` of the daemon's stats once it is ``want`` or ``timeout`` passed: releases and
+    commits travel on the connector's threads and session stream, the connector never waits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        n = daemon_stats(d)[key]
+        if n == want or time.monotonic() > deadline:
+            return n
+        time.sleep(0.01)
+
+
+def assert_nothing_pinned(d: Daemon, settle_s: float = 5.0) -> None:
+    """No lease or reservation left: each request released what it took.
+
+    Releases and commits travel on the connector's own threads and session stream after the
+    request has finished (the engine never waits for them), so a loaded box may still have one
+    in flight when the answer is back: this waits up to ``settle_s``, well inside the daemon's
+    30 s lease and reservation TTLs, so a leaked one (never released, only expired) still fails."""
+    left = (settled(d, "leases_active", 0, settle_s), settled(d, "reservations_active", 0, settle_s))
+    assert left == (0, 0), daemon_stats(d)
 
 
 def prompt(n: int, seed: int) -> list[int]:

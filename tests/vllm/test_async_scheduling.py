@@ -28,7 +28,7 @@ import torch
 
 from kvcached_client import Client
 from tests.requirements import require
-from tests.vllm.conftest import have_vllm, prompt
+from tests.vllm.conftest import daemon_stats, have_vllm, prompt, settled
 
 pytestmark = pytest.mark.slow
 
@@ -40,22 +40,6 @@ SAMPLED = 7  # the fake token every step samples (not the tiny model's EOS, 2)
 def kv_of(tokens: int, seed: int) -> torch.Tensor:
     """A known KV for a prompt: [2, layers, kv_heads, tokens, head_dim]."""
     return torch.randn(2, L, H, tokens, D, generator=torch.Generator().manual_seed(seed))
-
-
-def daemon_stats(d) -> dict:
-    with Client(d.socket, session=False) as c:
-        return c.stats()
-
-
-def settled(d, key: str, want: int, timeout: float = 5.0) -> int:
-    """``key`` of the daemon's stats once it is ``want`` or ``timeout`` passed: releases and
-    commits travel on the connector's threads and session stream, the connector never waits."""
-    deadline = time.monotonic() + timeout
-    while True:
-        n = daemon_stats(d)[key]
-        if n == want or time.monotonic() > deadline:
-            return n
-        time.sleep(0.01)
 
 
 def unchanged(d, key: str, want: int, for_s: float = 0.5) -> int:

@@ -13,34 +13,12 @@ import time
 
 import pytest
 
-from kvcached_client import Client
-from tests.vllm.conftest import prompt
+from tests.vllm.conftest import assert_nothing_pinned, daemon_stats, prompt
 from tests.vllm.faults import KILL_FILE_ENV
 
 pytestmark = pytest.mark.slow
 
 CHUNK = 128
-
-
-def daemon_stats(d) -> dict:
-    with Client(d.socket, session=False) as c:
-        return c.stats()
-
-
-def assert_nothing_pinned(d, settle_s: float = 5.0) -> None:
-    """No lease or reservation left: each request released what it took.
-
-    Releases and commits travel on the connector's own threads and session stream after the
-    request has finished (the engine never waits for them), so a loaded box may still have one
-    in flight when the answer is back: this waits up to ``settle_s``, well inside the daemon's
-    30 s lease and reservation TTLs, so a leaked one (never released, only expired) still fails."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        s = daemon_stats(d)
-        if (s["leases_active"], s["reservations_active"]) == (0, 0) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert (s["leases_active"], s["reservations_active"]) == (0, 0), s
 
 
 def test_fresh_engine_in_another_process_reuses_whole_chunks(vdaemon, engines, reference):

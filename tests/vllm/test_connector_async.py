@@ -19,9 +19,9 @@ import torch
 
 from kvcached.contract.keys import KVLayout
 from kvcached_client import Client
-from tests.vllm.conftest import prompt
+from tests.vllm.conftest import assert_nothing_pinned, daemon_stats, prompt
 from tests.vllm.faults import HOLD_FILE_ENV
-from tests.vllm.test_connector import CHUNK, assert_nothing_pinned, daemon_stats
+from tests.vllm.test_connector import CHUNK
 
 pytestmark = pytest.mark.slow
 

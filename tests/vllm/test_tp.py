@@ -34,8 +34,7 @@ import torch
 from kvcached.contract.keys import KVLayout
 from kvcached_client import Client
 from bench.harness.daemon import Daemon
-from tests.vllm.conftest import chunk_bytes, prompt
-from tests.vllm.test_connector import assert_nothing_pinned, daemon_stats
+from tests.vllm.conftest import assert_nothing_pinned, chunk_bytes, daemon_stats, prompt
 
 pytestmark = pytest.mark.slow
 
