@@ -11,7 +11,8 @@ import json
 import os
 import time
 
-from bench._common import Daemon, ratio, summarize_ns, time_calls
+from bench._common import ratio, summarize_ns, time_calls
+from bench.harness.daemon import Daemon
 from bench._rpc_contenders import (
     LAYOUT, ONE, PROMPT_CHUNKS, PROMPT_TOKENS, TARGET_THROUGHPUT_RATIO, measure_async, measure_sync, verdicts,
 )
@@ -187,7 +188,7 @@ WHAT_IFS: dict[str, tuple[dict, str | None]] = {
 
 def measure_daemon(settings: dict, prelude: str | None, tokens: bytes, tokens_np: np.ndarray, args,
                    channel_modes: list[str], api: bool, sync: bool) -> dict:
-    with Daemon(settings, prefix="kvc-bench-rpc-", prelude=prelude) as d:
+    with Daemon.temp(settings, prefix="kvc-bench-rpc-", prelude=prelude) as d:
         import torch
 
         with Client(d.socket) as c:
@@ -205,7 +206,7 @@ def measure_daemon(settings: dict, prelude: str | None, tokens: bytes, tokens_np
             st1 = c.stats()
         d.stop()
         exit_code = d.exit_code
-        times_path = os.path.join(d.dir, "handler_times.json")
+        times_path = os.path.join(d.root, "handler_times.json")
         handler_times = None
         if os.path.exists(times_path):
             with open(times_path) as f:

@@ -11,7 +11,8 @@ import threading
 import time
 from typing import Any
 
-from bench._common import Daemon, format_table, ratio, summarize_ns
+from bench._common import format_table, ratio, summarize_ns
+from bench.harness.daemon import Daemon
 from bench._rpc_contenders import CHUNK_TOKENS, LAYOUT, PROMPT_CHUNKS, PROMPT_TOKENS, Tally, daemon_usage
 
 import numpy as np
@@ -231,7 +232,7 @@ def measure_per_request(settings: dict, tokens_np: np.ndarray, args) -> dict:
     rpcs: dict = {}
     evicted_per_batch: list[int] = []
     pool_min_free_fraction = 1.0
-    with Daemon(settings, prefix="kvc-bench-rpc-req-") as d:
+    with Daemon.temp(settings, prefix="kvc-bench-rpc-req-") as d:
         pid = d.proc.pid
         fds0 = _socket_fds(pid)
         clients = [Client(d.socket, client_name=f"bench rpc_latency request {j}") for j in range(max_n)]

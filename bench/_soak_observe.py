@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from bench._common import Daemon, percentile
+from bench._common import percentile
 from bench._soak_worker import RPC_TIMEOUT
 
 import numpy as np
@@ -123,17 +123,6 @@ def tail_log(workdir: str, name: str, n: int = 3000) -> str:
             return f.read()[-n:]
     except OSError:
         return ""
-
-
-def read_daemon_log(d: Daemon) -> str:
-    out = []
-    for name in ("stdout.log", "stderr.log"):
-        try:
-            with open(os.path.join(d.dir, name)) as f:
-                out.append(f.read())
-        except OSError:
-            pass
-    return "\n".join(out)
 
 
 # -- analysis ------------------------------------------------------------------------------------

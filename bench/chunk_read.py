@@ -76,7 +76,8 @@ import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
-from bench._common import Daemon, bench_parser, format_table, install_sigterm_exit, ratio, summarize_ns, write_results
+from bench._common import bench_parser, format_table, install_sigterm_exit, ratio, summarize_ns, write_results
+from bench.harness.daemon import Daemon
 
 import lmdb
 import numpy as np
@@ -737,7 +738,7 @@ def run_size(size: str, args: argparse.Namespace) -> dict:
         "lease_ttl": 3600.0,
         "log_level": "warning",
     }
-    with Daemon(settings, prefix=f"kvc-bench-read-{size}-") as d:
+    with Daemon.temp(settings, prefix=f"kvc-bench-read-{size}-") as d:
         setup = Setup(size, d, args)
         setup.default_threads = args.default_threads
         try:

@@ -2,7 +2,7 @@
 (``kvcached_client.hf.prefill``) on a full hit and on a miss, next to one gRPC health check on the
 same socket, and what did reading and writing per run of pool blocks (rather than per chunk) buy?
 
-Setup: a real ``kvcached serve`` on a Unix socket (``_common.Daemon``); a tiny random Llama
+Setup: a real ``kvcached serve`` on a Unix socket (``bench.harness.daemon.Daemon``); a tiny random Llama
 (2 layers, hidden 64, 4 heads, 2 KV heads, float32; built from a config, no download) and its
 layout from ``layout_for`` with 32-token chunks; 2,048-token prompts, so 64 chunks each.
 
@@ -42,7 +42,8 @@ from typing import Callable, Iterator
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
 import numpy as np
-from bench._common import Daemon, bench_parser, finish, format_table, ratio, summarize_ns
+from bench._common import bench_parser, finish, format_table, ratio, summarize_ns
+from bench.harness.daemon import Daemon
 
 PROMPT_TOKENS = 2048
 CHUNK_TOKENS = 32
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> dict:
     total_misses = 2 * (args.rounds + 1) * misses_per_round + 1
     pool = -(-int(total_misses * chunks * layout.chunk_bytes / 0.8) // (1 << 20)) << 20
     samples: dict[str, list[int]] = {r: [] for r in ROWS}
-    with Daemon({"pool_bytes": pool}, prefix="kvc-bench-hf-") as d, Client(d.socket) as c:
+    with Daemon.temp({"pool_bytes": pool}, prefix="kvc-bench-hf-") as d, Client(d.socket) as c:
         channel = grpc.insecure_channel(f"unix://{d.socket}")
         health = health_pb2_grpc.HealthStub(channel)
         check = health_pb2.HealthCheckRequest(service="")

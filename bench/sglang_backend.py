@@ -39,7 +39,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
-from bench._common import RESULTS_DIR, Daemon
+from bench._common import RESULTS_DIR
+from bench.harness.daemon import Daemon
 from bench.harness.sglang_server import SGLANG_PY, Server, file_storage, kvcached_storage, metric, storage_tokens, wait_chunks
 
 PAGE = 64
@@ -68,7 +69,7 @@ def run(quick: bool, reps: int, length: int, tmp: str) -> dict:
     pages = (length // PAGE) * (reps + 1)
     res: dict = {"kvcached": {"hit": [], "cold": [], "device": [], "storage_tokens": []}, "file": {"hit": [], "after_restart": []}}
     kw = dict(page=PAGE, max_tokens=4 * length + 1024)
-    with Daemon({"trust_client_keys": True, "pool_bytes": "2G", "nvme_bytes": 0}) as d:
+    with Daemon.temp({"trust_client_keys": True, "pool_bytes": "2G", "nvme_bytes": 0}) as d:
         extra = {"model": "bench/random-llama@0", "prefetch_threshold": PAGE}
         a = Server(SGLANG_PY, model, kvcached_storage(d.socket, **extra), os.path.join(tmp, "a.log"), **kw)
         try:

@@ -4,7 +4,7 @@ time (default 120 s), does kvcached stay correct and stable: zero failed RPCs, e
 right, zero leases / reservations / pins left once the clients are gone, daemon RSS flat after
 warm-up; and what are the acquire p50 / p99 latencies, hit rate and eviction counts?
 
-Setup: one real ``kvcached serve`` (``_common.Daemon``: temp dir, Unix socket, device cpu, host
+Setup: one real ``kvcached serve`` (``bench.harness.daemon.Daemon``: temp dir, Unix socket, device cpu, host
 packed pool in /dev/shm sized to hold ``--pool-chunks`` 16 KiB chunks, default clients x
 (max_chunks + 1) + 512 so a put can never find the pool all pinned, write-back on (the default),
 NVMe tier on, ``--nvme-mib`` 128 MiB; both tiers are filled within seconds and then evict for the
@@ -69,9 +69,10 @@ from collections import Counter
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
 from bench._common import (
-    REPO_ROOT, TRACE_DIR, Daemon, bench_parser, finish, format_table, install_sigterm_exit, save_figure, subplots,
+    REPO_ROOT, TRACE_DIR, bench_parser, finish, format_table, install_sigterm_exit, save_figure, subplots,
 )
-from bench._soak_observe import Sampler, analyze, leftover, read_daemon_log, read_doc, stats_row, tail_log
+from bench.harness.daemon import Daemon
+from bench._soak_observe import Sampler, analyze, leftover, read_doc, stats_row, tail_log
 from bench._soak_worker import CHUNK_BYTES, CRASH_RC, RPC_TIMEOUT, MiB, worker_main
 
 
@@ -191,7 +192,7 @@ def run_soak(cfg: SoakConfig, log=print) -> dict:
     procs: dict[int, tuple[subprocess.Popen, dict]] = {}
     try:
         shares = write_shares(cfg, workdir)
-        with Daemon(daemon_settings(cfg), prefix="kvc-soak-d-") as d:
+        with Daemon.temp(daemon_settings(cfg), prefix="kvc-soak-d-") as d:
             pid = d.proc.pid
             startup = 1.0 + 0.15 * cfg.clients  # the workers import grpc + numpy meanwhile
             run_t0 = time.time() + startup
@@ -280,7 +281,7 @@ def run_soak(cfg: SoakConfig, log=print) -> dict:
             result["final_pool"] = final["pool"]
             result["final_nvme"] = final.get("nvme")
             result["daemon_alive_at_end"] = alive
-            daemon_log = read_daemon_log(d)
+            daemon_log = d.log()
             result["daemon_stop_exit_code"] = d.stop()
             result["daemon_log_errors"] = [ln for ln in daemon_log.splitlines()
                                            if "Traceback" in ln or " ERROR" in ln or "CRITICAL" in ln][:20]

@@ -38,7 +38,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
-from bench._common import Daemon, bench_parser, finish, format_table, install_sigterm_exit
+from bench._common import bench_parser, finish, format_table, install_sigterm_exit
+from bench.harness.daemon import Daemon
 
 import grpc
 import numpy as np
@@ -51,28 +52,6 @@ LAYOUT = KVLayout("bench/timing-probe@1", num_layers=1, num_kv_heads=1, head_dim
                   chunk_tokens=16)
 AUC_LIMIT = 0.6
 TIMEOUT = 30.0
-
-
-class DomainDaemon(Daemon):
-    """The bench Daemon plus ``[domains.NAME]`` tables (its TOML writer only does flat keys)."""
-
-    def __init__(self, settings: dict, domains: dict[str, dict], **kw: object) -> None:
-        super().__init__(settings, **kw)
-        self.domains = domains
-
-    def command(self) -> list[str]:
-        cmd = super().command()
-        i = cmd.index("--config") + 1
-        with open(cmd[i]) as f:
-            text = f.read()
-        for name, table in self.domains.items():
-            text += f"[domains.{name}]\n" + "".join(
-                f"{k} = {v!r}\n".replace("'", '"') for k, v in table.items())
-        path = os.path.join(self.dir, "kvcached.domains.toml")
-        with open(path, "w") as f:
-            f.write(text)
-        cmd[i] = path
-        return cmd
 
 
 def roc_auc(pos: list[int], neg: list[int]) -> float:
@@ -184,9 +163,9 @@ def run(args: argparse.Namespace) -> dict:
     settings = {"pool_bytes": pool, "nvme_bytes": "256M", "lease_ttl": 600.0,
                 "log_level": "warning", "cache_ttl": 86400.0}
     domain_b = {"pool_bytes": "16M"}
-    d = DomainDaemon(settings, {"tenant_b": domain_b}, prefix="kvc-timing-")
-    b_sock = os.path.join(d.dir, "b.sock")
-    d.domains["tenant_b"] = {**domain_b, "socket": b_sock}
+    d = Daemon.temp(settings, prefix="kvc-timing-")
+    b_sock = os.path.join(d.root, "b.sock")
+    d.settings["domains"] = {"tenant_b": {**domain_b, "socket": b_sock}}
     with d:
         raise_if_missing(b_sock)
         prompts = [p.astype("<u4").tobytes()

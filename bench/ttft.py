@@ -36,7 +36,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
-from bench._common import RESULTS_DIR, Daemon, save_figure, subplots, write_json
+from bench._common import RESULTS_DIR, save_figure, subplots, write_json
+from bench.harness.daemon import Daemon
 
 
 def build_model(quick: bool):
@@ -74,7 +75,7 @@ def main() -> int:
     settings = {"pool_bytes": pool, "nvme_bytes": "1G", "log_level": "warning"}  # a packed pool: chunks take their size
     g = torch.Generator().manual_seed(1)
     rows = []
-    with Daemon(settings, prefix="kvc-bench-ttft-") as d, Client(d.socket) as c:
+    with Daemon.temp(settings, prefix="kvc-bench-ttft-") as d, Client(d.socket) as c:
         c.register(layout)
         # Warm-up: first calls pay for lazy initialisation (allocator, kernels, pool mapping).
         warm = torch.randint(0, cfg.vocab_size, (256,), generator=g)

@@ -43,7 +43,8 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
-from bench._common import RESULTS_DIR, Daemon
+from bench._common import RESULTS_DIR
+from bench.harness.daemon import Daemon
 from bench.vllm_ttft import Engine, kv_transfer, worker_channel
 
 FAMILIES = ("llama", "gemma3", "mistral", "deepseek_v2")
@@ -133,7 +134,7 @@ def part_ttft(quick: bool, reps: int, length: int, tmp: str, families: tuple[str
     for family in families:
         model = build(family, quick, tmp)
         cfg = {**base_cfg, **VARIANTS.get(family, (family, {}))[1]}
-        with Daemon({"pool_bytes": "1G", "nvme_bytes": "2G"}) as d:
+        with Daemon.temp({"pool_bytes": "1G", "nvme_bytes": "2G"}) as d:
             engines = {}
             try:
                 engines["plain"] = start(f"{family}-plain", model, None, cfg, tmp)
@@ -176,7 +177,7 @@ def part_chat(quick: bool, conversations: int, turns: int, tmp: str) -> dict:
     cfg = {"max_model_len": 4096, "kv_cache_bytes": 256 << 20, "max_batched_tokens": 4096}
     system = prompt(300, 7)
     result: dict[str, dict] = {}
-    with Daemon({"pool_bytes": "512M", "nvme_bytes": "1G"}) as d1, Daemon({"pool_bytes": "512M", "nvme_bytes": "1G"}) as d2:
+    with Daemon.temp({"pool_bytes": "512M", "nvme_bytes": "1G"}) as d1, Daemon.temp({"pool_bytes": "512M", "nvme_bytes": "1G"}) as d2:
         engines = {"answers": start("chat-answers", model, d1.socket, cfg, tmp),
                    "prompts_only": start("chat-prompts", model, d2.socket, cfg, tmp, {"store_answers": False})}
         try:

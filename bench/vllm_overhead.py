@@ -46,7 +46,8 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
-from bench._common import RESULTS_DIR, Daemon, percentile, write_json
+from bench._common import RESULTS_DIR, percentile, write_json
+from bench.harness.daemon import Daemon
 from bench.vllm_ttft import SCHEDULER_HOOKS, Engine, _HookTimer, kv_transfer, worker_channel
 
 BLOCK = 128
@@ -148,7 +149,7 @@ def main() -> int:
            "kv_cache_bytes": 2 * n_req * (prompt_len + out_tokens + BLOCK) * token_bytes + (64 << 20)}
     settings = {"pool_bytes": chunks * BLOCK * token_bytes, "nvme_bytes": chunks * BLOCK * token_bytes + (1 << 30),
                 "log_level": "warning"}
-    with Daemon(settings, prefix="kvc-bench-vllm-overhead-") as daemon:
+    with Daemon.temp(settings, prefix="kvc-bench-vllm-overhead-") as daemon:
         engines = {"plain": Engine("plain", model, None, cfg, tmp, script=os.path.abspath(__file__)),
                    "kvc": Engine("kvc", model, daemon.socket, cfg, tmp, script=os.path.abspath(__file__))}
         try:

@@ -13,7 +13,7 @@ Four engines, each in its own process (JSON over stdin/stdout), alive side by si
 one request at a time and interleaved, so that drift on a shared box hits every contender:
 
 * ``plain``  vLLM without the connector, its own prefix cache on;
-* ``kvc``    vLLM with ``KvcachedConnector`` on a real daemon (``bench/_common.Daemon``);
+* ``kvc``    vLLM with ``KvcachedConnector`` on a real daemon (``bench/harness/daemon.py``);
 * ``fresh``  a second engine with the connector that never sees a prompt before it is a hit.
 
 Contenders, for each length and each of ``--reps`` repetitions (TTFT = wall time of
@@ -77,7 +77,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from bench._common import (
     REPO_ROOT,
     RESULTS_DIR,
-    Daemon,
     format_table,
     percentile,
     ratio,
@@ -85,6 +84,7 @@ from bench._common import (
     subplots,
     write_json,
 )
+from bench.harness.daemon import Daemon
 
 BLOCK = 128  # vLLM's CPU block size, and the connector's default chunk (checked against the engine)
 CONTENDERS = ("cold", "vllm_prefix", "kvcached_miss", "kvcached_hit", "kvcached_hit_reset", "kvcached_hit_async")
@@ -389,7 +389,7 @@ def main() -> int:
                           max_positions=shape["max_positions"], intermediate=shape["intermediate"], seed=0)
         print(f"model built in {time.perf_counter() - t:.1f} s", flush=True)
         engines: list[Engine] = []
-        with Daemon(settings, prefix="kvc-bench-vllm-ttft-") as d:
+        with Daemon.temp(settings, prefix="kvc-bench-vllm-ttft-") as d:
             try:
                 t = time.perf_counter()
                 plain = Engine("plain", model_dir, None, engine_cfg, tmp)

@@ -1,16 +1,20 @@
-"""A real kvcached daemon process on a Unix socket in a temporary directory (the tests' fixtures
-and the benches that drive a daemon the way the tests do)."""
+"""A real kvcached daemon process on a Unix socket in a directory of its own: the one harness of the
+tests' fixtures and of every bench that starts a daemon (``Daemon``; ``Daemon.temp`` for a bench's
+daemon on the daemon's own defaults), and the host pool segments such processes leave in /dev/shm."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from typing import Iterable
+from collections.abc import Iterable, Mapping
 
 BIN = os.path.dirname(sys.executable)
 SHM_DIR = "/dev/shm"
@@ -46,28 +50,71 @@ def remove_segments(names: Iterable[str]) -> list[str]:
     return removed
 
 
+#: The settings a test daemon starts with unless it says otherwise: the host shared-memory pool even
+#: on a GPU host ("auto" would pick CUDA there and run the whole suite, shm-specific tests included,
+#: against the CUDA pool; GPU tests pass device="cuda"), small tiers, a quick expiry sweep.
+TEST_DEFAULTS: dict[str, object] = {"device": "cpu", "pool_bytes": "4M", "nvme_bytes": "64M",
+                                    "expire_interval": 0.1}
+#: Python that starts ``kvcached serve`` in a ``python -c`` child (after a prelude: what-if patches).
+_SERVE = "import sys; from kvcached.cli import kvcached_main; sys.exit(kvcached_main())"
+
+
 class Daemon:
-    def __init__(self, root: str, **settings: object) -> None:
+    """A real ``kvcached serve`` process on a Unix socket in ``root`` (``kv.sock``, ``state/``,
+    ``kvcached.toml``), for the tests' fixtures and the benches alike.
+
+    ``settings`` are :class:`kvcached.settings.DaemonSettings` fields, written to the TOML file on
+    :meth:`start`; a dict value becomes tables (``domains={"b": {...}}`` -> ``[domains.b]``). A test
+    daemon starts from :data:`TEST_DEFAULTS`; :meth:`temp` (the benches') from the daemon's own
+    defaults, as a user's would, in a temporary directory of its own. Every daemon gets an
+    ephemeral metrics port, so several run at once.
+
+    Its stdout and stderr are read into memory by a thread (:meth:`log`); :meth:`start` returns
+    once every trust domain has announced itself (the block ending ``  layouts:``), and the
+    announced host pool segments are kept in :attr:`segments`. :meth:`stop` is idempotent and
+    unlinks the segments of a daemon that died by a signal, which nothing in it could do. As a
+    context manager it is started on entry and closed on exit (stopped; ``root`` removed if
+    :meth:`temp` made it), also on error.
+    """
+
+    def __init__(self, root: str, *, test_defaults: bool = True, prelude: str | None = None,
+                 **settings: object) -> None:
         self.root = root
         self.socket = os.path.join(root, "kv.sock")
         self.state_dir = os.path.join(root, "state")
         self.config = os.path.join(root, "kvcached.toml")
-        # device "cpu": the host shared-memory pool even on a GPU host ("auto" would pick CUDA there
-        # and run the whole suite, shm-specific tests included, against the CUDA pool). GPU tests
-        # pass device="cuda".
-        self.settings = {"device": "cpu", "pool_bytes": "4M", "nvme_bytes": "64M",
-                         "expire_interval": 0.1, "metrics_addr": "127.0.0.1:0"}
-        self.settings.update(settings)
+        self.settings: dict[str, object] = {**(TEST_DEFAULTS if test_defaults else {}),
+                                            "metrics_addr": "127.0.0.1:0", **settings}
+        self.prelude = prelude
         self.proc: subprocess.Popen | None = None
+        self.exit_code: int | None = None
         self.output: list[str] = []
         #: The host pool segments the running (or last) daemon process announced, one per domain.
         self.segments: set[str] = set()
         self._pump: threading.Thread | None = None
+        self._owns_root = False
+
+    @classmethod
+    def temp(cls, settings: Mapping[str, object], *, prefix: str = "kvc-bench-",
+             prelude: str | None = None) -> Daemon:
+        """A daemon on exactly ``settings`` (the daemon's defaults for the rest) in a new temporary
+        directory, removed by :meth:`close`."""
+        d = cls(tempfile.mkdtemp(prefix=prefix), test_defaults=False, prelude=prelude, **settings)
+        d._owns_root = True
+        return d
+
+    @property
+    def nvme_path(self) -> str:
+        """The LMDB environment of the default trust domain."""
+        return os.path.join(self.state_dir, "nvme", str(self.settings.get("domain", "default")))
 
     def write_config(self) -> None:
         def value(v: object) -> str:
-            return repr(v).replace("True", "true").replace("False", "false").replace("'", '"')
+            if isinstance(v, bool):
+                return "true" if v else "false"
+            return repr(v) if isinstance(v, (int, float)) else json.dumps(v if isinstance(v, list) else str(v))
 
+        os.makedirs(self.root, exist_ok=True)
         with open(self.config, "w") as f:
             tables = {k: v for k, v in self.settings.items() if isinstance(v, dict)}
             for k, v in self.settings.items():
@@ -79,18 +126,24 @@ class Daemon:
                     for tk, tv in table.items():
                         f.write(f"{tk} = {value(tv)}\n")
 
-    def start(self, timeout: float = 60.0) -> "Daemon":
+    def command(self) -> list[str]:
+        script = os.path.join(BIN, "kvcached")
+        if self.prelude:
+            base = [sys.executable, "-c", self.prelude + "\n" + _SERVE]
+        else:
+            base = [script] if os.path.exists(script) else [sys.executable, "-c", _SERVE]
+        return base + ["serve", "--config", self.config, "--socket", self.socket, "--state-dir", self.state_dir]
+
+    def start(self, timeout: float = 120.0) -> Daemon:
         self.write_config()
         self.output = []
         self.segments = set()
-        self.proc = subprocess.Popen(
-            [os.path.join(BIN, "kvcached"), "serve", "--config", self.config, "--socket", self.socket,
-             "--state-dir", self.state_dir],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
+        self.exit_code = None
+        self.proc = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, text=True)
         ready = threading.Event()
         proc = self.proc
-        domains = 1 + len(self.settings.get("domains") or {})  # each one announces itself
+        domains = 1 + len(self.settings.get("domains") or {})  # type: ignore[arg-type]  # each one announces itself
 
         def pump() -> None:
             assert proc.stdout is not None
@@ -111,18 +164,21 @@ class Daemon:
         while not ready.wait(0.05):
             if self.proc.poll() is not None:
                 self._finish(self.proc.wait(), killed=False)
-                raise RuntimeError("daemon did not start:\n" + "".join(self.output))
+                raise RuntimeError(f"daemon did not start: it exited with {self.exit_code}:\n" + self.log())
             if time.monotonic() > deadline:
                 self.proc.kill()
                 self._finish(self.proc.wait(), killed=True)
-                raise RuntimeError(f"daemon did not start within {timeout} s:\n" + "".join(self.output))
+                raise RuntimeError(f"daemon did not start within {timeout} s:\n" + self.log())
         return self
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        """Signal the daemon and wait for it. SIGKILL (or any death by a signal) leaves its pool
-        segments behind, since nothing in the process could unlink them: they are unlinked here,
-        once it is dead. A daemon that exits by itself must have removed its own."""
-        assert self.proc is not None
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int | None:
+        """Signal the daemon and wait for it; returns its exit status (0: a clean stop), or the last
+        one if it was already stopped. SIGKILL (or any death by a signal) leaves its pool segments
+        behind, since nothing in the process could unlink them: they are unlinked here, once it is
+        dead. A daemon that exits by itself must have removed its own. One that does not stop
+        within ``timeout`` is killed, cleaned up after, and the TimeoutExpired raised."""
+        if self.proc is None:
+            return self.exit_code
         signalled = self.proc.poll() is None
         if signalled:
             self.proc.send_signal(sig)
@@ -131,10 +187,8 @@ class Daemon:
         except subprocess.TimeoutExpired:  # hung: kill it, clean up after it, and say so
             self.proc.kill()
             self._finish(self.proc.wait(), killed=True)
-            self.proc = None
             raise
         self._finish(rc, killed=signalled and sig == signal.SIGKILL)
-        self.proc = None
         return rc
 
     def _finish(self, rc: int, *, killed: bool) -> None:
@@ -144,6 +198,26 @@ class Daemon:
             self._pump.join(10)  # EOF comes with the process's end: the log is complete after this
         if killed or rc < 0:
             remove_segments(self.segments | pool_segments(self.proc.pid))  # the pid covers unannounced ones
+        self.exit_code = rc
+        self.proc = None
+
+    def close(self) -> None:
+        """Stop the daemon if it runs, and remove ``root`` if :meth:`temp` made it."""
+        try:
+            self.stop()
+        finally:
+            if self._owns_root:
+                shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> Daemon:
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def metrics_url(self) -> str:

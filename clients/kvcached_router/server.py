@@ -144,6 +144,8 @@ class RouterService:
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)  # each has left its finally blocks
+        self._tasks.clear()
         for sub in self.subscribers:
             await sub.stop()
         for c in self._audit_clients.values():
