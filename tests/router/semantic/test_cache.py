@@ -51,6 +51,16 @@ def ask(query: str, tenant: str = "t:a", model: str = "m", system: str = "You he
     return CacheRequest(tenant, model, system, context, query)
 
 
+def test_a_language_without_guards_is_served_by_the_exact_path_only(minilm):
+    # with thresholds that would take anything, only the language rule stands between the two
+    cache = make(minilm, PERMISSIVE)
+    cache.store(ask("¿Cómo activo la cuenta?"), "Pulse «Activar».", 9)
+    assert cache.lookup(ask("¿Cómo activo la cuenta?")).outcome == EXACT
+    assert cache.lookup(ask("¿Cómo  activo la cuenta？")).outcome == EXACT  # normalised: spaces, full width
+    missed = cache.lookup(ask("¿Cómo desactivo la cuenta?"))
+    assert missed.outcome == MISS and missed.reason == "guard:language", missed
+
+
 def test_an_exact_repeat_hits_on_normalised_text_in_microseconds():
     cache = make()
     assert cache.lookup(ask("Where is my order 1234?")).outcome == MISS

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvcached_router.semantic.embed import AutoEmbedder
 from kvcached_router.semantic.features import analyse, typo_equal
 from kvcached_router.semantic.guards import REASONS, check, compare, content_overlap
 from kvcached_router.semantic.lexicon import stem
@@ -91,6 +92,29 @@ def test_each_trap_is_refused_for_its_reason_both_ways(reason, a, b):
 def test_repeats_and_paraphrases_pass_every_guard(a, b):
     assert check(a, b) is None
     assert check(b, a) is None
+
+
+#: Questions in languages the word lists do not cover, each pair a trap (cancel / confirm, add a
+#: negation, save / delete, switch on / off, change / reset): only the exact path may serve them.
+UNGUARDED = [
+    ("¿Cómo cancelo mi pedido?", "¿Cómo confirmo mi pedido?"),  # Spanish, by its stopwords and ¿
+    ("Wo ist der nächste Bahnhof?", "Wo ist der nächste Bahnhof nicht?"),  # German, by its stopwords
+    ("ファイルを保存する方法", "ファイルを削除する方法"),  # kana
+    ("Как включить звук?", "Как выключить звук?"),  # Cyrillic
+    ("Şifremi nasıl değiştiririm?", "Şifremi nasıl sıfırlarım?"),  # Turkish: Latin letters English does not use
+]
+
+
+@pytest.mark.parametrize("a,b", UNGUARDED, ids=[a[:20] for a, _ in UNGUARDED])
+def test_a_language_the_guards_cannot_read_gets_no_semantic_match(a, b):
+    for q, c in ((a, b), (b, a), (a, a)):  # not even its own repeat: that is the exact path's
+        r = check(q, c)
+        assert r is not None and r.reason == "language" and r.detail.startswith("no guards for"), (q, c, r)
+
+
+def test_english_with_the_accents_it_borrows_and_chinese_with_latin_words_are_read():
+    assert check("Where is the nearest café?", "Where's the nearest café?") is None
+    assert check("MySQL 怎么备份", "MySQL 如何备份", AutoEmbedder.scripts) is None  # the default embedder reads Han
 
 
 def test_the_fixture_set_every_trap_refused_every_repeat_passes():
