@@ -66,7 +66,7 @@ LEADING_GREETINGS = frozenset({"morning", "afternoon", "evening", "good", "team"
 
 #: Words that negate what follows (contractions are expanded to "not" before counting).
 NEGATION_CUES = frozenset("""
-not no never none nothing nobody nowhere neither nor without cannot avoid non
+not no never none nothing nobody nowhere neither nor without cannot avoid avoiding avoids avoided non
 """.split())
 
 #: Verbs that negate the activity right after them ("stop watering", "quit smoking"), and only
@@ -75,12 +75,12 @@ STOP_WORDS = frozenset({"stop", "stopped", "stops", "quit", "cease"})
 
 #: Prefixes that negate the word they are attached to: w vs un+w is a negation ("non-" is a
 #: word of its own once hyphens split words, and a negation cue).
-NEGATING_PREFIXES = ("un", "non", "dis", "in", "im", "il", "ir")
+NEGATING_PREFIXES = ("un", "non", "dis", "in", "im", "il", "ir", "de")
 
 #: Pairs whose two sides ask opposite questions. Each side may list several words.
 ANTONYMS: tuple[tuple[str, str], ...] = (
     ("open", "close closed shut"), ("on", "off"), ("in", "out"), ("enable", "disable"),
-    ("include included inclusive cover covered", "exclude excluded exclusive"), ("add", "remove delete"),
+    ("include included inclusive cover covered", "exclude excluded exclusive omit"), ("add", "remove delete"),
     ("increase raise bigger larger higher", "decrease reduce lower smaller less fewer"), ("upgrade", "downgrade"),
     ("accept approve approved", "decline reject rejected refuse"),
     ("allow allowed permit permitted legal lawful",
@@ -110,7 +110,14 @@ ANTONYMS: tuple[tuple[str, str], ...] = (
     ("outstanding good", "inadequate bad poor"),
     ("healthy", "unhealthy"), ("improve", "damage worsen"), ("help", "harm"), ("push", "pull"),
     ("employed", "unemployed"), ("work working functioning", "broken faulty fault malfunctioning"),
-    ("online digital", "paper offline store post"),
+    ("online digital", "paper offline store post person"),
+    ("expand", "collapse"), ("attach", "detach"), ("boil boiling", "freeze freezing"),
+    ("formal", "casual informal"), ("hire", "fire"), ("inhale", "exhale"), ("encrypt", "decrypt"),
+    ("ascending", "descending"), ("minimize minimise", "maximize maximise"), ("sunrise", "sunset"),
+    ("gain", "lose"), ("rise", "fall"), ("lengthen", "shorten"), ("tighten", "loosen"), ("undo", "redo"),
+    ("save keep", "discard"), ("bold", "italic"), ("direct nonstop", "connecting layover stopover"),
+    ("single", "married double"), ("vegetarian", "vegan"), ("savings", "checking"),
+    ("reply", "forward"), ("newest latest", "oldest earliest"),
 )
 
 #: Who a question is about or for; words in one group mean the same audience. A question for
@@ -168,7 +175,7 @@ HALF_DAYS = {"am": frozenset({"morning"}), "pm": frozenset({"afternoon", "evenin
 CURRENCY_WORDS = {"pound": "£", "pounds": "£", "quid": "£", "gbp": "£", "dollar": "$", "dollars": "$",
                   "usd": "$", "euro": "€", "euros": "€", "eur": "€", "yen": "¥", "jpy": "¥"}
 #: Words that make a date out of the unit after them: "next week", "same day", "last year".
-DATE_RELATIVE = frozenset({"next", "last", "previous", "this", "same", "coming", "following"})
+DATE_RELATIVE = frozenset({"next", "last", "previous", "this", "same", "coming", "following", "first", "final"})
 DATE_UNITS = frozenset({"day", "week", "month", "year", "weekend", "quarter", "term", "fortnight",
                         "season", "hour", "time"})
 

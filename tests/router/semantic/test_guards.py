@@ -23,6 +23,12 @@ REFUSED = [
     ("negation", "Do you deliver with a signature?", "Do you deliver without a signature?"),
     ("negation", "Is it legal to park here at night?", "Is it illegal to park here at night?"),
     ("negation", "Which apps use the most battery?", "Which apps use the least battery?"),
+    ("negation", "How do I activate my card?", "How do I deactivate my card?"),  # de-
+    ("negation", "How do I expand all folders?", "How do I collapse all folders?"),
+    ("negation", "What's the quickest route home avoiding tolls?", "What's the quickest route home using tolls?"),
+    ("negation", "How do I sort emails by newest first?", "How do I sort emails by oldest first?"),
+    ("negation", "Is the flight direct?", "Is the flight connecting?"),
+    ("date", "Can I cancel within the first week?", "Can I cancel within the first month?"),
     # numbers, in digits or words, with units and currencies
     ("number", "Track parcel 55821", "Track parcel 55812"),
     ("number", "Is there a room for 2 people?", "Is there a room for 4 people?"),
@@ -75,6 +81,9 @@ SERVED = [
     ("How do I unlock my phone?", "How can I unlock my phone?"),
     ("What's the price for non-members?", "How much does it cost if I'm not a member?"),
     ("如何关闭深色模式？", "如何关闭深色模式?"),
+    ("How do I deactivate my account?", "How can I deactivate my account?"),
+    ("What's the best way to debug Python code?", "How do I debug Python code?"),
+    ("How do I delay a scheduled email?", "How can I delay sending a scheduled email?"),
 ]
 
 
