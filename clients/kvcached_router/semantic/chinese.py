@@ -245,3 +245,45 @@ def antonym_refusal(q_words: Iterable[str], q_text: str, c_words: Iterable[str],
 
 
 _ANTONYM_SIDES = tuple((tuple(a.split()), tuple(b.split())) for a, b in zh.ANTONYMS)
+
+
+_CHAR_OPPOSITE = {a: b for pair in zh.CHAR_ANTONYMS for a, b in (pair, pair[::-1])}
+
+
+def char_antonym_refusal(q_text: str, c_text: str) -> str | None:
+    """The opposite characters that tell two Chinese texts apart when nothing else does: with
+    their common start and end removed, what is left is at most two characters on each side, as
+    many on both, and at one place a pair of :data:`lexicon_zh.CHAR_ANTONYMS` (这件衣服有大码吗 /
+    这件衣服有小码吗: 大/小). Words the segmenter keeps whole (大码) escape the word lists; a longer
+    difference is the word lists' and the threshold's to judge (饭前还是饭后 / 饭后还是饭前 is the
+    same question)."""
+    n = 0
+    while n < min(len(q_text), len(c_text)) and q_text[n] == c_text[n]:
+        n += 1
+    m = 0
+    while m < min(len(q_text), len(c_text)) - n and q_text[-1 - m] == c_text[-1 - m]:
+        m += 1
+    dq, dc = q_text[n:len(q_text) - m], c_text[n:len(c_text) - m]
+    if not 0 < len(dq) == len(dc) <= 2:
+        return None
+    for a, b in zip(dq, dc):
+        if _CHAR_OPPOSITE.get(a) == b:
+            return f"{a}/{b}"
+    return None
+
+
+_TO = "(?:" + "|".join(sorted(map(re.escape, zh.ROUTE_WORDS), key=len, reverse=True)) + ")"
+_PLACE = "([\u4e00-\u9fff]{2,6}?)"
+_AFTER = "(?=的|[^\u4e00-\u9fff]|坐|乘|怎么|要|需要|多|几|吗|$)"
+_ROUTES = (re.compile("从" + _PLACE + _TO + _PLACE + _AFTER), re.compile("^" + _PLACE + _TO + _PLACE + _AFTER))
+
+
+def route(text: str) -> tuple[str, str] | None:
+    """(from, to) of a trip a Chinese text names (从北京到上海的机票, 北京飞上海要多久 ->
+    (北京, 上海)), or None: after 从 anywhere, else at the start of the text. Only compared
+    between two texts (:func:`guards._entity`: the same two places, swapped)."""
+    for pattern in _ROUTES:
+        m = pattern.search(text)
+        if m:
+            return m.group(1), m.group(2)
+    return None

@@ -52,7 +52,7 @@ from .features import EMBEDDABLE_SCRIPTS, Features, analyse, typo_equal
 #: and typing slips), ``edit`` (at least half of them shared), ``reworded`` (the rest).
 TIERS = ("same", "edit", "reworded")
 #: Bumped whenever a rule or word list changes what is refused: a calibration records it.
-GUARDS_VERSION = 4
+GUARDS_VERSION = 5
 #: The languages the word lists cover (lexicon.py, lexicon_zh.py). A semantic match needs both texts
 #: in one of them; see :func:`unguarded`.
 GUARDED_LANGUAGES = frozenset({"en", "zh"})
@@ -218,7 +218,7 @@ def _negation(q: Features, c: Features) -> Refusal | None:
     if q.negations != c.negations:
         return Refusal("negation", f"negation cues {list(q.negation_cues)} vs {list(c.negation_cues)}")
     if q.language == "zh" and c.language == "zh":
-        pair = chinese.antonym_refusal(q.words, q.text, c.words, c.text)
+        pair = chinese.antonym_refusal(q.words, q.text, c.words, c.text) or chinese.char_antonym_refusal(q.text, c.text)
         if pair is not None:
             return Refusal("negation", f"antonyms {pair}")
     only_q, only_c = q.stems - c.stems, c.stems - q.stems
@@ -259,6 +259,10 @@ def _entity(q: Features, c: Features) -> Refusal | None:
     colours_q, colours_c = q.words & lx.COLOURS, c.words & lx.COLOURS
     if colours_q != colours_c:
         return Refusal("entity", f"colour {sorted(colours_q)} vs {sorted(colours_c)}")
+    if q.language == "zh" and c.language == "zh":
+        trip_q, trip_c = chinese.route(q.text), chinese.route(c.text)
+        if trip_q and trip_c and trip_q == trip_c[::-1]:
+            return Refusal("entity", f"swapped: {'→'.join(trip_q)} vs {'→'.join(trip_c)}")
     content_q, content_c = set(q.content), set(c.content)
     for prep, x in q.prep_objects - c.prep_objects:
         for prep2, y in c.prep_objects - q.prep_objects:

@@ -30,6 +30,11 @@ REFUSED = [
     ("negation", "怎么打开蓝牙", "怎么关闭蓝牙"),
     ("negation", "网银怎么登录", "网银怎么退出登录"),
     ("negation", "空调制冷模式怎么设置", "空调制热模式怎么设置"),
+    ("negation", "这件衣服有大码吗", "这件衣服有小码吗"),  # one character apart: 大/小
+    ("negation", "如何放大图片", "如何缩小图片"),
+    ("negation", "如何开通流量包", "如何退订流量包"),
+    ("entity", "从北京到上海的机票多少钱", "从上海到北京的机票多少钱"),  # the same places, swapped
+    ("entity", "广州飞成都要多久", "成都飞广州要多久"),
     ("number", "三百五十元能买什么", "三百元能买什么"),
     ("number", "两个人的套餐多少钱", "3个人的套餐多少钱"),
     ("number", "Windows 10 怎么激活", "Windows 11 怎么激活"),
@@ -57,6 +62,9 @@ ACCEPTED = [
     ("Kubernetes 的 Pod 一直重启怎么排查", "Kubernetes 的 Pod 不停重启怎么排查"),
     ("Excel 怎么冻结首行", "Excel 怎么冻结第一行"),
     ("5G 套餐每月多少钱", "5G 套餐月租是多少"),
+    ("订单已经发货了吗", "我的订单发货了没有"),  # 了没有 asks, it does not negate
+    ("这个药饭前吃还是饭后吃", "这个药饭后吃还是饭前吃"),  # the same two choices
+    ("从北京到上海的机票多少钱", "北京到上海的机票多少钱"),
 ]
 
 
