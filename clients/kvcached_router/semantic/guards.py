@@ -52,7 +52,7 @@ from .features import EMBEDDABLE_SCRIPTS, Features, analyse, typo_equal
 #: and typing slips), ``edit`` (at least half of them shared), ``reworded`` (the rest).
 TIERS = ("same", "edit", "reworded")
 #: Bumped whenever a rule or word list changes what is refused: a calibration records it.
-GUARDS_VERSION = 5
+GUARDS_VERSION = 6
 #: The languages the word lists cover (lexicon.py, lexicon_zh.py). A semantic match needs both texts
 #: in one of them; see :func:`unguarded`.
 GUARDED_LANGUAGES = frozenset({"en", "zh"})
@@ -191,7 +191,22 @@ def _number(q: Features, c: Features) -> Refusal | None:
     if q.numbers != c.numbers:
         a, b = Counter(q.numbers), Counter(c.numbers)
         return Refusal("number", f"{sorted((a - b).elements())} vs {sorted((b - a).elements())}")
+    differ = _closed_class(q, c, _UNITS)
+    return Refusal("number", f"units {differ}") if differ else None
+
+
+def _closed_class(q: Features, c: Features, members: dict[str, int]) -> str | None:
+    """The members of a closed class (:data:`lexicon.UNITS`, :data:`lexicon.TRANSPORT`) each text
+    names, when both name some and not the same ones; else None."""
+    mine, theirs = {members[w] for w in q.words if w in members}, {members[w] for w in c.words if w in members}
+    if mine and theirs and mine != theirs:
+        names = [sorted(w for w in f.words if members.get(w) in s) for f, s in ((q, mine - theirs), (c, theirs - mine))]
+        return f"{names[0]} vs {names[1]}"
     return None
+
+
+_UNITS = {w: i for i, names in enumerate(lx.UNITS) for w in names.split()}
+_TRANSPORT = {w: i for i, names in enumerate(lx.TRANSPORT) for w in names.split()}
 
 
 def _date(q: Features, c: Features) -> Refusal | None:
@@ -259,6 +274,8 @@ def _entity(q: Features, c: Features) -> Refusal | None:
     colours_q, colours_c = q.words & lx.COLOURS, c.words & lx.COLOURS
     if colours_q != colours_c:
         return Refusal("entity", f"colour {sorted(colours_q)} vs {sorted(colours_c)}")
+    if differ := _closed_class(q, c, _TRANSPORT):
+        return Refusal("entity", f"travel {differ}")
     if q.language == "zh" and c.language == "zh":
         trip_q, trip_c = chinese.route(q.text), chinese.route(c.text)
         if trip_q and trip_c and trip_q == trip_c[::-1]:

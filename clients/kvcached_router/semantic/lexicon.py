@@ -67,6 +67,7 @@ LEADING_GREETINGS = frozenset({"morning", "afternoon", "evening", "good", "team"
 #: Words that negate what follows (contractions are expanded to "not" before counting).
 NEGATION_CUES = frozenset("""
 not no never none nothing nobody nowhere neither nor without cannot avoid avoiding avoids avoided non
+fail fails failed failing
 """.split())
 
 #: Verbs that negate the activity right after them ("stop watering", "quit smoking"), and only
@@ -117,7 +118,8 @@ ANTONYMS: tuple[tuple[str, str], ...] = (
     ("gain", "lose"), ("rise", "fall"), ("lengthen", "shorten"), ("tighten", "loosen"), ("undo", "redo"),
     ("save keep", "discard"), ("bold", "italic"), ("direct nonstop", "connecting layover stopover"),
     ("single", "married double"), ("vegetarian", "vegan"), ("savings", "checking"),
-    ("reply", "forward"), ("newest latest", "oldest earliest"),
+    ("reply", "forward"), ("newest latest", "oldest earliest"), ("all every everyone everybody", "some few"),
+    ("must", "may"), ("hard", "soft"),
 )
 
 #: Who a question is about or for; words in one group mean the same audience. A question for
@@ -126,6 +128,7 @@ AUDIENCES: tuple[str, ...] = (
     "adult adults grown-up grown-ups", "child children kid kids toddler toddlers", "baby babies infant infants",
     "teenager teenagers teen teens", "senior seniors pensioner pensioners elderly retiree retirees",
     "student students pupil pupils", "undergraduate undergraduates", "postgraduate postgraduates master's masters phd",
+    "beginner beginners novice novices newbie newbies", "expert experts",
     "employee employees hire hires new-hire", "individual individuals personal", "family families household",
     "business businesses company companies corporate", "self-employed freelancer freelancers", "contractor contractors",
     "visitor visitors guest guests", "resident residents", "tenant tenants renter renters", "landlord landlords",
@@ -137,6 +140,29 @@ AUDIENCES: tuple[str, ...] = (
 
 #: Colours: a closed class that names which thing is meant ("the red light" is not "the blue").
 COLOURS = frozenset("red blue green yellow black white orange purple pink brown grey gray silver gold".split())
+
+#: Closed classes of which two texts that both name one must name the same: units and currencies
+#: ("5 km" is not "5 miles", tablespoons are not teaspoons, a price in dollars not one in euros)
+#: and ways to travel ("by train" is not "by bus"). Each string is one member's names; a text
+#: that names none of a class is not compared on it ("cancel my flight" / "cancel my booking").
+UNITS: tuple[str, ...] = (
+    "km kms kilometer kilometers kilometre kilometres", "mile miles", "meter meters metre metres",
+    "cm centimeter centimeters centimetre centimetres", "mm millimeter millimeters millimetre millimetres",
+    "inch inches", "ft foot feet", "yard yards", "kg kgs kilo kilos kilogram kilograms", "gram grams",
+    "lb lbs pound pounds", "oz ounce ounces", "liter liters litre litres",
+    "ml milliliter milliliters millilitre millilitres", "gallon gallons", "pint pints", "quart quarts",
+    "tablespoon tablespoons tbsp", "teaspoon teaspoons tsp", "celsius centigrade", "fahrenheit", "kelvin",
+    "mph", "kph", "kb kilobyte kilobytes", "mb megabyte megabytes", "gb gigabyte gigabytes",
+    "tb terabyte terabytes", "calorie calories kcal", "kilojoule kilojoules kj", "acre acres",
+    "hectare hectares", "watt watts", "kilowatt kilowatts kw kwh", "volt volts", "amp amps ampere amperes",
+    "dollar dollars usd buck bucks", "euro euros eur", "yen jpy", "yuan rmb cny renminbi", "rupee rupees inr",
+    "peso pesos", "franc francs chf", "krw", "rouble roubles ruble rubles", "bitcoin bitcoins btc",
+)
+TRANSPORT: tuple[str, ...] = (
+    "train trains rail railway", "bus buses", "car cars driving", "taxi taxis cab cabs uber",
+    "plane planes flight flights flying airplane", "ferry ferries boat boats", "bike bikes bicycle bicycles cycling",
+    "walking foot", "subway metro", "tram trams", "motorbike motorcycle scooter",
+)
 
 #: Number words (values); "one" is left out: "a quick one", "which one" are not numbers.
 NUMBER_WORDS: dict[str, float] = {  # "half", "quarter": fractions

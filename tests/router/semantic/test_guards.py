@@ -29,6 +29,11 @@ REFUSED = [
     ("negation", "How do I sort emails by newest first?", "How do I sort emails by oldest first?"),
     ("negation", "Is the flight direct?", "Is the flight connecting?"),
     ("date", "Can I cancel within the first week?", "Can I cancel within the first month?"),
+    ("number", "How many tablespoons in a cup?", "How many teaspoons in a cup?"),  # units
+    ("number", "Can I pay in dollars at the airport?", "Can I pay in euros at the airport?"),
+    ("entity", "How do I get to the airport by train?", "How do I get to the airport by bus?"),  # travel
+    ("negation", "Why does my app fail to start?", "Why does my app start?"),
+    ("scope", "Is the trail suitable for beginners?", "Is the trail suitable for experts?"),
     # numbers, in digits or words, with units and currencies
     ("number", "Track parcel 55821", "Track parcel 55812"),
     ("number", "Is there a room for 2 people?", "Is there a room for 4 people?"),
@@ -84,6 +89,10 @@ SERVED = [
     ("How do I deactivate my account?", "How can I deactivate my account?"),
     ("What's the best way to debug Python code?", "How do I debug Python code?"),
     ("How do I delay a scheduled email?", "How can I delay sending a scheduled email?"),
+    ("Why does my app fail to start?", "Why won't my app start?"),
+    ("How many pounds is 5 kg?", "Convert 5 kg to pounds"),
+    ("Can I cancel my flight?", "Is it possible to cancel my flight?"),
+    ("How far is the station on foot?", "How far is the station walking?"),
 ]
 
 
