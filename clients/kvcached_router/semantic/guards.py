@@ -16,19 +16,22 @@ language      the two texts are in two languages (Chinese vs English: the answer
               or "アップロード" / "ダウンロード" differ
 slot          both texts are ``label: value`` with the same label and another value (or the same
               value under another label), or their quoted spans differ
-number        the numbers differ (digits, number words: "two" = 2, "£50" is not "50 USD")
+number        the numbers differ (digits, number words: "two" = 2, "£50" is not "50 USD"), or both
+              texts name units or currencies and not the same ones (tablespoons / teaspoons,
+              km / miles, dollars / euros)
 date          weekdays, months, "tomorrow", "next week", am/pm differ
 negation      the count of negation cues differs ("don't", "never", "without", "stop", ...; 不, 没,
               未, 别, 无, 非 outside fixed words like 不错, 未来), or a word on one side has its
               antonym on the other (open/closed, eat/avoid, enable/disable, include/exclude;
-              开通/取消, 上传/下载, 冻结/解冻), or its negated form (lock/unlock, refundable/
-              non-refundable)
+              开通/取消, 上传/下载, 冻结/解冻; in Chinese also opposite characters one place apart,
+              大码/小码), or its negated form (lock/unlock, refundable/non-refundable,
+              activate/deactivate)
 entity        a capitalised name, id, email or URL of one text is missing from the other (in Chinese
               text: any Latin word, and the places, organisations and brands the segmenter
-              names), the
-              colours differ ("the red light" / "the blue light"), or the
-              same words swap sides of a preposition ("from savings to current" vs "from current
-              to savings")
+              names), the colours differ ("the red light" / "the blue light"), both name ways to
+              travel and not the same ("by train" / "by bus"), or the same words swap sides of a
+              preposition ("from savings to current" vs "from current to savings"; in Chinese a
+              trip's places: 从北京到上海 / 从上海到北京)
 scope         they are about or for different people: adults / children, employees /
               self-employed, tenants / landlords (:data:`lexicon.AUDIENCES`), 儿童 / 成人,
               个人 / 企业, 国内 / 国外 (:data:`lexicon_zh.AUDIENCES`)
