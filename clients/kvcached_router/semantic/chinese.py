@@ -247,7 +247,7 @@ def antonym_refusal(q_words: Iterable[str], q_text: str, c_words: Iterable[str],
 _ANTONYM_SIDES = tuple((tuple(a.split()), tuple(b.split())) for a, b in zh.ANTONYMS)
 
 
-_CHAR_OPPOSITE = {a: b for pair in zh.CHAR_ANTONYMS for a, b in (pair, pair[::-1])}
+_CHAR_OPPOSITE = {pair[i]: pair[1 - i] for pair in zh.CHAR_ANTONYMS for i in (0, 1)}
 
 
 def char_antonym_refusal(q_text: str, c_text: str) -> str | None:
