@@ -33,6 +33,7 @@ REFUSED = [
     ("negation", "这件衣服有大码吗", "这件衣服有小码吗"),  # one character apart: 大/小
     ("negation", "如何放大图片", "如何缩小图片"),
     ("negation", "如何开通流量包", "如何退订流量包"),
+    ("negation", "二手房需要交契税吗", "二手房免交契税吗"),
     ("entity", "从北京到上海的机票多少钱", "从上海到北京的机票多少钱"),  # the same places, swapped
     ("entity", "广州飞成都要多久", "成都飞广州要多久"),
     ("number", "三百五十元能买什么", "三百元能买什么"),
