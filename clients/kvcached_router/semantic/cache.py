@@ -46,6 +46,9 @@ import numpy as np
 from kvcached_client.policy import CachePolicy
 from kvcached_client.text import normalize, text_key
 
+from .features import Features, analyse
+from .guards import unguarded
+
 EntryId = NewType("EntryId", int)
 
 #: Lookup outcomes.
@@ -55,10 +58,10 @@ EXACT, SEMANTIC, MISS = "exact", "semantic", "miss"
 class Matcher(Protocol):
     """What the cache needs of a matcher (``kvcached_router.semantic.matcher.SemanticMatcher``)."""
 
-    def add(self, entry_id: Any, text: str, vector: Any = None) -> Any: ...
+    def add(self, entry_id: Any, text: str, vector: Any = None, features: Features | None = None) -> Any: ...
     def remove(self, entry_id: Any) -> Any: ...
     def __len__(self) -> int: ...
-    def match(self, text: str, vector: Any = None) -> Any: ...
+    def match(self, text: str, vector: Any = None, features: Features | None = None) -> Any: ...
 
 
 class Embedder(Protocol):
@@ -205,11 +208,16 @@ class SemanticCache:
         return Lookup(MISS, "no_exact" if self._semantic_applies(req) else "exact_only")
 
     def lookup_semantic(self, req: CacheRequest) -> Lookup:
-        """The semantic path only: embed the query, ask its scope's matcher. Blocking."""
+        """The semantic path only: embed the query, ask its scope's matcher. Blocking. A query in a
+        language the guards cannot read (:func:`guards.unguarded`) is not embedded: no candidate
+        could be accepted for it."""
         if not self._semantic_applies(req):
             return Lookup(MISS, "exact_only")
         assert self.embedder is not None
         query = normalize(req.query)
+        features = analyse(query)
+        if unguarded(features) is not None:
+            return Lookup(MISS, "guard:language")
         vector = self.embedder.encode([query])[0]
         scope = req.scope
         with self._match_lock:
@@ -217,7 +225,7 @@ class SemanticCache:
             m = self._scopes.get(scope)
             if m is None or len(m) == 0:
                 return Lookup(MISS, "empty", None, vector=vector)
-            r = m.match(query, vector)
+            r = m.match(query, vector, features)
         sim = float(r.top1_similarity) if r.top1_similarity is not None else None
         if r.entry_id is None:
             return Lookup(MISS, r.reason, sim, vector=vector)
@@ -278,12 +286,17 @@ class SemanticCache:
 
     def index_semantic(self, entry_id: EntryId, vector: np.ndarray | None = None) -> bool:
         """Add a stored entry to its scope's matcher (embedding its query unless ``vector``, the
-        query's embedding from the lookup, is given). False when the entry is gone or exact-only."""
+        query's embedding from the lookup, is given). False when the entry is gone or exact-only,
+        and for a question in a language the guards cannot read: it could never be accepted, and
+        in the index it would only take one of a query's k candidate places."""
         with self._lock:
             e = self._by_id.get(entry_id)
             if e is None or not e.semantic or e.indexed:
                 return False
         assert self.embedder is not None and self._factory is not None
+        features = analyse(e.query)
+        if unguarded(features) is not None:
+            return False
         if vector is None:
             vector = self.embedder.encode([e.query])[0]
         with self._match_lock:
@@ -295,7 +308,7 @@ class SemanticCache:
             m = self._scopes.get(e.scope)
             if m is None:
                 m = self._scopes[e.scope] = self._factory()
-            m.add(int(e.id), e.query, vector)
+            m.add(int(e.id), e.query, vector, features)
         return True
 
     # -- internals --------------------------------------------------------------------------------

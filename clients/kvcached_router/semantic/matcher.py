@@ -105,14 +105,16 @@ class SemanticMatcher:
     def __contains__(self, entry_id: object) -> bool:
         return entry_id in self.index
 
-    def add(self, entry_id: int, text: str, vector: np.ndarray | None = None) -> None:
-        """Index ``text`` (normalised here) under ``entry_id``, replacing what the id held."""
+    def add(self, entry_id: int, text: str, vector: np.ndarray | None = None,
+            features: Features | None = None) -> None:
+        """Index ``text`` (normalised here) under ``entry_id``, replacing what the id held;
+        ``features``: the text's, when the caller has already read them."""
         text = normalize(text)
         if vector is None:
             vector = self._embed(text)
         self.index.add(int(entry_id), vector)
         self._texts[int(entry_id)] = text
-        self._features[int(entry_id)] = self._analyse(text)
+        self._features[int(entry_id)] = features if features is not None else self._analyse(text)
 
     def remove(self, entry_id: int) -> bool:
         """Forget ``entry_id``; False when it was not there."""
@@ -127,14 +129,14 @@ class SemanticMatcher:
     def text(self, entry_id: int) -> str:
         return self._texts[int(entry_id)]
 
-    def match(self, text: str, vector: np.ndarray | None = None) -> MatchResult:
+    def match(self, text: str, vector: np.ndarray | None = None, features: Features | None = None) -> MatchResult:
         if len(self.index) == 0:
             return MatchResult(None, None, None, EMPTY, 0)
         text = normalize(text)
         if vector is None:
             vector = self._embed(text)
         rows, sims = self.index.search(vector)
-        query = self._analyse(text)
+        query = features if features is not None else self._analyse(text)
         group = language_group(query)
         floor = self.calibration.lowest_threshold
         verdicts: list[Verdict] = []

@@ -51,14 +51,31 @@ def ask(query: str, tenant: str = "t:a", model: str = "m", system: str = "You he
     return CacheRequest(tenant, model, system, context, query)
 
 
+class CountingEmbedder:
+    """``inner`` with a count of the texts it embedded."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.embedded = inner, 0
+        self.dim, self.name, self.scripts = inner.dim, inner.name, inner.scripts
+
+    def encode(self, texts):
+        self.embedded += len(texts)
+        return self.inner.encode(texts)
+
+
 def test_a_language_without_guards_is_served_by_the_exact_path_only(minilm):
     # with thresholds that would take anything, only the language rule stands between the two
-    cache = make(minilm, PERMISSIVE)
-    cache.store(ask("¿Cómo activo la cuenta?"), "Pulse «Activar».", 9)
+    embedder = CountingEmbedder(minilm)
+    cache = make(embedder, PERMISSIVE)
+    entry = cache.store(ask("¿Cómo activo la cuenta?"), "Pulse «Activar».", 9)
     assert cache.lookup(ask("¿Cómo activo la cuenta?")).outcome == EXACT
     assert cache.lookup(ask("¿Cómo  activo la cuenta？")).outcome == EXACT  # normalised: spaces, full width
     missed = cache.lookup(ask("¿Cómo desactivo la cuenta?"))
     assert missed.outcome == MISS and missed.reason == "guard:language", missed
+    # neither stored nor asked was embedded: it could never be accepted, so it takes no candidate place
+    assert embedder.embedded == 0 and not cache.index_semantic(entry)
+    cache.store(ask("How do I activate the account?"), "Press Activate.", 15)
+    assert embedder.embedded == 1  # an English question is
 
 
 def test_an_exact_repeat_hits_on_normalised_text_in_microseconds():
