@@ -109,8 +109,7 @@ def other_languages(auto: AutoEmbedder, shipped: cal.Calibration) -> dict:
         out[name] = {"traps": total.traps, "traps_served": total.false_hits, "should_hit": total.should_hit,
                      "hits": total.hits, "by_language": rows,
                      "served_traps": [{"a": sc.pair.a, "b": sc.pair.b, "similarity": sc.similarity, "tier": sc.tier}
-                                      for sc in scored if not sc.pair.same_answer and sc.refusal is None
-                                      and sc.similarity >= shipped.threshold(sc.tier, sc.group)]}
+                                      for sc in scored if cal.evaluate(shipped, [sc]).false_hits]}
     out["target_met"] = out["shipped"]["traps_served"] == 0
     return out
 
