@@ -172,10 +172,10 @@ def test_lease_read_that_breaks_is_released_and_the_prompt_computed(hf_daemon, m
             req = real_acquire(layout, tokens, **kw)
             leases.append(req.lease)
 
-            def broken_kv():
+            def broken_read(out, first=0):
                 raise InvalidArgumentError("chunk 1 failed its checksum")  # any error while reading
 
-            req.lease.kv = broken_kv
+            req.lease.copy_into = broken_read
             return req
 
         monkeypatch.setattr(c, "acquire_reserve", acquire)
