@@ -67,6 +67,7 @@ class ChineseReading:
     words: list[str] = field(default_factory=list)  # jieba's words, in order
     content: list[str] = field(default_factory=list)  # words that carry meaning (question words canonical)
     cues: list[str] = field(default_factory=list)  # negation characters, with a little context
+    negated: set[str] = field(default_factory=set)  # the two characters after each negation character
     numbers: list[str] = field(default_factory=list)  # canonical values ("350", "2", "5%", "#3")
     dates: set[str] = field(default_factory=set)
     frequencies: set[str] = field(default_factory=set)  # 每月 -> monthly
@@ -126,6 +127,9 @@ def _read_cues(han: str, r: ChineseReading) -> None:
     for i, ch in enumerate(masked):
         if ch in zh.NEGATION_CHARS:
             r.cues.append(han[i:i + 2])
+            after = han[i + 1:i + 3]
+            if len(after) == 2 and " " not in after and not any(c in zh.NEGATION_CHARS for c in after):
+                r.negated.add(after)
 
 
 def _read_dates(han: str, r: ChineseReading) -> str:
@@ -287,3 +291,34 @@ def route(text: str) -> tuple[str, str] | None:
         if m:
             return m.group(1), m.group(2)
     return None
+
+
+_UNDO = "取消|解除|撤销|撤回"
+_UNDONE = re.compile("(?:" + _UNDO + ")掉?(?:[^\u4e00-\u9fff]|别人的|他人的|对方的|所有的|某个|某一|这个|那个|的)*"
+                     "([^了的吗呢吧啊后时就掉\u0000-\u4dff\ua000-\uffff][\u4e00-\u9fff])")
+_STOPS = re.compile(_UNDO + "|停止|停用|关闭|关掉|退订|退掉|注销|不再|不要|删除|去掉|禁用|作废|撤")
+
+
+def undo_refusal(q_text: str, c_text: str) -> str | None:
+    """取消 (解除, 撤销, 撤回) X on one side, X without any undoing on the other: the opposite
+    actions (把别人静音 / 取消别人的静音, 隐藏某一列 / 取消隐藏某一列), for every X, not only the
+    pairs :data:`lexicon_zh.ANTONYMS` lists. Not when the other side stops or removes in other
+    words (停止自动续费 / 取消自动续费 ask the same)."""
+    for mine, other in ((q_text, c_text), (c_text, q_text)):
+        if _STOPS.search(other):
+            continue
+        for m in _UNDONE.finditer(mine):
+            if m.group(1) in other:
+                return f"{m.group(1)}/{m.group(0).strip()}"
+    return None
+
+
+def affirms(text: str, words: Iterable[str]) -> bool:
+    """Whether ``text`` says one of ``words`` without a negation character right before it."""
+    for w in words:
+        start = text.find(w)
+        while start >= 0:
+            if start == 0 or text[start - 1] not in zh.NEGATION_CHARS:
+                return True
+            start = text.find(w, start + 1)
+    return False

@@ -25,7 +25,8 @@ EMBEDDABLE_SCRIPTS = MINILM_SCRIPTS
 #: Offset of the Chinese audience groups (lexicon_zh.AUDIENCES) in ``Features.audiences``.
 ZH_AUDIENCE = 1000
 
-_CONTACT = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+|https?://\S+|www\.\S+|(?<!\w)[@#]\w+")
+#: Emails, URLs, @handles and #tags: entities. "#12345" is a number (an order's), as "# 12345" is.
+_CONTACT = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+|https?://\S+|www\.\S+|(?<!\w)@\w+|(?<!\w)#(?!\d+\b)\w+")
 _QUOTED = re.compile(r'"([^"]+)"|`([^`]+)`|(?<!\w)\'([^\']+)\'(?!\w)')
 _LABEL = re.compile(r"^([^:\n]{1,80}?)(?<!\d):(?!\d)\s*(.+)$", re.S)
 _TOKEN = re.compile(r"[£$€¥]?\w+(?:['.,:/]\w+)*")
@@ -61,6 +62,10 @@ class Features:
     quoted: tuple[str, ...]  # quoted or back-ticked spans
     letters_by_script: tuple[tuple[str, str], ...] = ()  # (script, its letters in order), every script
     frequencies: frozenset[str] = frozenset()  # "daily", "monthly", ...: how often, not when
+    #: What the negation cues negate: in English the stem of the content word after each cue
+    #: ("haven't received" -> "receiv"), in Chinese the two characters after each negation
+    #: character (没到账 -> 到账). A rough scope, read only by the negation guard's crossing rule.
+    negated: frozenset[str] = frozenset()
 
     def letters_outside(self, readable: frozenset[str]) -> str:
         """The letters of the scripts an embedder reading ``readable`` cannot read, in order."""
@@ -209,6 +214,7 @@ def analyse(text: str) -> Features:
     for mt in _TOKEN.finditer(body):
         initial = _starts_sentence(body, mt.start())
         raw.extend((piece, initial and k == 0) for k, piece in enumerate(_expand(mt.group())))
+    raw = _with_no(raw)
     # In Title Case or ALL CAPS text a capital says nothing: that shows on the small words.
     reader.case_informative = not any(tok[:1].isupper() and not initial and tok.lower() in lx.FUNCTION_WORDS
                                       and tok != "I" for tok, initial in raw)
@@ -233,6 +239,7 @@ def analyse(text: str) -> Features:
         r.stems.update(zh.words)
         r.content.extend(zh.content)
         r.cues.extend(zh.cues)
+        r.negated.update(zh.negated)
         r.numbers.extend(zh.numbers)
         r.dates.update(zh.dates)
         frequencies |= zh.frequencies
@@ -244,7 +251,8 @@ def analyse(text: str) -> Features:
         dates=frozenset(r.dates), entities=frozenset(r.entities), audiences=audiences,
         prep_objects=frozenset(r.prep_objects),
         scripts=scripts, foreign_letters=foreign, language=language,
-        label=label, value=value, quoted=quoted, letters_by_script=letters, frequencies=frozenset(frequencies))
+        label=label, value=value, quoted=quoted, letters_by_script=letters, frequencies=frozenset(frequencies),
+        negated=frozenset(r.negated))
 
 
 class _Reader:
@@ -265,6 +273,8 @@ class _Reader:
         self._prev_was_number = False
         self._open_prep: str | None = None
         self._leading = True  # still in the greetings and hesitations a text may open with
+        self.negated: set[str] = set()  # the content word right after each negation cue (stems)
+        self._negate_next = 0  # how many of the next content words a negation cue reaches
 
     def flush_number_words(self) -> None:
         if self._number_words:
@@ -311,6 +321,14 @@ class _Reader:
             self._leading = False
         return False
 
+    def _inverted(self) -> bool:
+        """Whether the "not" just read follows an auxiliary that opens a question ("Why won't my
+        phone charge?", "Isn't the pool open?"): then what it negates is the verb after the subject,
+        so the cue reaches two content words, not one."""
+        t = self.lower_tokens
+        return (len(t) >= 2 and t[-1] == "not" and t[-2] in _AUXILIARIES
+                and (len(t) == 2 or t[-3] in _WH or t[-3] in lx.FILLERS))
+
     def _word(self, tok: str, low: str, initial: bool, next_low: str) -> None:
         if any(ch.isdigit() for ch in tok):
             return  # an id, already taken
@@ -332,13 +350,33 @@ class _Reader:
             self.dates.add(f"{low} {lx.stem(next_low)}")
         elif low in lx.NEGATION_CUES or (low in lx.STOP_WORDS and next_low.endswith("ing") and len(next_low) > 4):
             self.cues.append(low)  # "stop watering" negates watering; "stop my plan renewing" is an action
+            self._negate_next = 0 if low in lx.SELF_NEGATING else 2 if self._inverted() else 1
         elif low in _PREPOSITIONS:
             self._open_prep = low
         elif low not in lx.FUNCTION_WORDS and low not in lx.FILLERS and low not in lx.LIGHT_PREPOSITIONS:
             self.content.append(s)
+            if self._negate_next:
+                self.negated.add(s)
+                self._negate_next -= 1
             if self._open_prep is not None:
                 self.prep_objects.add((self._open_prep, s))
                 self._open_prep = None
+
+
+_AUXILIARIES = frozenset("do does did is are was were have has had can could will would should must shall may might".split())
+_WH = frozenset("why how what when where which who whom whose".split())
+
+
+def _with_no(raw: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+    """"with no" read as "without" ("a room with no window" asks what "a room without a window"
+    asks; else "with" would be the antonym of the other text's "without")."""
+    out: list[tuple[str, bool]] = []
+    for tok, initial in raw:
+        if tok.lower() == "no" and out and out[-1][0].lower() == "with":
+            out[-1] = ("without", out[-1][1])
+        else:
+            out.append((tok, initial))
+    return out
 
 
 def _audiences(lower_tokens: list[str]) -> dict[int, str]:

@@ -15,17 +15,24 @@ language      the two texts are in two languages (Chinese vs English: the answer
               served by the exact path only, since nothing here would see "activar" / "desactivar"
               or "アップロード" / "ダウンロード" differ
 slot          both texts are ``label: value`` with the same label and another value (or the same
-              value under another label), or their quoted spans differ
+              value under another label), their quoted spans differ, or both name a member of a
+              closed class and not the same ones: sizes, diets, seats, beds, delivery speeds
+              (medium / large, vegan / halal, window / aisle); in Chinese colours, languages and
+              spice levels (白色 / 蓝色, 中文 / 韩文, 微辣 / 特辣)
 number        the numbers differ (digits, number words: "two" = 2, "£50" is not "50 USD"), or both
               texts name units or currencies and not the same ones (tablespoons / teaspoons,
               km / miles, dollars / euros)
-date          weekdays, months, "tomorrow", "next week", am/pm differ
+date          weekdays, months, "tomorrow", "next week", am/pm differ, or each text names a span of
+              time the other does not ("after 2 weeks" / "after 2 months")
 negation      the count of negation cues differs ("don't", "never", "without", "stop", ...; 不, 没,
               未, 别, 无, 非 outside fixed words like 不错, 未来), or a word on one side has its
               antonym on the other (open/closed, eat/avoid, enable/disable, include/exclude;
               开通/取消, 上传/下载, 冻结/解冻; in Chinese also opposite characters one place apart,
-              大码/小码), or its negated form (lock/unlock, refundable/non-refundable,
-              activate/deactivate)
+              大码/小码; 取消 X against X, 把别人静音/取消别人的静音), or its negated form
+              (lock/unlock, refundable/non-refundable, activate/deactivate); or the negations are
+              as many but crossed: each side negates a word the other says ("delivered but not
+              received" / "not delivered but received"; "credit instead of a refund" / "a refund
+              instead of credit"; 收到了短信但钱没到账 / 没收到短信但钱到账了)
 entity        a capitalised name, id, email or URL of one text is missing from the other (in Chinese
               text: any Latin word, and the places, organisations and brands the segmenter
               names), the colours differ ("the red light" / "the blue light"), both name ways to
@@ -49,13 +56,14 @@ from functools import lru_cache
 
 from . import chinese
 from . import lexicon as lx
+from . import lexicon_zh as zh
 from .features import EMBEDDABLE_SCRIPTS, Features, analyse, typo_equal
 
 #: How much two texts' meaningful words differ: ``same`` (none, after fillers, function words
 #: and typing slips), ``edit`` (at least half of them shared), ``reworded`` (the rest).
 TIERS = ("same", "edit", "reworded")
 #: Bumped whenever a rule or word list changes what is refused: a calibration records it.
-GUARDS_VERSION = 7
+GUARDS_VERSION = 8
 #: The languages the word lists cover (lexicon.py, lexicon_zh.py). A semantic match needs both texts
 #: in one of them; see :func:`unguarded`.
 GUARDED_LANGUAGES = frozenset({"en", "zh"})
@@ -187,6 +195,9 @@ def _slot(q: Features, c: Features) -> Refusal | None:
             return Refusal("slot", f"{q.label!r} vs {c.label!r} for the same value")
     if q.quoted and c.quoted and q.quoted != c.quoted:
         return Refusal("slot", f"quoted {list(q.quoted)} vs {list(c.quoted)}")
+    for name, members in _SLOT_CLASSES:
+        if differ := _closed_class(q, c, members):
+            return Refusal("slot", f"{name} {differ}")
     return None
 
 
@@ -198,18 +209,43 @@ def _number(q: Features, c: Features) -> Refusal | None:
     return Refusal("number", f"units {differ}") if differ else None
 
 
-def _closed_class(q: Features, c: Features, members: dict[str, int]) -> str | None:
-    """The members of a closed class (:data:`lexicon.UNITS`, :data:`lexicon.TRANSPORT`) each text
-    names, when both name some and not the same ones; else None."""
-    mine, theirs = {members[w] for w in q.words if w in members}, {members[w] for w in c.words if w in members}
-    if mine and theirs and mine != theirs:
-        names = [sorted(w for w in f.words if members.get(w) in s) for f, s in ((q, mine - theirs), (c, theirs - mine))]
+def _named_members(f: Features, members: dict[str, int]) -> dict[str, int]:
+    """The members of a closed class ``f`` names: as words, and (Chinese ones, which a segmenter
+    may cut differently) anywhere in its text."""
+    found = {w: members[w] for w in f.words if w in members}
+    if f.language == "zh":
+        found.update((w, i) for w, i in members.items() if not w.isascii() and w in f.text)
+    return found
+
+
+def _closed_class(q: Features, c: Features, members: dict[str, int], each_side: bool = False) -> str | None:
+    """The members of a closed class (:data:`lexicon.UNITS`, :data:`lexicon.TRANSPORT`, ...) each
+    text names, when both name some and not the same ones; else None. ``each_side``: only when
+    each names one the other does not (a question may name several spans of time: "days of
+    leave after 5 years" asks what "leave after five years" asks)."""
+    named_q, named_c = _named_members(q, members), _named_members(c, members)
+    mine, theirs = set(named_q.values()), set(named_c.values())
+    if mine and theirs and mine != theirs and (not each_side or (mine - theirs and theirs - mine)):
+        names = [sorted(w for w, i in named.items() if i in s) for named, s in ((named_q, mine - theirs),
+                                                                              (named_c, theirs - mine))]
         return f"{names[0]} vs {names[1]}"
     return None
 
 
-_UNITS = {w: i for i, names in enumerate(lx.UNITS) for w in names.split()}
-_TRANSPORT = {w: i for i, names in enumerate(lx.TRANSPORT) for w in names.split()}
+def _members(*classes: tuple[str, ...]) -> dict[str, int]:
+    """Word -> member index of one closed class, from lists of members' space-separated names."""
+    return {w: i for i, names in enumerate(m for cls in classes for m in cls) for w in names.split()}
+
+
+_UNITS = _members(lx.UNITS)
+_TIME_UNITS = _members(lx.TIME_UNITS)
+_TRANSPORT = _members(lx.TRANSPORT)
+#: Closed classes that fill a template's slot (the slot guard): sizes, diets, seats, beds,
+#: delivery speeds; in Chinese text
+#: colours, languages, spice levels.
+_SLOT_CLASSES = (("size", _members(lx.SIZES)), ("diet", _members(lx.DIETS)), ("seat", _members(lx.SEATS)),
+                 ("bed", _members(lx.BEDS)), ("delivery", _members(lx.DELIVERY)), ("colour", _members(zh.COLOURS)),
+                 ("language", _members(zh.LANGUAGES)), ("spice", _members(zh.SPICE)))
 
 
 def _date(q: Features, c: Features) -> Refusal | None:
@@ -223,7 +259,8 @@ def _date(q: Features, c: Features) -> Refusal | None:
         return Refusal("date", f"{sorted(only_q)} vs {sorted(only_c)}")
     if q.frequencies and c.frequencies and q.frequencies != c.frequencies:
         return Refusal("date", f"{sorted(q.frequencies)} vs {sorted(c.frequencies)}")
-    return None
+    differ = _closed_class(q, c, _TIME_UNITS, each_side=True)  # "after 2 weeks" / "after 2 months"
+    return Refusal("date", f"spans {differ}") if differ else None
 
 
 @lru_cache(maxsize=1)
@@ -235,8 +272,11 @@ def _antonym_stems() -> tuple[tuple[frozenset[str], frozenset[str]], ...]:
 def _negation(q: Features, c: Features) -> Refusal | None:
     if q.negations != c.negations:
         return Refusal("negation", f"negation cues {list(q.negation_cues)} vs {list(c.negation_cues)}")
+    if crossed := _crossed(q, c):
+        return Refusal("negation", crossed)
     if q.language == "zh" and c.language == "zh":
-        pair = chinese.antonym_refusal(q.words, q.text, c.words, c.text) or chinese.char_antonym_refusal(q.text, c.text)
+        pair = (chinese.antonym_refusal(q.words, q.text, c.words, c.text) or chinese.char_antonym_refusal(q.text, c.text)
+                or chinese.undo_refusal(q.text, c.text))
         if pair is not None:
             return Refusal("negation", f"antonyms {pair}")
     only_q, only_c = q.stems - c.stems, c.stems - q.stems
@@ -252,6 +292,24 @@ def _negation(q: Features, c: Features) -> Refusal | None:
             for p in lx.NEGATING_PREFIXES:
                 if w.startswith(p) and len(w) - len(p) >= 3 and w[len(p):] in other:
                     return Refusal("negation", f"{w[len(p):]} vs {w}")
+    return None
+
+
+def _crossed(q: Features, c: Features) -> str | None:
+    """As many negations on both sides, but crossed: a word each side negates is said, and not
+    negated, on the other ("delivered but I haven't received it" / "not delivered but I've
+    received it"; "store credit instead of a refund" / "a refund instead of store credit";
+    收到了短信但是钱没到账 / 没收到短信但是钱已经到账了). Both ways, never one: "Why hasn't my
+    refund arrived?" / "My refund hasn't arrived" negate different words (the scope is a guess: the
+    word after the cue) but cross one way only."""
+    def said(f: Features, words: frozenset[str]) -> frozenset[str]:
+        if f.language == "zh":
+            return frozenset(w for w in words if not w.isascii() and chinese.affirms(f.text, (w,)))
+        return words & f.stems
+    one = said(c, q.negated - c.negated)
+    other = said(q, c.negated - q.negated)
+    if one and other:
+        return f"negations crossed: not {min(one)} / not {min(other)}"
     return None
 
 

@@ -67,8 +67,11 @@ LEADING_GREETINGS = frozenset({"morning", "afternoon", "evening", "good", "team"
 #: Words that negate what follows (contractions are expanded to "not" before counting).
 NEGATION_CUES = frozenset("""
 not no never none nothing nobody nowhere neither nor without cannot avoid avoiding avoids avoided non
-fail fails failed failing
+fail fails failed failing unable except instead rather
 """.split())
+
+#: Negation cues that negate the event they name ("the payment failed"), not the word after them.
+SELF_NEGATING = frozenset({"fail", "fails", "failed", "failing", "none", "nothing", "nobody", "nowhere"})
 
 #: Verbs that negate the activity right after them ("stop watering", "quit smoking"), and only
 #: then: "stop my membership from renewing" and "stop a process" are actions, not negations.
@@ -85,14 +88,15 @@ ANTONYMS: tuple[tuple[str, str], ...] = (
     ("increase raise bigger larger higher", "decrease reduce lower smaller less fewer"), ("upgrade", "downgrade"),
     ("accept approve approved", "decline reject rejected refuse"),
     ("allow allowed permit permitted legal lawful",
-     "ban banned forbid forbidden prohibit prohibited illegal unlawful"),
+     "ban banned forbid forbidden prohibit prohibited illegal unlawful block blocked"),
     ("eat take", "avoid"),
     ("benefit advantage pro", "drawback disadvantage con downside risk"), ("best", "worst"),
     ("most", "least"), ("more", "less fewer"), ("maximum max", "minimum min"),
     ("highest", "lowest"), ("high", "low"), ("hot warm", "cold cool"), ("big large", "small"),
     ("long", "short"), ("early", "late"), ("before", "after"), ("start begin", "stop end finish"),
     ("pause", "resume"), ("join enrol enroll", "leave withdraw quit"), ("pass", "fail"),
-    ("success", "failure"), ("win", "lose"), ("buy", "sell"), ("import", "export"),
+    ("success succeed succeeded successful successfully", "failure fail fails failed"),
+    ("win", "lose"), ("buy", "sell"), ("import", "export"),
     ("upload", "download"), ("send", "receive"), ("lend", "borrow"), ("deposit", "withdraw"),
     ("credit", "debit"), ("profit", "loss"), ("true", "false"), ("yes", "no"),
     ("right", "wrong"), ("safe", "dangerous"), ("spicy", "mild"), ("busy", "quiet"),
@@ -102,7 +106,7 @@ ANTONYMS: tuple[tuple[str, str], ...] = (
     ("arrival arrive", "departure depart"), ("inbound", "outbound"), ("input", "output"),
     ("plus", "minus"), ("positive", "negative"), ("male", "female"), ("man men", "woman women"),
     ("boy", "girl"), ("left", "right"), ("up", "down"), ("above", "below"), ("over", "under"),
-    ("inside", "outside"), ("internal", "external"), ("domestic home", "international abroad overseas"),
+    ("inside", "outside"), ("internal", "external"), ("domestic home local", "international abroad overseas"),
     ("north", "south"), ("east", "west"), ("day", "night"), ("summer", "winter"),
     ("light", "dark"), ("black", "white"), ("love like", "hate dislike"), ("wet", "dry"),
     ("full", "empty part"), ("lock", "unlock"), ("mute", "unmute"), ("subscribe", "unsubscribe"),
@@ -118,7 +122,8 @@ ANTONYMS: tuple[tuple[str, str], ...] = (
     ("gain", "lose"), ("rise", "fall"), ("lengthen", "shorten"), ("tighten", "loosen"), ("undo", "redo"),
     ("save keep", "discard"), ("bold", "italic"), ("direct nonstop", "connecting layover stopover"),
     ("single", "married double"), ("vegetarian", "vegan"), ("savings", "checking"),
-    ("reply", "forward"), ("newest latest", "oldest earliest"), ("all every everyone everybody", "some few"),
+    ("reply", "forward"), ("newest latest", "oldest earliest"),
+    ("all every everyone everybody entire whole", "some few single individual"),
     ("must", "may"), ("hard", "soft"),
 )
 
@@ -158,6 +163,21 @@ UNITS: tuple[str, ...] = (
     "dollar dollars usd buck bucks", "euro euros eur", "yen jpy", "yuan rmb cny renminbi", "rupee rupees inr",
     "peso pesos", "franc francs chf", "krw", "rouble roubles ruble rubles", "bitcoin bitcoins btc",
 )
+#: Units of time: "after 2 weeks" is not "after 2 months" (the numbers alone agree).
+TIME_UNITS: tuple[str, ...] = (
+    "second seconds sec secs", "minute minutes min mins", "hour hours hr hrs", "day days", "week weeks",
+    "fortnight fortnights", "month months", "year years", "decade decades",
+)
+#: Closed classes that fill a template's slot: sizes ("in size medium" is not "in size large")
+#: and diets ("a vegetarian option" is not "a gluten-free one"; words split at hyphens).
+SIZES: tuple[str, ...] = ("xxs", "xs", "small", "medium", "large", "xl", "xxl", "xxxl")
+#: Seats, beds and delivery speeds: "a window seat" is not "an aisle seat", "a king bed" not "twin
+#: beds", "express shipping" not "standard shipping".
+SEATS: tuple[str, ...] = ("window", "aisle", "middle")
+BEDS: tuple[str, ...] = ("king", "queen", "twin twins", "double")
+DELIVERY: tuple[str, ...] = ("express", "standard", "overnight", "economy", "priority")
+DIETS: tuple[str, ...] = ("vegetarian", "vegan", "pescatarian", "gluten", "dairy lactose", "halal", "kosher",
+                          "keto", "paleo")
 TRANSPORT: tuple[str, ...] = (
     "train trains rail railway", "bus buses", "car cars driving", "taxi taxis cab cabs uber",
     "plane planes flight flights flying airplane", "ferry ferries boat boats", "bike bikes bicycle bicycles cycling",

@@ -34,6 +34,20 @@ REFUSED = [
     ("entity", "How do I get to the airport by train?", "How do I get to the airport by bus?"),  # travel
     ("negation", "Why does my app fail to start?", "Why does my app start?"),
     ("scope", "Is the trail suitable for beginners?", "Is the trail suitable for experts?"),
+    # negations crossed (as many on each side, on swapped words), and cues and pairs of the third round
+    ("negation", "The app says connected but the sync isn't working", "The app says not connected but the sync is working"),
+    ("negation", "Can I get a voucher instead of cash?", "Can I get cash instead of a voucher?"),
+    ("negation", "What if I'm unable to attend the exam?", "What if I attend the exam?"),
+    ("negation", "How do I block this number?", "How do I allow this number?"),
+    ("negation", "Why did my transfer succeed?", "Why did my transfer fail?"),
+    ("negation", "Can I delete every photo except the favourites?", "Can I delete every photo?"),
+    ("negation", "How do I delete a single chat?", "How do I delete the entire chat?"),
+    ("date", "Can I return shoes after 3 weeks?", "Can I return shoes after 3 months?"),  # spans of time
+    ("slot", "Do you have this jacket in medium?", "Do you have this jacket in large?"),  # closed classes
+    ("slot", "Is there a vegan breakfast?", "Is there a halal breakfast?"),
+    ("slot", "Can I book an aisle seat?", "Can I book a window seat?"),
+    ("slot", "Is there a room with a queen bed?", "Is there a room with a king bed?"),
+    ("slot", "How much is express delivery?", "How much is standard delivery?"),
     # numbers, in digits or words, with units and currencies
     ("number", "Track parcel 55821", "Track parcel 55812"),
     ("number", "Is there a room for 2 people?", "Is there a room for 4 people?"),
@@ -93,6 +107,12 @@ SERVED = [
     ("How many pounds is 5 kg?", "Convert 5 kg to pounds"),
     ("Can I cancel my flight?", "Is it possible to cancel my flight?"),
     ("How far is the station on foot?", "How far is the station walking?"),
+    ("I can't open the attachment", "I'm unable to open the attachment"),  # one negation, two spellings
+    ("Can I pay without a card fee?", "Can I pay with no card fee?"),  # "with no" is "without"
+    ("Why won't my tablet charge?", "My tablet won't charge, why?"),  # inverted: not crossed
+    ("Why isn't my parcel here yet?", "My parcel isn't here yet, why?"),
+    ("How many days of leave do I get after 3 years?", "How much leave do I get after three years?"),  # spans
+    ("Where is order #4521?", "Where is order # 4521?"),  # "#4521" is a number, not a tag
 ]
 
 
@@ -128,6 +148,35 @@ def test_a_language_the_guards_cannot_read_gets_no_semantic_match(a, b):
     for q, c in ((a, b), (b, a), (a, a)):  # not even its own repeat: that is the exact path's
         r = check(q, c)
         assert r is not None and r.reason == "language" and r.detail.startswith("no guards for"), (q, c, r)
+
+
+ZH_REFUSED = [
+    ("negation", "我收到了验证码但是登录没成功", "我没收到验证码但是登录成功了"),  # crossed
+    ("negation", "怎么隐藏这个文件夹", "怎么取消隐藏这个文件夹"),  # 取消 X / X
+    ("negation", "飞书会议里怎么把别人静音", "飞书会议里怎么取消别人的静音"),
+    ("negation", "学校批准了我的休学申请怎么办", "学校拒绝了我的休学申请怎么办"),
+    ("slot", "这件衬衫有白色的吗", "这件衬衫有蓝色的吗"),  # colours
+    ("slot", "怎么把字幕改成中文", "怎么把字幕改成韩文"),  # languages
+    ("slot", "这碗面能做成微辣吗", "这碗面能做成特辣吗"),  # spice
+]
+ZH_SERVED = [
+    ("怎么停止自动续费", "怎么取消自动续费"),  # stopping in other words is no undoing
+    ("如何取消订单", "订单怎么取消"),
+    ("收不到验证码怎么办", "没有收到验证码怎么办"),
+]
+
+
+@pytest.mark.parametrize("reason,a,b", ZH_REFUSED, ids=[f"{r}:{a[:12]}" for r, a, _ in ZH_REFUSED])
+def test_chinese_traps_of_the_third_round_are_refused_both_ways(reason, a, b):
+    for q, c in ((a, b), (b, a)):
+        r = check(q, c, AutoEmbedder.scripts)
+        assert r is not None and r.reason == reason, (q, c, r)
+
+
+@pytest.mark.parametrize("a,b", ZH_SERVED, ids=[a[:12] for a, _ in ZH_SERVED])
+def test_chinese_paraphrases_of_the_third_round_pass(a, b):
+    assert check(a, b, AutoEmbedder.scripts) is None
+    assert check(b, a, AutoEmbedder.scripts) is None
 
 
 def test_english_with_the_accents_it_borrows_and_chinese_with_latin_words_are_read():
