@@ -111,7 +111,7 @@ def read(text: str) -> ChineseReading:
             w, tag = pair.word, pair.flag
             r.words.append(w)
             if (tag in _NAME_TAGS and len(w) >= 2 and w not in zh.FUNCTION_WORDS and w not in zh.DATE_WORDS
-                    and w not in zh.FILLER_PHRASES):
+                    and w not in zh.FILLER_PHRASES and w not in zh.NOT_NAMES):
                 r.entities.add(w)
             if w in zh.QUESTION_WORDS:
                 q = zh.QUESTION_WORDS[w]
@@ -127,9 +127,22 @@ def _read_cues(han: str, r: ChineseReading) -> None:
     for i, ch in enumerate(masked):
         if ch in zh.NEGATION_CHARS:
             r.cues.append(han[i:i + 2])
-            after = han[i + 1:i + 3]
-            if len(after) == 2 and " " not in after and not any(c in zh.NEGATION_CHARS for c in after):
-                r.negated.add(after)
+            _negated(han, i + 2 if han[i:i + 2] == "没有" else i + 1, r)
+    for w in zh.NEGATION_WORDS:  # 拒绝退还: as 不退
+        start = han.find(w)
+        while start >= 0:
+            r.cues.append(w)
+            _negated(han, start + len(w), r)
+            start = han.find(w, start + 1)
+
+
+def _negated(han: str, at: int, r: ChineseReading) -> None:
+    """What a negation cue ending before ``at`` negates: the next two characters (没到账 ->
+    到账; 没有工资条 -> 工资), or the one before the text or clause ends (工资没发 -> 发)."""
+    after = han[at:at + 2].split(" ")[0]
+    if after and not any(c in zh.NEGATION_CHARS for c in after) and (len(after) == 2 or at + 1 >= len(han)
+                                                                      or han[at + 1] == " "):
+        r.negated.add(after)
 
 
 def _read_dates(han: str, r: ChineseReading) -> str:
@@ -152,6 +165,9 @@ def _read_dates(han: str, r: ChineseReading) -> str:
     return rest
 
 
+_ONE_SPAN = frozenset({"个月", "个小", "个星", "个礼", "个季", "个周", "个钟"})
+
+
 def _read_numbers(han: str, r: ChineseReading) -> None:
     for w in zh.FIRST_WORDS:  # 首行 is the first row (第一行)
         if w in han:
@@ -161,7 +177,8 @@ def _read_numbers(han: str, r: ChineseReading) -> None:
     for m in _NUMERAL.finditer(masked):
         s = m.group()
         after = masked[m.end():m.end() + 1]
-        if s == "一" and (not after or after not in zh.ONE_MEASURES):  # 一个, 一下: "a", not a count
+        if (s == "一" and (not after or after not in zh.ONE_MEASURES)  # 一个, 一下: "a", not a count
+                and masked[m.end():m.end() + 2] not in _ONE_SPAN):  # but 一个月 is 1个月
             continue
         value = numeral_value(s)
         if value is not None:
@@ -296,7 +313,7 @@ def route(text: str) -> tuple[str, str] | None:
 _UNDO = "取消|解除|撤销|撤回"
 _UNDONE = re.compile("(?:" + _UNDO + ")掉?(?:[^\u4e00-\u9fff]|别人的|他人的|对方的|所有的|某个|某一|这个|那个|的)*"
                      "([^了的吗呢吧啊后时就掉\u0000-\u4dff\ua000-\uffff][\u4e00-\u9fff])")
-_STOPS = re.compile(_UNDO + "|停止|停用|关闭|关掉|退订|退掉|注销|不再|不要|删除|去掉|禁用|作废|撤")
+_STOPS = re.compile(_UNDO + "|停止|停用|关闭|关掉|退订|退掉|注销|不再|不要|删除|去掉|禁用|作废|撤|解冻|解锁|解绑|解封|解禁|解约")
 
 
 def undo_refusal(q_text: str, c_text: str) -> str | None:
@@ -318,7 +335,7 @@ def affirms(text: str, words: Iterable[str]) -> bool:
     for w in words:
         start = text.find(w)
         while start >= 0:
-            if start == 0 or text[start - 1] not in zh.NEGATION_CHARS:
+            if (start == 0 or text[start - 1] not in zh.NEGATION_CHARS) and text[max(0, start - 2):start] != "没有":
                 return True
             start = text.find(w, start + 1)
     return False

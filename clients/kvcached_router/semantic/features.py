@@ -313,9 +313,10 @@ class _Reader:
             if mu.group(2) in ("am", "pm"):
                 self.dates.add(mu.group(2))
             return True
-        if any(ch.isdigit() for ch in tok):  # an id: "A123", "2FA", "B2B", "HTTP404": its numbers count too
+        if any(ch.isdigit() for ch in tok):  # an id: "A123", "B12", "HTTP404": its numbers count too
             self.entities.add(low)
-            self.numbers.extend(_number_value(d) for d in re.findall(r"\d+", tok))
+            if low not in lx.DIGIT_NAMES:  # "K8s", "S3": a name, not a value
+                self.numbers.extend(_number_value(d) for d in re.findall(r"\d+", tok))
             self.content.append(low)
             self.words.add(low)
             self._leading = False
@@ -342,12 +343,14 @@ class _Reader:
         if date in ("may", "march") and not (tok[:1].isupper() and not initial):
             date = None  # the verbs
         if (tok[:1].isupper() and not initial and self.case_informative and not date and low != "i"
-                and low not in lx.FUNCTION_WORDS and low not in lx.FILLERS):
+                and low not in lx.FUNCTION_WORDS and low not in lx.FILLERS and low not in lx.COMMON_ABBREVIATIONS):
             self.entities.add(s)
         if date:
             self.dates.add(date)
         elif low in lx.DATE_RELATIVE and lx.stem(next_low) in lx.DATE_UNITS:
             self.dates.add(f"{low} {lx.stem(next_low)}")
+        elif low in _WHICH_WEEK and next_low in lx.WEEKDAYS:  # "next Monday" is not this one
+            self.dates.add(f"{low} {next_low}")
         elif low in lx.NEGATION_CUES or (low in lx.STOP_WORDS and next_low.endswith("ing") and len(next_low) > 4):
             self.cues.append(low)  # "stop watering" negates watering; "stop my plan renewing" is an action
             self._negate_next = 0 if low in lx.SELF_NEGATING else 2 if self._inverted() else 1
@@ -363,6 +366,7 @@ class _Reader:
                 self._open_prep = None
 
 
+_WHICH_WEEK = frozenset({"next", "last", "following", "coming", "previous"})
 _AUXILIARIES = frozenset("do does did is are was were have has had can could will would should must shall may might".split())
 _WH = frozenset("why how what when where which who whom whose".split())
 

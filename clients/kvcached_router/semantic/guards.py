@@ -29,14 +29,16 @@ negation      the count of negation cues differs ("don't", "never", "without", "
               antonym on the other (open/closed, eat/avoid, enable/disable, include/exclude;
               开通/取消, 上传/下载, 冻结/解冻; in Chinese also opposite characters one place apart,
               大码/小码; 取消 X against X, 把别人静音/取消别人的静音), or its negated form
-              (lock/unlock, refundable/non-refundable, activate/deactivate); or the negations are
-              as many but crossed: each side negates a word the other says ("delivered but not
+              (lock/unlock, refundable/non-refundable, activate/deactivate; over-/under-); or the
+              negations are as many but crossed: each side negates a word the other says ("delivered but not
               received" / "not delivered but received"; "credit instead of a refund" / "a refund
               instead of credit"; 收到了短信但钱没到账 / 没收到短信但钱到账了)
-entity        a capitalised name, id, email or URL of one text is missing from the other (in Chinese
-              text: any Latin word, and the places, organisations and brands the segmenter
-              names), the colours differ ("the red light" / "the blue light"), both name ways to
-              travel and not the same ("by train" / "by bus"), or the same words swap sides of a
+entity        a capitalised name, id, email or URL of one text is missing from the other, unless the
+              other names it another way (UK/British, AWS/Amazon, K8s/Kubernetes; capitalised
+              common things, GP, ATM, PIN, are no names) (in Chinese text: any Latin word, and the
+              places, organisations and brands the segmenter names; an iPhone names 苹果), the
+              colours differ ("the red light" / "the blue light"), both name ways to travel and
+              not the same ("by train" / "by bus"), or the same words swap sides of a
               preposition ("from savings to current" vs "from current to savings"; in Chinese a
               trip's places: 从北京到上海 / 从上海到北京)
 scope         they are about or for different people: adults / children, employees /
@@ -237,6 +239,7 @@ def _members(*classes: tuple[str, ...]) -> dict[str, int]:
     return {w: i for i, names in enumerate(m for cls in classes for m in cls) for w in names.split()}
 
 
+_EN_ALIASES = {lx.stem(name): group for group in lx.ALIASES for name in group}
 _UNITS = _members(lx.UNITS)
 _TIME_UNITS = _members(lx.TIME_UNITS)
 _TRANSPORT = _members(lx.TRANSPORT)
@@ -244,6 +247,7 @@ _TRANSPORT = _members(lx.TRANSPORT)
 #: delivery speeds; in Chinese text
 #: colours, languages, spice levels.
 _SLOT_CLASSES = (("size", _members(lx.SIZES)), ("diet", _members(lx.DIETS)), ("seat", _members(lx.SEATS)),
+                 ("appliance", _members(lx.APPLIANCES)), ("appliance", _members(zh.APPLIANCES)),
                  ("bed", _members(lx.BEDS)), ("delivery", _members(lx.DELIVERY)), ("colour", _members(zh.COLOURS)),
                  ("language", _members(zh.LANGUAGES)), ("spice", _members(zh.SPICE)))
 
@@ -280,6 +284,13 @@ def _negation(q: Features, c: Features) -> Refusal | None:
         if pair is not None:
             return Refusal("negation", f"antonyms {pair}")
     only_q, only_c = q.stems - c.stems, c.stems - q.stems
+    # A negated form on one side only, its stem on the other (even when that side says the stem
+    # too: "lock the door with the smart lock app" / "unlock the door with the smart lock app").
+    for mine, other in ((only_q, c.stems), (only_c, q.stems)):
+        for w in mine:
+            for p in lx.NEGATING_PREFIXES:
+                if w.startswith(p) and len(w) - len(p) >= 3 and w[len(p):] in other:
+                    return Refusal("negation", f"{w[len(p):]} vs {w}")
     if not only_q or not only_c:
         return None
     for left, right in _antonym_stems():
@@ -287,11 +298,11 @@ def _negation(q: Features, c: Features) -> Refusal | None:
             a, b = mine & left, theirs & right
             if a and b:
                 return Refusal("negation", f"antonyms {min(a)}/{min(b)}")
-    for mine, other in ((only_q, c.stems), (only_c, q.stems)):
-        for w in mine:
-            for p in lx.NEGATING_PREFIXES:
-                if w.startswith(p) and len(w) - len(p) >= 3 and w[len(p):] in other:
-                    return Refusal("negation", f"{w[len(p):]} vs {w}")
+    for one, two in lx.OPPOSITE_PREFIXES:  # overweight / underweight
+        for mine, theirs in ((only_q, only_c), (only_c, only_q)):
+            for w in mine:
+                if w.startswith(one) and len(w) - len(one) >= 3 and two + w[len(one):] in theirs:
+                    return Refusal("negation", f"{w} vs {two + w[len(one):]}")
     return None
 
 
@@ -323,8 +334,9 @@ def _named(entity: str, f: Features) -> bool:
     if any(ch.isdigit() for ch in entity) and entity in squeezed:
         return True
     if f.language != "zh":
-        return False
-    return any(name.replace(" ", "") in squeezed for name in chinese.aliases(entity))
+        return any(name in f.words for name in _EN_ALIASES.get(entity, ()))
+    return (any(name.replace(" ", "") in squeezed for name in chinese.aliases(entity))
+            or any(product in squeezed for product in zh.BRAND_PRODUCTS.get(entity, ())))
 
 
 def _entity(q: Features, c: Features) -> Refusal | None:

@@ -67,7 +67,7 @@ LEADING_GREETINGS = frozenset({"morning", "afternoon", "evening", "good", "team"
 #: Words that negate what follows (contractions are expanded to "not" before counting).
 NEGATION_CUES = frozenset("""
 not no never none nothing nobody nowhere neither nor without cannot avoid avoiding avoids avoided non
-fail fails failed failing unable except instead rather
+fail fails failed failing unable except instead rather refuse refuses refused refusing
 """.split())
 
 #: Negation cues that negate the event they name ("the payment failed"), not the word after them.
@@ -76,6 +76,25 @@ SELF_NEGATING = frozenset({"fail", "fails", "failed", "failing", "none", "nothin
 #: Verbs that negate the activity right after them ("stop watering", "quit smoking"), and only
 #: then: "stop my membership from renewing" and "stop a process" are actions, not negations.
 STOP_WORDS = frozenset({"stop", "stopped", "stops", "quit", "cease"})
+
+#: Prefixes of opposite meaning on the same word: overweight / underweight, preorder / postorder.
+OPPOSITE_PREFIXES: tuple[tuple[str, str], ...] = (("over", "under"), ("pre", "post"), ("up", "down"))
+
+#: Capitalised abbreviations of common things, not names: "my GP" is "my doctor", "an ATM" a
+#: cash machine (a name, "AWS", "Chrome", must appear on both sides; these need not).
+COMMON_ABBREVIATIONS = frozenset("gp atm pin sms faq hr pc id diy vip ok asap fyi".split())
+
+#: Names with digits in them that are no numbers ("K8s" is Kubernetes, "S3" a product): still
+#: names (the entity guard compares them), but their digits are not read as values.
+DIGIT_NAMES = frozenset("k8s i18n l10n a11y s3 ec2 mp3 mp4 h264 h265 x86 arm64 b2b b2c p2p".split())
+
+#: Other names of the same country, company or thing in English text ("a UK passport" is "a
+#: British passport"): one side's name is named by the other when it has any name of the group.
+ALIASES: tuple[tuple[str, ...], ...] = (
+    ("uk", "british", "britain", "england", "english"), ("us", "usa", "american", "americans", "america"),
+    ("aws", "amazon"), ("2fa", "mfa"), ("eu", "european", "europe"), ("gcp", "google"),
+    ("nyc", "york"), ("la", "angeles"), ("k8s", "kubernetes"), ("js", "javascript"), ("ts", "typescript"),
+)
 
 #: Prefixes that negate the word they are attached to: w vs un+w is a negation ("non-" is a
 #: word of its own once hyphens split words, and a negation cue).
@@ -124,6 +143,7 @@ ANTONYMS: tuple[tuple[str, str], ...] = (
     ("single", "married double"), ("vegetarian", "vegan"), ("savings", "checking"),
     ("reply", "forward"), ("newest latest", "oldest earliest"),
     ("all every everyone everybody entire whole", "some few single individual"),
+    ("clean", "dirty"), ("maternity", "paternity"),
     ("must", "may"), ("hard", "soft"),
 )
 
@@ -170,6 +190,9 @@ TIME_UNITS: tuple[str, ...] = (
 )
 #: Closed classes that fill a template's slot: sizes ("in size medium" is not "in size large")
 #: and diets ("a vegetarian option" is not "a gluten-free one"; words split at hyphens).
+#: Cooking appliances ("in the oven" is not "in an air fryer").
+APPLIANCES: tuple[str, ...] = ("oven", "microwave", "fryer", "grill", "stove hob", "toaster", "steamer",
+                               "barbecue bbq", "cooker", "pan skillet", "wok")
 SIZES: tuple[str, ...] = ("xxs", "xs", "small", "medium", "large", "xl", "xxl", "xxxl")
 #: Seats, beds and delivery speeds: "a window seat" is not "an aisle seat", "a king bed" not "twin
 #: beds", "express shipping" not "standard shipping".

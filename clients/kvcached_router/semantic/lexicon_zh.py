@@ -40,7 +40,8 @@ ANTONYMS: tuple[tuple[str, str], ...] = (
     ("备份", "恢复 还原"), ("压缩", "解压"), ("挂失", "解挂"), ("停机", "复机"), ("入库", "出库"), ("进站", "出站"),
     ("入住", "退房"), ("预订 预定 预约", "取消预订 取消预定 取消预约"), ("报名", "取消报名"), ("借书", "还书"),
     ("贷款", "还贷"), ("转入 汇入", "转出 汇出"), ("正常", "异常"), ("付款 支付", "退款"), ("充电", "放电"),
-    ("加速", "减速"), ("升职", "降职"), ("加薪 涨工资", "降薪 扣工资"), ("增持", "减持"), ("买房", "卖房"),
+    ("加速", "减速"), ("加", "删"), ("补税 补缴", "退税"), ("产假", "陪产假"), ("升职", "降职"),
+    ("加薪 涨工资", "降薪 扣工资"), ("增持", "减持"), ("买房", "卖房"),
     ("发货 收货 换货", "退货"), ("主动", "被动"), ("全职", "兼职"), ("长期", "短期"), ("单程", "往返"),
     ("直飞", "转机"), ("白班", "夜班"), ("定期", "活期"), ("线上", "线下"), ("在线", "离线"), ("正版", "盗版"),
     ("整租", "合租"), ("单人", "双人"), ("续费 续订 自动续费", "取消续费 取消自动续费 关闭自动续费 停止续费 停止自动续费"),
@@ -116,10 +117,20 @@ AUDIENCES: tuple[str, ...] = (
 #: Closed classes that fill a template's slot, compared when both texts name one (as
 #: ``lexicon.SIZES``): colours (红色的 is not 黑色的), languages (改成英文 / 改成日文), spice levels.
 COLOURS: tuple[str, ...] = ("红色 大红 酒红", "黑色", "白色", "蓝色 深蓝 浅蓝 天蓝", "绿色 墨绿", "黄色", "紫色",
-                            "粉色 粉红 粉红色", "灰色 深灰 浅灰", "橙色 橘色", "棕色 咖啡色", "金色", "银色", "米色 米白")
+                            "粉色 粉红 粉红色", "灰色 深灰 浅灰 深空灰 太空灰", "橙色 橘色", "棕色 咖啡色", "金色", "银色",
+                            "米色 米白")
 LANGUAGES: tuple[str, ...] = ("英文 英语", "中文 汉语 普通话", "日文 日语", "韩文 韩语", "法文 法语", "德文 德语",
                               "西班牙语 西语", "俄文 俄语", "粤语", "繁体", "简体")
 SPICE: tuple[str, ...] = ("不辣 免辣", "微辣", "中辣", "特辣 重辣 变态辣")
+APPLIANCES: tuple[str, ...] = ("烤箱", "微波炉", "空气炸锅", "电饭煲 电饭锅", "蒸锅 蒸箱", "平底锅", "高压锅 压力锅",
+                               "炒锅", "电烤盘")
+
+#: Words jieba tags as names that are ordinary words (东西 "things" as a place, 银行卡 as a person):
+#: not entities.
+NOT_NAMES = frozenset("东西 银行卡 信用卡 储蓄卡 小狗 小猫 狗狗 猫咪 宝宝 日志 小孩 小区".split())
+
+#: Words that negate like the negation characters (拒绝退还 asks what 不退 asks).
+NEGATION_WORDS = ("拒绝", "拒不")
 
 #: Words that contain an audience word without naming that audience (一个人 is "one person",
 #: 个人信息 "personal data"): masked before audiences are read.
@@ -140,6 +151,13 @@ ALIASES: tuple[tuple[str, ...], ...] = (
     ("gpu", "显卡"), ("windows", "win"), ("postgresql", "postgres"), ("golang", "go语言"), ("c++", "cpp"),
     ("tiktok", "抖音"), ("didi", "滴滴"), ("meituan", "美团"), ("jd", "京东"),
 )
+#: Brands and the products that name them: a text that names an iPhone names 苹果 (not the other
+#: way round: 苹果手机 does not name an iPad).
+BRAND_PRODUCTS: dict[str, tuple[str, ...]] = {
+    "苹果": ("iphone", "ipad", "mac", "macbook", "airpods", "apple"), "华为": ("mate", "huawei", "鸿蒙", "harmonyos"),
+    "小米": ("xiaomi", "redmi", "红米", "miui"), "微软": ("windows", "microsoft", "office", "xbox"),
+    "谷歌": ("google", "android", "安卓", "gmail", "chrome"),
+}
 #: Latin words in Chinese text that are not names (they are everywhere, in many products).
 GENERIC_LATIN = frozenset({"app", "apps", "vip", "id", "ok", "diy", "faq", "pro", "max", "plus", "mini"})
 

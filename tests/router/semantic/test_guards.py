@@ -48,6 +48,12 @@ REFUSED = [
     ("slot", "Can I book an aisle seat?", "Can I book a window seat?"),
     ("slot", "Is there a room with a queen bed?", "Is there a room with a king bed?"),
     ("slot", "How much is express delivery?", "How much is standard delivery?"),
+    # the fourth round
+    ("negation", "How do I lock the gate with the gate lock app?", "How do I unlock the gate with the gate lock app?"),
+    ("negation", "Is my cat overweight for her age?", "Is my cat underweight for her age?"),
+    ("negation", "Can the council refuse my parking permit?", "Can the council grant my parking permit?"),
+    ("date", "Can I see the dentist next Friday?", "Can I see the dentist this Friday?"),
+    ("slot", "How long do chips take in the oven?", "How long do chips take in a microwave?"),
     # numbers, in digits or words, with units and currencies
     ("number", "Track parcel 55821", "Track parcel 55812"),
     ("number", "Is there a room for 2 people?", "Is there a room for 4 people?"),
@@ -113,6 +119,10 @@ SERVED = [
     ("Why isn't my parcel here yet?", "My parcel isn't here yet, why?"),
     ("How many days of leave do I get after 3 years?", "How much leave do I get after three years?"),  # spans
     ("Where is order #4521?", "Where is order # 4521?"),  # "#4521" is a number, not a tag
+    ("My landlord won't return the deposit", "My landlord refuses to return the deposit"),  # one negation each
+    ("How do I find a cash machine near me?", "Where is the nearest ATM?"),  # ATM: a thing, not a name
+    ("Do I need a visa for Japan with a UK passport?", "Do I need a visa for Japan with a British passport?"),
+    ("How do I restart a K8s deployment?", "How do I restart a Kubernetes deployment?"),  # K8s: no 8
 ]
 
 
@@ -158,11 +168,19 @@ ZH_REFUSED = [
     ("slot", "这件衬衫有白色的吗", "这件衬衫有蓝色的吗"),  # colours
     ("slot", "怎么把字幕改成中文", "怎么把字幕改成韩文"),  # languages
     ("slot", "这碗面能做成微辣吗", "这碗面能做成特辣吗"),  # spice
+    ("negation", "奖金发了但是没有明细", "有明细但是奖金没发"),  # crossed, 没有 X and a clause-final verb
+    ("negation", "群里怎么加管理员", "群里怎么删管理员"),
+    ("slot", "排骨用烤箱怎么做", "排骨用电饭煲怎么做"),  # appliances
 ]
 ZH_SERVED = [
     ("怎么停止自动续费", "怎么取消自动续费"),  # stopping in other words is no undoing
     ("如何取消订单", "订单怎么取消"),
     ("收不到验证码怎么办", "没有收到验证码怎么办"),
+    ("物业不修电梯怎么办", "物业拒绝维修电梯怎么办"),  # 拒绝 negates as 不 does
+    ("停水一个月怎么办", "停水1个月怎么办"),  # 一个月 is 1个月
+    ("退货时要寄回哪些东西", "退货需要寄回什么"),  # 东西 is no place
+    ("iPhone 怎么录屏", "苹果 iPhone 怎么录屏"),  # an iPhone names 苹果
+    ("账户冻结了怎么解冻", "账户冻结了怎么解除冻结"),  # 解冻 is undoing too
 ]
 
 
