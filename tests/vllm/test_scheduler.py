@@ -8,6 +8,7 @@ read (the engine tests in test_connector.py drive the real ones).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -43,6 +44,17 @@ class Blocks:
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         return (self.ids,)
+
+
+def drain(s) -> None:
+    """Wait until the connector's threads have finished everything queued so far (commits,
+    reserves). One no-op is not enough: with two threads it may run beside a commit still in
+    flight. A barrier that holds every thread at once can only start once each has taken and
+    finished all the work queued before it."""
+    n = s._bg._max_workers
+    barrier = threading.Barrier(n)
+    for f in [s._bg.submit(barrier.wait, 10) for _ in range(n)]:
+        f.result(timeout=20)
 
 
 @pytest.fixture
@@ -210,7 +222,7 @@ def test_a_miss_is_stored_with_one_more_call(side, vdaemon):
         for slot in view.slots:
             view.view(slot).fill_(1.0)
     s.update_connector_output(report(saved={(save.key, 0): [4]}))
-    s._bg.submit(lambda: None).result(timeout=10)  # the commit runs on the connector's thread
+    drain(s)  # the commit runs on the connector's threads
     assert calls == ["CommitRequest"]
     with Client(vdaemon.socket) as c:
         assert c.lookup(LAYOUT, p) == 512
@@ -394,7 +406,7 @@ def test_a_request_that_ends_in_its_first_step_still_commits(side, vdaemon):
     assert reservations(vdaemon) == 1  # not given back: the worker may still be writing
     assert s.has_pending_push_work()  # vLLM keeps stepping until the report comes
     s.update_connector_output(report(saved={(save.key, 0): [4]}))
-    s._bg.submit(lambda: None).result(timeout=10)
+    drain(s)
     with Client(vdaemon.socket) as c:
         assert c.lookup(LAYOUT, p) == 512
     assert s.live_attempts == 0 and not s.has_pending_push_work()
@@ -431,7 +443,7 @@ def test_a_preemption_during_a_store_gives_nothing_back_before_the_report(side, 
         for slot in view.slots:
             view.view(slot).fill_(3.0)
     s.update_connector_output(report(saved={(save.key, 0): [4]}))
-    s._bg.submit(lambda: None).result(timeout=10)
+    drain(s)
     with Client(vdaemon.socket) as c:
         assert c.lookup(LAYOUT, p) == 512  # what was written is committed
     assert reservations(vdaemon) == 0
@@ -550,7 +562,7 @@ def test_a_prefix_in_flight_does_not_lose_the_second_requests_chunks(side, vdaem
                        num_scheduled_tokens={"a": 600, "b": 344})
     (save_a,) = s.build_connector_meta(step1).saves  # b has nothing reserved yet
     s.update_connector_output(report(saved={(save_a.key, 0): [4]}))
-    s._bg.submit(lambda: None).result(timeout=10)
+    drain(s)
     saves = []
     for _ in range(50):  # the next steps (decoding): b reserves again and writes its own chunks
         cached = SimpleNamespace(req_ids=["b"], resumed_req_ids=set(), new_block_ids=[None], num_computed_tokens=[600])
@@ -565,8 +577,8 @@ def test_a_prefix_in_flight_does_not_lose_the_second_requests_chunks(side, vdaem
         for slot in view.slots:
             view.view(slot).fill_(4.0)
     s.update_connector_output(report(saved={(save_b.key, 0): [4]}))
-    s._bg.submit(lambda: None).result(timeout=10)
-    s._bg.submit(lambda: None).result(timeout=10)
+    drain(s)
+    drain(s)
     with Client(vdaemon.socket) as c:
         assert c.lookup(LAYOUT, a_p) == 512 and c.lookup(LAYOUT, b_p) == 512
     s.request_finished(a)
