@@ -67,7 +67,7 @@ class ChineseReading:
     words: list[str] = field(default_factory=list)  # jieba's words, in order
     content: list[str] = field(default_factory=list)  # words that carry meaning (question words canonical)
     cues: list[str] = field(default_factory=list)  # negation characters, with a little context
-    negated: set[str] = field(default_factory=set)  # the two characters after each negation character
+    negated: set[str] = field(default_factory=set)  # what each negation cue negates (see _negated)
     numbers: list[str] = field(default_factory=list)  # canonical values ("350", "2", "5%", "#3")
     dates: set[str] = field(default_factory=set)
     frequencies: set[str] = field(default_factory=set)  # 每月 -> monthly
@@ -139,9 +139,8 @@ def _read_cues(han: str, r: ChineseReading) -> None:
 def _negated(han: str, at: int, r: ChineseReading) -> None:
     """What a negation cue ending before ``at`` negates: the next two characters (没到账 ->
     到账; 没有工资条 -> 工资), or the one before the text or clause ends (工资没发 -> 发)."""
-    after = han[at:at + 2].split(" ")[0]
-    if after and not any(c in zh.NEGATION_CHARS for c in after) and (len(after) == 2 or at + 1 >= len(han)
-                                                                      or han[at + 1] == " "):
+    after = han[at:at + 2].split(" ")[0]  # the Han runs are joined by spaces: a clause ends there
+    if after and not any(c in zh.NEGATION_CHARS for c in after):
         r.negated.add(after)
 
 

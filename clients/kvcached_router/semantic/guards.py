@@ -243,13 +243,13 @@ _EN_ALIASES = {lx.stem(name): group for group in lx.ALIASES for name in group}
 _UNITS = _members(lx.UNITS)
 _TIME_UNITS = _members(lx.TIME_UNITS)
 _TRANSPORT = _members(lx.TRANSPORT)
-#: Closed classes that fill a template's slot (the slot guard): sizes, diets, seats, beds,
-#: delivery speeds; in Chinese text
-#: colours, languages, spice levels.
+#: Closed classes that fill a template's slot (the slot guard): sizes, diets, seats, beds, delivery
+#: speeds, cooking appliances; in Chinese text colours, languages, spice levels, appliances.
 _SLOT_CLASSES = (("size", _members(lx.SIZES)), ("diet", _members(lx.DIETS)), ("seat", _members(lx.SEATS)),
-                 ("appliance", _members(lx.APPLIANCES)), ("appliance", _members(zh.APPLIANCES)),
-                 ("bed", _members(lx.BEDS)), ("delivery", _members(lx.DELIVERY)), ("colour", _members(zh.COLOURS)),
-                 ("language", _members(zh.LANGUAGES)), ("spice", _members(zh.SPICE)))
+                 ("bed", _members(lx.BEDS)), ("delivery", _members(lx.DELIVERY)),
+                 ("appliance", _members(lx.APPLIANCES)), ("colour", _members(zh.COLOURS)),
+                 ("language", _members(zh.LANGUAGES)), ("spice", _members(zh.SPICE)),
+                 ("appliance", _members(zh.APPLIANCES)))
 
 
 def _date(q: Features, c: Features) -> Refusal | None:

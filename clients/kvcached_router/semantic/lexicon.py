@@ -188,19 +188,19 @@ TIME_UNITS: tuple[str, ...] = (
     "second seconds sec secs", "minute minutes min mins", "hour hours hr hrs", "day days", "week weeks",
     "fortnight fortnights", "month months", "year years", "decade decades",
 )
-#: Closed classes that fill a template's slot: sizes ("in size medium" is not "in size large")
-#: and diets ("a vegetarian option" is not "a gluten-free one"; words split at hyphens).
-#: Cooking appliances ("in the oven" is not "in an air fryer").
-APPLIANCES: tuple[str, ...] = ("oven", "microwave", "fryer", "grill", "stove hob", "toaster", "steamer",
-                               "barbecue bbq", "cooker", "pan skillet", "wok")
+#: Closed classes that fill a template's slot (the slot guard): sizes ("in size medium" is not
+#: "in size large"), diets ("a vegetarian option" is not "a gluten-free one"; words split at
+#: hyphens), seats ("a window seat" / "an aisle seat"), beds ("a king bed" / "twin beds"),
+#: delivery speeds ("express" / "standard shipping"), cooking appliances ("in the oven" / "in an
+#: air fryer").
 SIZES: tuple[str, ...] = ("xxs", "xs", "small", "medium", "large", "xl", "xxl", "xxxl")
-#: Seats, beds and delivery speeds: "a window seat" is not "an aisle seat", "a king bed" not "twin
-#: beds", "express shipping" not "standard shipping".
+DIETS: tuple[str, ...] = ("vegetarian", "vegan", "pescatarian", "gluten", "dairy lactose", "halal", "kosher",
+                          "keto", "paleo")
 SEATS: tuple[str, ...] = ("window", "aisle", "middle")
 BEDS: tuple[str, ...] = ("king", "queen", "twin twins", "double")
 DELIVERY: tuple[str, ...] = ("express", "standard", "overnight", "economy", "priority")
-DIETS: tuple[str, ...] = ("vegetarian", "vegan", "pescatarian", "gluten", "dairy lactose", "halal", "kosher",
-                          "keto", "paleo")
+APPLIANCES: tuple[str, ...] = ("oven", "microwave", "fryer", "grill", "stove hob", "toaster", "steamer",
+                               "barbecue bbq", "cooker", "pan skillet", "wok")
 TRANSPORT: tuple[str, ...] = (
     "train trains rail railway", "bus buses", "car cars driving", "taxi taxis cab cabs uber",
     "plane planes flight flights flying airplane", "ferry ferries boat boats", "bike bikes bicycle bicycles cycling",
