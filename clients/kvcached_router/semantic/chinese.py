@@ -253,10 +253,15 @@ def antonym_refusal(q_words: Iterable[str], q_text: str, c_words: Iterable[str],
         return text
 
     for left, right in _ANTONYM_SIDES:
-        ql = [w for w in left if has(w, qw, without(q_text, right, left))]
-        qr = [w for w in right if has(w, qw, without(q_text, left, right))]
-        cl = [w for w in left if has(w, cw, without(c_text, right, left))]
-        cr = [w for w in right if has(w, cw, without(c_text, left, right))]
+        # A pair refuses only when each text has one of its words: most pairs are in neither.
+        if not (any(w in q_text for w in left + right) and any(w in c_text for w in left + right)):
+            continue
+        q_left, q_right = without(q_text, right, left), without(q_text, left, right)
+        c_left, c_right = without(c_text, right, left), without(c_text, left, right)
+        ql = [w for w in left if has(w, qw, q_left)]
+        qr = [w for w in right if has(w, qw, q_right)]
+        cl = [w for w in left if has(w, cw, c_left)]
+        cr = [w for w in right if has(w, cw, c_right)]
         if ql and cr and not qr and not cl:
             return f"{ql[0]}/{cr[0]}"
         if qr and cl and not ql and not cr:
