@@ -73,6 +73,7 @@ class ChineseReading:
     frequencies: set[str] = field(default_factory=set)  # 每月 -> monthly
     entities: set[str] = field(default_factory=set)
     audiences: dict[int, str] = field(default_factory=dict)  # zh.AUDIENCES group -> word
+    nouns: set[str] = field(default_factory=set)  # the words jieba tags as nouns (see frame_refusal)
 
 
 _jieba_lock = threading.Lock()
@@ -113,6 +114,9 @@ def read(text: str) -> ChineseReading:
             if (tag in _NAME_TAGS and len(w) >= 2 and w not in zh.FUNCTION_WORDS and w not in zh.DATE_WORDS
                     and w not in zh.FILLER_PHRASES and w not in zh.NOT_NAMES):
                 r.entities.add(w)
+            if ((tag[:1] == "n" or tag == "brand") and w not in zh.FUNCTION_WORDS and w not in zh.DATE_WORDS
+                    and w not in zh.FILLER_PHRASES and w not in zh.QUESTION_WORDS):
+                r.nouns.add(w)
             if w in zh.QUESTION_WORDS:
                 q = zh.QUESTION_WORDS[w]
                 if q:
@@ -343,3 +347,35 @@ def affirms(text: str, words: Iterable[str]) -> bool:
                 return True
             start = text.find(w, start + 1)
     return False
+
+
+_NOT_FRAME = re.compile(r"[\s\W_]+")
+#: Characters written either way (帐户 / 账户).
+_VARIANTS = str.maketrans({"帐": "账"})
+#: A frame is this much of the longer text at least, and this many characters.
+FRAME_SHARE = 0.4
+FRAME_MIN_CHARS = 4
+
+
+def frame_refusal(q_text: str, q_nouns: Iterable[str], c_text: str, c_nouns: Iterable[str]) -> str | None:
+    """Two Chinese questions in one frame (a shared beginning and end, at least
+    :data:`FRAME_SHARE` of the longer text) that each put a noun the other lacks in it, two
+    characters at least (钱 / 月租 is one question): the same question about another thing
+    (父母的住院费用 / 配偶的住院费用, 牙齿多久清洁一次 / 耳朵多久清洁一次, 国家电网的电费 /
+    南方电网的电费, 年终奖需要缴税吗 / 经济补偿金需要缴税吗). A frame with an insertion only
+    (我的信用卡 / 信用卡) is not this rule's; nor a noun on one side only."""
+    qs, cs = (_NOT_FRAME.sub("", t.lower()).translate(_VARIANTS) for t in (q_text, c_text))
+    n = min(len(qs), len(cs))
+    p = 0
+    while p < n and qs[p] == cs[p]:
+        p += 1
+    e = 0
+    while e < n - p and qs[-1 - e] == cs[-1 - e]:
+        e += 1
+    if p + e < max(FRAME_MIN_CHARS, FRAME_SHARE * max(len(qs), len(cs))) or len(qs) == p + e or len(cs) == p + e:
+        return None
+    only_q = sorted(w for w in q_nouns if len(w) >= 2 and w.translate(_VARIANTS) not in cs)
+    only_c = sorted(w for w in c_nouns if len(w) >= 2 and w.translate(_VARIANTS) not in qs)
+    if only_q and only_c:
+        return f"{only_q[0]} vs {only_c[0]}"
+    return None

@@ -27,6 +27,9 @@ ZH_AUDIENCE = 1000
 
 #: Emails, URLs, @handles and #tags: entities. "#12345" is a number (an order's), as "# 12345" is.
 _CONTACT = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+|https?://\S+|www\.\S+|(?<!\w)@\w+|(?<!\w)#(?!\d+\b)\w+")
+#: "No. 42", "no.42", "Nr. 7", "№ 5": a number's abbreviation, read as "#42" (not the negation "no").
+_NUMERO = re.compile(r"\b(?:[Nn][Oo]|[Nn]r)\.\s*(?=\d)|№\s*(?=\d)")
+_TITLE_BEFORE = re.compile(r"(?<!\w)(?:Dr|Mr|Mrs|Ms|Mx|Prof|St|Sr|Jr)\.$")
 _QUOTED = re.compile(r'"([^"]+)"|`([^`]+)`|(?<!\w)\'([^\']+)\'(?!\w)')
 _LABEL = re.compile(r"^([^:\n]{1,80}?)(?<!\d):(?!\d)\s*(.+)$", re.S)
 _TOKEN = re.compile(r"[£$€¥]?\w+(?:['.,:/]\w+)*")
@@ -66,6 +69,7 @@ class Features:
     #: ("haven't received" -> "receiv"), in Chinese the two characters after each negation
     #: character (没到账 -> 到账). A rough scope, read only by the negation guard's crossing rule.
     negated: frozenset[str] = frozenset()
+    nouns: frozenset[str] = frozenset()  # in Chinese text, the words the segmenter tags as nouns
 
     def letters_outside(self, readable: frozenset[str]) -> str:
         """The letters of the scripts an embedder reading ``readable`` cannot read, in order."""
@@ -169,6 +173,8 @@ def _starts_sentence(body: str, start: int) -> bool:
     j = start - 1
     while j >= 0 and body[j].isspace():
         j -= 1
+    if j >= 0 and body[j] == "." and _TITLE_BEFORE.search(body, 0, j + 1):
+        return False  # "Dr. Patel": a title's full stop
     return j < 0 or body[j] in '.!?:;"('
 
 
@@ -206,8 +212,9 @@ def analyse(text: str) -> Features:
     han = chinese.has_han(t)
 
     reader = _Reader()
-    reader.entities.update(c.lower() for c in _CONTACT.findall(t))
-    body = _CONTACT.sub(" ", t)
+    body = _NUMERO.sub("#", t)
+    reader.entities.update(c.lower() for c in _CONTACT.findall(body))
+    body = _CONTACT.sub(" ", body)
     if han:
         body = chinese.HAN_RUN.sub(" . ", body)  # a boundary: no Latin word is glued to a Chinese one
     raw: list[tuple[str, bool]] = []  # (token, starts a sentence)
@@ -221,6 +228,7 @@ def analyse(text: str) -> Features:
     for i, (tok, initial) in enumerate(raw):
         reader.feed(tok, initial, raw[i + 1][0].lower() if i + 1 < len(raw) else "")
     reader.flush_number_words()
+    reader.end_clause()
     r = reader
     audiences = _audiences(r.lower_tokens)
     language = _language(r.lower_tokens, t)
@@ -252,7 +260,7 @@ def analyse(text: str) -> Features:
         prep_objects=frozenset(r.prep_objects),
         scripts=scripts, foreign_letters=foreign, language=language,
         label=label, value=value, quoted=quoted, letters_by_script=letters, frequencies=frozenset(frequencies),
-        negated=frozenset(r.negated))
+        negated=frozenset(r.negated), nouns=frozenset(zh.nouns) if han else frozenset())
 
 
 class _Reader:
@@ -275,6 +283,16 @@ class _Reader:
         self._leading = True  # still in the greetings and hesitations a text may open with
         self.negated: set[str] = set()  # the content word right after each negation cue (stems)
         self._negate_next = 0  # how many of the next content words a negation cue reaches
+        self._clause: list[str] = []  # the content stems of the clause being read, up to its last cue
+
+    def end_clause(self) -> None:
+        """A clause ends (a conjunction, or the text's end). A cue that reached no content word
+        closed its clause ("... but the central heating isn't"): it negates what that clause said
+        before it."""
+        if self._negate_next and self.cues:
+            self.negated.update(self._clause)
+        self._negate_next = 0
+        self._clause = []
 
     def flush_number_words(self) -> None:
         if self._number_words:
@@ -351,6 +369,8 @@ class _Reader:
             self.dates.add(f"{low} {lx.stem(next_low)}")
         elif low in _WHICH_WEEK and next_low in lx.WEEKDAYS:  # "next Monday" is not this one
             self.dates.add(f"{low} {next_low}")
+        elif low in _CLAUSE_BREAKS:
+            self.end_clause()
         elif low in lx.NEGATION_CUES or (low in lx.STOP_WORDS and next_low.endswith("ing") and len(next_low) > 4):
             self.cues.append(low)  # "stop watering" negates watering; "stop my plan renewing" is an action
             self._negate_next = 0 if low in lx.SELF_NEGATING else 2 if self._inverted() else 1
@@ -358,6 +378,8 @@ class _Reader:
             self._open_prep = low
         elif low not in lx.FUNCTION_WORDS and low not in lx.FILLERS and low not in lx.LIGHT_PREPOSITIONS:
             self.content.append(s)
+            if not self._negate_next:
+                self._clause.append(s)
             if self._negate_next:
                 self.negated.add(s)
                 self._negate_next -= 1
@@ -366,6 +388,8 @@ class _Reader:
                 self._open_prep = None
 
 
+#: Words that end one clause and open another ("the hot water works but the heating doesn't").
+_CLAUSE_BREAKS = frozenset({"but", "while", "whereas", "although", "though"})
 _WHICH_WEEK = frozenset({"next", "last", "following", "coming", "previous"})
 _AUXILIARIES = frozenset("do does did is are was were have has had can could will would should must shall may might".split())
 _WH = frozenset("why how what when where which who whom whose".split())
@@ -414,3 +438,10 @@ def _parse_number_words(ws: list[str]) -> float:
 def typo_equal(a: str, b: str) -> bool:
     """Two stems a typing slip apart: one edit or neighbour swap, both at least 5 letters long."""
     return a == b or (min(len(a), len(b)) >= 5 and _damerau1(a, b))
+
+
+def slip_equal(a: str, b: str) -> bool:
+    """:func:`typo_equal`, or a letter left out, added or swapped in a stem of four letters
+    ("renw" / "renew"; not one letter for another: "card" / "cart" are two words)."""
+    return typo_equal(a, b) or (min(len(a), len(b)) >= 4 and _damerau1(a, b)
+                                and (len(a) != len(b) or sorted(a) == sorted(b)))

@@ -59,13 +59,13 @@ from functools import lru_cache
 from . import chinese
 from . import lexicon as lx
 from . import lexicon_zh as zh
-from .features import EMBEDDABLE_SCRIPTS, Features, analyse, typo_equal
+from .features import EMBEDDABLE_SCRIPTS, Features, analyse, slip_equal, typo_equal
 
 #: How much two texts' meaningful words differ: ``same`` (none, after fillers, function words
 #: and typing slips), ``edit`` (at least half of them shared), ``reworded`` (the rest).
 TIERS = ("same", "edit", "reworded")
 #: Bumped whenever a rule or word list changes what is refused: a calibration records it.
-GUARDS_VERSION = 8
+GUARDS_VERSION = 9
 #: The languages the word lists cover (lexicon.py, lexicon_zh.py). A semantic match needs both texts
 #: in one of them; see :func:`unguarded`.
 GUARDED_LANGUAGES = frozenset({"en", "zh"})
@@ -116,7 +116,7 @@ def refuse(q: Features, c: Features, readable: frozenset[str] = EMBEDDABLE_SCRIP
     r = _language(q, c, readable)
     if r is not None:
         return r
-    for guard in (_slot, _number, _date, _negation, _entity, _scope):
+    for guard in (_slot, _number, _date, _negation, _entity, _scope, _frame):
         r = guard(q, c)
         if r is not None:
             return r
@@ -198,7 +198,7 @@ def _slot(q: Features, c: Features) -> Refusal | None:
     if q.quoted and c.quoted and q.quoted != c.quoted:
         return Refusal("slot", f"quoted {list(q.quoted)} vs {list(c.quoted)}")
     for name, members in _SLOT_CLASSES:
-        if differ := _closed_class(q, c, members):
+        if differ := _closed_class(q, c, members, each_side=name == "payment"):  # "cash" may be what is paid out
             return Refusal("slot", f"{name} {differ}")
     return None
 
@@ -247,6 +247,7 @@ _TRANSPORT = _members(lx.TRANSPORT)
 #: speeds, cooking appliances; in Chinese text colours, languages, spice levels, appliances.
 _SLOT_CLASSES = (("size", _members(lx.SIZES)), ("diet", _members(lx.DIETS)), ("seat", _members(lx.SEATS)),
                  ("bed", _members(lx.BEDS)), ("delivery", _members(lx.DELIVERY)),
+                 ("gearbox", _members(lx.GEARBOXES)), ("payment", _members(lx.PAYMENTS)), ("payment", _members(zh.PAYMENTS)),
                  ("appliance", _members(lx.APPLIANCES)), ("colour", _members(zh.COLOURS)),
                  ("language", _members(zh.LANGUAGES)), ("spice", _members(zh.SPICE)),
                  ("appliance", _members(zh.APPLIANCES)))
@@ -372,3 +373,49 @@ def _scope(q: Features, c: Features) -> Refusal | None:
     if only_q or only_c:
         return Refusal("scope", f"for {only_q} vs {only_c}")
     return None
+
+
+def _frame(q: Features, c: Features) -> Refusal | None:
+    """Chinese questions in one frame with another noun in it (:func:`chinese.frame_refusal`);
+    English ones with another word in it (:func:`_english_frame`)."""
+    if q.language == "zh" and c.language == "zh":
+        differ = chinese.frame_refusal(q.text, q.nouns, c.text, c.nouns)
+        if differ is not None:
+            return Refusal("slot", f"another noun in the same question: {differ}")
+    elif q.language != "zh" and c.language != "zh":
+        differ = _english_frame(q.content, c.content)
+        if differ is not None:
+            return Refusal("slot", f"another word in the same question: {differ}")
+    return None
+
+
+def _english_frame(a: tuple[str, ...], b: tuple[str, ...]) -> str | None:
+    n = min(len(a), len(b))
+    p = 0
+    while p < n and a[p] == b[p]:
+        p += 1
+    e = 0
+    while e < n - p and a[-1 - e] == b[-1 - e]:
+        e += 1
+    mid_a, mid_b = a[p:len(a) - e], b[p:len(b) - e]
+    if not mid_a or not mid_b or len(mid_a) > FRAME_SLOT or len(mid_b) > FRAME_SLOT:
+        return None
+    if p + e < max(2, FRAME_SHARE * max(len(a), len(b))):
+        return None
+    def alone(w: str, other: tuple[str, ...], other_mid: tuple[str, ...]) -> bool:
+        return (w not in other and w not in lx.ASKING_WORDS
+                and not any(slip_equal(w, x) or _SYNONYM.get(w, -1) == _SYNONYM.get(x, -2) for x in other_mid))
+
+    only_a = [w for w in mid_a if alone(w, b, mid_b)]
+    only_b = [w for w in mid_b if alone(w, a, mid_a)]
+    if only_a and only_b:
+        return f"{' '.join(only_a)} vs {' '.join(only_b)}"
+    return None
+
+
+#: A frame's slot is at most this many content words a side; the rest of the question, this share
+#: of the longer one's content words at least.
+FRAME_SLOT = 2
+FRAME_SHARE = 0.5
+_SYNONYM = {lx.stem(w): i for i, group in enumerate(lx.SYNONYMS + tuple(" ".join(g) for g in lx.ALIASES))
+            for w in group.split()}

@@ -23,6 +23,8 @@ def stem(word: str) -> str:
             w = w[: -len(suffix)]
             if suffix in ("ing", "ed") and len(w) >= 4 and w[-1] == w[-2] and w[-1] not in "lsz":
                 w = w[:-1]
+            if suffix == "es" and w.endswith("e"):
+                return w  # employees -> employe, as employee (not employ)
             break
     else:
         if w.endswith("ly") and len(w) >= 6:  # lawfully -> lawful, legally -> legal
@@ -82,7 +84,7 @@ OPPOSITE_PREFIXES: tuple[tuple[str, str], ...] = (("over", "under"), ("pre", "po
 
 #: Capitalised abbreviations of common things, not names: "my GP" is "my doctor", "an ATM" a
 #: cash machine (a name, "AWS", "Chrome", must appear on both sides; these need not).
-COMMON_ABBREVIATIONS = frozenset("gp atm pin sms faq hr pc id diy vip ok asap fyi".split())
+COMMON_ABBREVIATIONS = frozenset("gp atm pin sms faq hr pc id diy vip ok asap fyi dr mr mrs ms mx prof".split())
 
 #: Names with digits in them that are no numbers ("K8s" is Kubernetes, "S3" a product): still
 #: names (the entity guard compares them), but their digits are not read as values.
@@ -142,23 +144,46 @@ ANTONYMS: tuple[tuple[str, str], ...] = (
     ("save keep", "discard"), ("bold", "italic"), ("direct nonstop", "connecting layover stopover"),
     ("single", "married double"), ("vegetarian", "vegan"), ("savings", "checking"),
     ("reply", "forward"), ("newest latest", "oldest earliest"),
-    ("all every everyone everybody entire whole", "some few single individual"),
+    ("all every everyone everybody entire whole", "some few single individual one specific particular"),
     ("clean", "dirty"), ("maternity", "paternity"),
     ("must", "may"), ("hard", "soft"),
+)
+
+#: Words that say how a question is asked, not what it asks about ("How do I ...?" / "What's the
+#: best way to ...?" / "Where can I ...?"): never the word a question's frame turns on.
+ASKING_WORDS = frozenset("""
+how what where why when which who whom way ways best good easiest quickest right correct proper properly
+help step steps possible able process procedure option options method methods tip tips advice need want
+many much
+""".split())
+
+#: Everyday words of one meaning in a help-desk question ("enable dark mode" / "turn on dark
+#: mode"): one group, one meaning. General English, not a thesaurus: a pair of words in one
+#: frame that are not here is read as two questions.
+SYNONYMS: tuple[str, ...] = (
+    "enable activate turn switch", "disable deactivate", "log sign", "update change edit modify amend alter",
+    "all every each entire whole", "buy purchase", "fix repair mend", "delete remove erase",
+    "cancel terminate", "get obtain receive", "find locate", "see view check show display", "start begin",
+    "stop end", "phone mobile cell smartphone", "flat apartment", "car vehicle", "photo picture image",
+    "film movie", "shop store", "big large", "small little", "fast quick", "cost price fee charge",
+    "bill invoice", "send email", "reset restore", "set configure", "make create", "book reserve",
+    "doctor gp physician", "medicine medication drug", "kid child", "job work", "rent hire", "go travel",
+    "return bring give", "pay settle", "trip journey", "ill sick unwell", "allowed permitted", "foot walk",
 )
 
 #: Who a question is about or for; words in one group mean the same audience. A question for
 #: adults is not one for children, nor an employee's one a contractor's.
 AUDIENCES: tuple[str, ...] = (
     "adult adults grown-up grown-ups", "child children kid kids toddler toddlers", "baby babies infant infants",
-    "teenager teenagers teen teens", "senior seniors pensioner pensioners elderly retiree retirees",
+    "teenager teenagers teen teens youth youths junior juniors", "senior seniors pensioner pensioners elderly retiree retirees",
     "student students pupil pupils", "undergraduate undergraduates", "postgraduate postgraduates master's masters phd",
     "beginner beginners novice novices newbie newbies", "expert experts",
     "employee employees hire hires new-hire", "individual individuals personal", "family families household",
     "business businesses company companies corporate", "self-employed freelancer freelancers", "contractor contractors",
     "visitor visitors guest guests", "resident residents", "tenant tenants renter renters", "landlord landlords",
     "homeowner homeowners", "nonprofit nonprofits charity charities", "colleague colleagues",
-    "mother mum mom father dad parent parents", "son daughter", "friend friends", "pregnant",
+    "mother mum mom father dad parent parents", "women woman ladies female", "men man male",
+    "son daughter", "friend friends", "pregnant",
     "veteran veterans", "patient patients", "puppy puppies", "kitten kittens", "dog dogs", "cat cats",
     "economy", "business-class first-class premium-economy",
 )
@@ -197,6 +222,9 @@ SIZES: tuple[str, ...] = ("xxs", "xs", "small", "medium", "large", "xl", "xxl", 
 DIETS: tuple[str, ...] = ("vegetarian", "vegan", "pescatarian", "gluten", "dairy lactose", "halal", "kosher",
                           "keto", "paleo")
 SEATS: tuple[str, ...] = ("window", "aisle", "middle")
+GEARBOXES: tuple[str, ...] = ("automatic", "manual")
+#: How a bill is paid: "by direct debit" is not "by card over the phone", nor "in cash".
+PAYMENTS: tuple[str, ...] = ("cash", "card cards", "cheque cheques", "debit autopay", "paypal")
 BEDS: tuple[str, ...] = ("king", "queen", "twin twins", "double")
 DELIVERY: tuple[str, ...] = ("express", "standard", "overnight", "economy", "priority")
 APPLIANCES: tuple[str, ...] = ("oven", "microwave", "fryer", "grill", "stove hob", "toaster", "steamer",

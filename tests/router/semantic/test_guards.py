@@ -90,6 +90,17 @@ REFUSED = [
     ("slot", "Rewrite in a formal tone: I want my money back", "Rewrite in a formal tone: I want a new card"),
     ("slot", "Rewrite in a formal tone: I want my money back", "Rewrite in a casual tone: I want my money back"),
     ('slot', 'Translate "thank you" into Italian', 'Translate "see you soon" into Italian'),
+    # the fifth round: a clause-final negation negates its clause; one / all; gearboxes, payments,
+    # who a garment is cut for; one frame with another word in its slot
+    ("negation", "Why does the kitchen light work but the hallway light doesn't?",
+     "Why does the hallway light work but the kitchen light doesn't?"),
+    ("negation", "Can I print one page of the report?", "Can I print all pages of the report?"),
+    ("slot", "Does the hire van come with a manual gearbox?", "Does the hire van come with an automatic gearbox?"),
+    ("slot", "Can I pay the nursery fees in cash?", "Can I pay the nursery fees by card?"),
+    ("scope", "Do you sell running shoes for women?", "Do you sell running shoes for juniors?"),
+    ("slot", "How do I reset the router's admin password?", "How do I reset the router's wifi password?"),
+    ("slot", "How long does it take to roast a chicken?", "How long does it take to roast a duck?"),
+    ("entity", "Is Dr. Shah on duty tonight?", "Is Dr. Okafor on duty tonight?"),  # a title's full stop ends no sentence
 ]
 
 SERVED = [
@@ -123,6 +134,11 @@ SERVED = [
     ("How do I find a cash machine near me?", "Where is the nearest ATM?"),  # ATM: a thing, not a name
     ("Do I need a visa for Japan with a UK passport?", "Do I need a visa for Japan with a British passport?"),
     ("How do I restart a K8s deployment?", "How do I restart a Kubernetes deployment?"),  # K8s: no 8
+    ("Is the No. 7 tram running?", "Is the No.7 tram running?"),  # "No." numbers, it does not negate
+    ("How do I turn on two-factor login?", "How do I enable two-factor login?"),  # one meaning, two words
+    ("How do I change my delivery address?", "How do I update my delivery address?"),
+    ("Where can I buy a bus pass?", "How do I buy a bus pass?"),  # how it is asked is no slot
+    ("Can I pay by card with my phone?", "Can I pay by card using my phone?"),
 ]
 
 
@@ -171,6 +187,11 @@ ZH_REFUSED = [
     ("negation", "奖金发了但是没有明细", "有明细但是奖金没发"),  # crossed, 没有 X and a clause-final verb
     ("negation", "群里怎么加管理员", "群里怎么删管理员"),
     ("slot", "排骨用烤箱怎么做", "排骨用电饭煲怎么做"),  # appliances
+    ("slot", "这款保险能报销孩子的牙科费用吗", "这款保险能报销孩子的眼科费用吗"),  # one frame, another noun
+    ("slot", "年终奖要交个税吗", "加班费要交个税吗"),
+    ("negation", "离职后公积金怎么取", "在职时公积金怎么取"),
+    ("negation", "怎么给所有员工发通知", "怎么给单个员工发通知"),
+    ("slot", "电费能用现金交吗", "电费能用银行卡代扣吗"),  # payments
 ]
 ZH_SERVED = [
     ("怎么停止自动续费", "怎么取消自动续费"),  # stopping in other words is no undoing
@@ -181,6 +202,8 @@ ZH_SERVED = [
     ("退货时要寄回哪些东西", "退货需要寄回什么"),  # 东西 is no place
     ("iPhone 怎么录屏", "苹果 iPhone 怎么录屏"),  # an iPhone names 苹果
     ("账户冻结了怎么解冻", "账户冻结了怎么解除冻结"),  # 解冻 is undoing too
+    ("帐户怎么改密码", "账户怎么改密码"),  # one word written two ways
+    ("宽带每月多少钱", "宽带月租是多少"),  # 钱: one character, no noun a frame turns on
 ]
 
 
@@ -265,5 +288,6 @@ def test_features_read_script_language_and_slots():
 def test_stems_and_typing_slips():
     assert stem("closed") == stem("close") == stem("closes") == stem("closing")
     assert stem("policies") == "policy" and stem("stopped") == stem("stop")
+    assert stem("employees") == stem("employee") and stem("fees") == stem("fee")
     assert typo_equal("adress", "address") and typo_equal("recieve", "receive")
     assert not typo_equal("mary", "mark")  # short words differ too easily to forgive
