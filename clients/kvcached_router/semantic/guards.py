@@ -13,12 +13,18 @@ language      the two texts are in two languages (Chinese vs English: the answer
               and whenever either text is in a language these guards have no word lists for
               (:data:`GUARDED_LANGUAGES`: English and Chinese): Spanish, Japanese, Russian, ... are
               served by the exact path only, since nothing here would see "activar" / "desactivar"
-              or "アップロード" / "ダウンロード" differ
+              or "アップロード" / "ダウンロード" differ; plain ASCII whose words are mostly not
+              English ones counts as another language
 slot          both texts are ``label: value`` with the same label and another value (or the same
               value under another label), their quoted spans differ, or both name a member of a
-              closed class and not the same ones: sizes, diets, seats, beds, delivery speeds
-              (medium / large, vegan / halal, window / aisle); in Chinese colours, languages and
-              spice levels (白色 / 蓝色, 中文 / 韩文, 微辣 / 特辣)
+              closed class and not the same ones: sizes, diets, seats, beds, delivery speeds,
+              gearboxes, ways to pay (medium / large, vegan / halal, window / aisle, cash / card);
+              in Chinese colours, languages, spice levels and ways to pay (白色 / 蓝色, 中文 / 韩文,
+              微辣 / 特辣); or they are one question with another word in its slot: the same
+              content words before and after one or two others ("reset the router's admin
+              password" / "... wifi password"; words of one meaning, :data:`lexicon.SYNONYMS`,
+              and the words of asking, "how" / "best way", do not count), in Chinese one frame
+              with another noun in it (报销牙科费用 / 报销眼科费用)
 number        the numbers differ (digits, number words: "two" = 2, "£50" is not "50 USD"), or both
               texts name units or currencies and not the same ones (tablespoons / teaspoons,
               km / miles, dollars / euros)
@@ -32,7 +38,8 @@ negation      the count of negation cues differs ("don't", "never", "without", "
               (lock/unlock, refundable/non-refundable, activate/deactivate; over-/under-); or the
               negations are as many but crossed: each side negates a word the other says ("delivered but not
               received" / "not delivered but received"; "credit instead of a refund" / "a refund
-              instead of credit"; 收到了短信但钱没到账 / 没收到短信但钱到账了)
+              instead of credit"; 收到了短信但钱没到账 / 没收到短信但钱到账了; a negation closing its
+              clause negates that clause: "the hot water works but the heating doesn't")
 entity        a capitalised name, id, email or URL of one text is missing from the other, unless the
               other names it another way (UK/British, AWS/Amazon, K8s/Kubernetes; capitalised
               common things, GP, ATM, PIN, are no names) (in Chinese text: any Latin word, and the
@@ -52,6 +59,7 @@ The guards never say yes; :func:`compare` also says how far apart the two texts'
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
@@ -59,6 +67,7 @@ from functools import lru_cache
 from . import chinese
 from . import lexicon as lx
 from . import lexicon_zh as zh
+from .embed import minilm_vocabulary
 from .features import EMBEDDABLE_SCRIPTS, Features, analyse, slip_equal, typo_equal
 
 #: How much two texts' meaningful words differ: ``same`` (none, after fillers, function words
@@ -76,6 +85,8 @@ GUARDED_SCRIPTS = frozenset({"LATIN", "CJK", "FULLWIDTH", "MODIFIER"})
 #: other (ı ş ğ ł ř ő å ơ ß ...) is another language's, whatever the stopwords say.
 ENGLISH_ACCENTS = frozenset("áàâäéèêëíìîïóòôöúùûüçñ")
 EDIT_OVERLAP = 0.5
+#: Share of a text's words that must be English ones (:func:`_reads_as_english`).
+ENGLISH_WORD_SHARE = 0.6
 REASONS = ("language", "slot", "number", "date", "negation", "entity", "scope")
 
 
@@ -155,7 +166,7 @@ def unguarded(f: Features) -> str | None:
     cover), or None when they can: Latin text not recognised as another language counts as
     English unless a Latin letter English does not use says otherwise (:data:`ENGLISH_ACCENTS`);
     Chinese may carry Latin words. Latin text of another language in plain ASCII, not recognised
-    by its stopwords (Indonesian, Turkish typed without its letters), still passes as English.
+    by its stopwords (Swedish, Indonesian), is told apart by its words (:func:`_reads_as_english`).
 
     Measured on 61 pairs in 18 other languages (``bench/semantic_languages.py``, "other
     languages"): without this rule the shipped matcher served 8 of their 40 traps (オン/オフ,
@@ -170,7 +181,23 @@ def unguarded(f: Features) -> str | None:
         return "the letters " + "".join(foreign)
     if f.language is not None and f.language not in GUARDED_LANGUAGES:
         return f"language {f.language}"
+    if f.language is None and f.scripts <= {"LATIN"} and not _reads_as_english(f.text):
+        return "words English does not have"
     return None
+
+
+def _reads_as_english(text: str) -> bool:
+    """Whether plain Latin text of unknown language can be English: it is under three words, or
+    has an English stopword, or :data:`ENGLISH_WORD_SHARE` of its words are whole words of MiniLM's
+    vocabulary. Measured on every English text of the project's sets (about 2,900): one falls
+    under the share ("Can diabetics eat watermelon?", 0.5), and it has "can"; Swedish, Polish,
+    Czech, Indonesian, Romanian and French questions not recognised by their stopwords fall
+    under it (0.0-0.57) with no English stopword."""
+    words = re.findall(r"[a-z]+", text.lower())
+    if len(words) < 3 or any(w in lx.LANGUAGE_STOPWORDS["en"] for w in words):
+        return True
+    vocabulary = minilm_vocabulary()
+    return not vocabulary or sum(w in vocabulary for w in words) >= ENGLISH_WORD_SHARE * len(words)
 
 
 def _language(q: Features, c: Features, readable: frozenset[str]) -> Refusal | None:

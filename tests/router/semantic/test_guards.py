@@ -166,6 +166,8 @@ UNGUARDED = [
     ("ファイルを保存する方法", "ファイルを削除する方法"),  # kana
     ("Как включить звук?", "Как выключить звук?"),  # Cyrillic
     ("Şifremi nasıl değiştiririm?", "Şifremi nasıl sıfırlarım?"),  # Turkish: Latin letters English does not use
+    ("Hvordan sletter jeg kontoen min?", "Hvordan gjenoppretter jeg kontoen min?"),  # Norwegian in plain ASCII
+    ("Bagaimana cara menghapus akun saya?", "Bagaimana cara memulihkan akun saya?"),  # Indonesian: words English lacks
 ]
 
 
@@ -218,6 +220,11 @@ def test_chinese_traps_of_the_third_round_are_refused_both_ways(reason, a, b):
 def test_chinese_paraphrases_of_the_third_round_pass(a, b):
     assert check(a, b, AutoEmbedder.scripts) is None
     assert check(b, a, AutoEmbedder.scripts) is None
+
+
+def test_plain_english_with_rare_words_or_few_words_is_still_read():
+    for text in ("Can diabetics eat watermelon?", "Reset passcode", "Ryanair checked bag max weight"):
+        assert check(text, text) is None, text
 
 
 def test_english_with_the_accents_it_borrows_and_chinese_with_latin_words_are_read():
