@@ -74,6 +74,7 @@ class ChineseReading:
     entities: set[str] = field(default_factory=set)
     audiences: dict[int, str] = field(default_factory=dict)  # zh.AUDIENCES group -> word
     nouns: set[str] = field(default_factory=set)  # the words jieba tags as nouns (see frame_refusal)
+    spans: set[str] = field(default_factory=set)  # units of spans of time after a number ("day", "month")
 
 
 _jieba_lock = threading.Lock()
@@ -107,6 +108,7 @@ def read(text: str) -> ChineseReading:
     rest = _read_dates(han, r)
     _read_numbers(rest, r)
     _read_audiences(text, r)
+    r.spans.update(_SPAN_UNIT[u] for u in _SPAN.findall(text))
     for run in _FILLERS.sub(" ", han).split(" "):
         for pair in _segmenter().cut(run):
             w, tag = pair.word, pair.flag
@@ -114,7 +116,7 @@ def read(text: str) -> ChineseReading:
             if (tag in _NAME_TAGS and len(w) >= 2 and w not in zh.FUNCTION_WORDS and w not in zh.DATE_WORDS
                     and w not in zh.FILLER_PHRASES and w not in zh.NOT_NAMES):
                 r.entities.add(w)
-            if ((tag[:1] == "n" or tag == "brand") and w not in zh.FUNCTION_WORDS and w not in zh.DATE_WORDS
+            if ((tag[:1] == "n" or tag in ("brand", "j")) and w not in zh.FUNCTION_WORDS and w not in zh.DATE_WORDS
                     and w not in zh.FILLER_PHRASES and w not in zh.QUESTION_WORDS):
                 r.nouns.add(w)
             if w in zh.QUESTION_WORDS:
@@ -169,6 +171,16 @@ def _read_dates(han: str, r: ChineseReading) -> str:
 
 
 _ONE_SPAN = frozenset({"个月", "个小", "个星", "个礼", "个季", "个周", "个钟"})
+_LONE_UNITS = frozenset("百千万亿")
+#: A lone 一 before the measure word of a thing (一张, 一台, 一件, 一层): 1, but compared only with
+#: another number. Before a span, a sum or a time (一天, 一次, 一元) it is a count.
+WEAK_ONE = "1?"
+_ARTICLE_MEASURES = frozenset("张台件层")
+#: A number of days, weeks, months, years, hours or minutes (第三天 / 第三个月): the unit is the
+#: span's class, compared as the English "after 2 weeks" / "after 2 months" are.
+_SPAN = re.compile(f"(?:[0-9{_NUMERAL_CHARS}]+|几|多少)\\s*(天|日|周|星期|礼拜|个月|个星期|年|小时|个小时|钟头|分钟)")
+_SPAN_UNIT = {"天": "day", "日": "day", "周": "week", "星期": "week", "礼拜": "week", "个星期": "week",
+              "个月": "month", "年": "year", "小时": "hour", "个小时": "hour", "钟头": "hour", "分钟": "minute"}
 
 
 def _read_numbers(han: str, r: ChineseReading) -> None:
@@ -183,9 +195,13 @@ def _read_numbers(han: str, r: ChineseReading) -> None:
         if (s == "一" and (not after or after not in zh.ONE_MEASURES)  # 一个, 一下: "a", not a count
                 and masked[m.end():m.end() + 2] not in _ONE_SPAN):  # but 一个月 is 1个月
             continue
+        if s in _LONE_UNITS:  # 万豪, 千岛湖: a name's character, not 10000
+            continue
         value = numeral_value(s)
         if value is not None:
-            r.numbers.append(value)
+            # 重新办一张, 蒙了一层水汽: a lone "one X" is an article as often as a count: WEAK_ONE
+            # counts only against another number (guards._number)
+            r.numbers.append(WEAK_ONE if s == "一" and after in _ARTICLE_MEASURES else value)
 
 
 def numeral_value(s: str) -> str | None:
@@ -352,6 +368,14 @@ def affirms(text: str, words: Iterable[str]) -> bool:
 _NOT_FRAME = re.compile(r"[\s\W_]+")
 #: Characters written either way (帐户 / 账户).
 _VARIANTS = str.maketrans({"帐": "账"})
+#: Characters of asking and grammar, never a frame's slot on their own; negation characters and
+#: numerals too (their guards compare them: 一直不 / 没, 两 / 2).
+_LIGHT = re.compile(f"[的了吗呢吧啊呀么嘛哦我你您他她它们这那个些怎如何样咋啥什为可以能够会要想需得该应请问是否有在把被给和与及或"
+                    f"还也都就才又再很太更最一直0-9{zh.NEGATION_CHARS}{_NUMERAL_CHARS}]")
+#: A slot with a number in it is the number guard's (三百元以上 / 满300元).
+_NUMERIC = re.compile(f"[0-9{_NUMERAL_CHARS}]")
+#: Words that ask for one act (停止 / 取消 自动续费): one slot filled either way is one question.
+_SAME_ACT = {w: i for i, group in enumerate(zh.SAME_ACT) for w in group.split()}
 #: A frame is this much of the longer text at least, and this many characters.
 FRAME_SHARE = 0.4
 FRAME_MIN_CHARS = 4
@@ -378,4 +402,14 @@ def frame_refusal(q_text: str, q_nouns: Iterable[str], c_text: str, c_nouns: Ite
     only_c = sorted(w for w in c_nouns if len(w) >= 2 and w.translate(_VARIANTS) not in qs)
     if only_q and only_c:
         return f"{only_q[0]} vs {only_c[0]}"
+    # A short slot in a frame of half the text at least (健身房有游泳课吗 / 健身房有瑜伽课吗), its
+    # function characters left out (怎么 / 如何 are no slot)
+    raw_q, raw_c = qs[p:len(qs) - e], cs[p:len(cs) - e]
+    if p + e >= max(FRAME_MIN_CHARS, 0.5 * max(len(qs), len(cs))) and not _NUMERIC.search(raw_q + raw_c):
+        slot_q, slot_c = _LIGHT.sub("", raw_q), _LIGHT.sub("", raw_c)
+        if (slot_q and slot_c and len(slot_q) <= 4 and len(slot_c) <= 4
+                and slot_q not in slot_c and slot_c not in slot_q  # 饭前 / 饭前吃: moved, not another
+                and (len(slot_q) + len(slot_c) > 2 or (slot_q + slot_c).isascii())  # 装 / 转: a slip of the IME
+                and _SAME_ACT.get(slot_q, -1) != _SAME_ACT.get(slot_c, -2)):
+            return f"{slot_q} vs {slot_c}"
     return None

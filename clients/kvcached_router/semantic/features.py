@@ -70,6 +70,8 @@ class Features:
     #: character (没到账 -> 到账). A rough scope, read only by the negation guard's crossing rule.
     negated: frozenset[str] = frozenset()
     nouns: frozenset[str] = frozenset()  # in Chinese text, the words the segmenter tags as nouns
+    spans: frozenset[str] = frozenset()  # in Chinese text, units of spans of time after a number ("day")
+    sequence: tuple[str, ...] = ()  # the stems of every word, in order (the frame rule's)
 
     def letters_outside(self, readable: frozenset[str]) -> str:
         """The letters of the scripts an embedder reading ``readable`` cannot read, in order."""
@@ -260,7 +262,8 @@ def analyse(text: str) -> Features:
         prep_objects=frozenset(r.prep_objects),
         scripts=scripts, foreign_letters=foreign, language=language,
         label=label, value=value, quoted=quoted, letters_by_script=letters, frequencies=frozenset(frequencies),
-        negated=frozenset(r.negated), nouns=frozenset(zh.nouns) if han else frozenset())
+        negated=frozenset(r.negated), nouns=frozenset(zh.nouns) if han else frozenset(),
+        spans=frozenset(zh.spans) if han else frozenset(), sequence=tuple(lx.stem(w) for w in r.lower_tokens))
 
 
 class _Reader:

@@ -24,12 +24,13 @@ slot          both texts are ``label: value`` with the same label and another va
               content words before and after one or two others ("reset the router's admin
               password" / "... wifi password"; words of one meaning, :data:`lexicon.SYNONYMS`,
               and the words of asking, "how" / "best way", do not count), in Chinese one frame
-              with another noun in it (报销牙科费用 / 报销眼科费用)
-number        the numbers differ (digits, number words: "two" = 2, "£50" is not "50 USD"), or both
-              texts name units or currencies and not the same ones (tablespoons / teaspoons,
-              km / miles, dollars / euros)
+              with another noun or a short slot in it (报销牙科费用 / 报销眼科费用, 有游泳课 / 有瑜伽课)
+number        the numbers differ (digits, number words: "two" = 2, "£50" is not "50 USD"; in Chinese a
+              lone 一 before a thing's measure word, 重新办一张, counts only against another number),
+              or both texts name units or currencies and not the same ones (tablespoons /
+              teaspoons, km / miles, dollars / euros)
 date          weekdays, months, "tomorrow", "next week", am/pm differ, or each text names a span of
-              time the other does not ("after 2 weeks" / "after 2 months")
+              time the other does not ("after 2 weeks" / "after 2 months"; 第三天 / 第三个月)
 negation      the count of negation cues differs ("don't", "never", "without", "stop", ...; 不, 没,
               未, 别, 无, 非 outside fixed words like 不错, 未来), or a word on one side has its
               antonym on the other (open/closed, eat/avoid, enable/disable, include/exclude;
@@ -74,7 +75,7 @@ from .features import EMBEDDABLE_SCRIPTS, Features, analyse, slip_equal, typo_eq
 #: and typing slips), ``edit`` (at least half of them shared), ``reworded`` (the rest).
 TIERS = ("same", "edit", "reworded")
 #: Bumped whenever a rule or word list changes what is refused: a calibration records it.
-GUARDS_VERSION = 9
+GUARDS_VERSION = 10
 #: The languages the word lists cover (lexicon.py, lexicon_zh.py). A semantic match needs both texts
 #: in one of them; see :func:`unguarded`.
 GUARDED_LANGUAGES = frozenset({"en", "zh"})
@@ -230,9 +231,20 @@ def _slot(q: Features, c: Features) -> Refusal | None:
     return None
 
 
+def _firm(numbers: tuple[str, ...], other: tuple[str, ...]) -> tuple[str, ...]:
+    """``numbers`` with each Chinese lone "one X" (``chinese.WEAK_ONE``) read as 1 when the other
+    text has a number, and dropped when it has none (重新办一张 asks what 重新办 asks)."""
+    if chinese.WEAK_ONE not in numbers:
+        return numbers
+    if not [n for n in other if n != chinese.WEAK_ONE]:
+        return tuple(n for n in numbers if n != chinese.WEAK_ONE)
+    return tuple(sorted("1" if n == chinese.WEAK_ONE else n for n in numbers))
+
+
 def _number(q: Features, c: Features) -> Refusal | None:
-    if q.numbers != c.numbers:
-        a, b = Counter(q.numbers), Counter(c.numbers)
+    qn, cn = _firm(q.numbers, c.numbers), _firm(c.numbers, q.numbers)
+    if qn != cn:
+        a, b = Counter(qn), Counter(cn)
         return Refusal("number", f"{sorted((a - b).elements())} vs {sorted((b - a).elements())}")
     differ = _closed_class(q, c, _UNITS)
     return Refusal("number", f"units {differ}") if differ else None
@@ -275,6 +287,7 @@ _TRANSPORT = _members(lx.TRANSPORT)
 _SLOT_CLASSES = (("size", _members(lx.SIZES)), ("diet", _members(lx.DIETS)), ("seat", _members(lx.SEATS)),
                  ("bed", _members(lx.BEDS)), ("delivery", _members(lx.DELIVERY)),
                  ("gearbox", _members(lx.GEARBOXES)), ("payment", _members(lx.PAYMENTS)), ("payment", _members(zh.PAYMENTS)),
+                 ("room", _members(zh.ROOMS)),
                  ("appliance", _members(lx.APPLIANCES)), ("colour", _members(zh.COLOURS)),
                  ("language", _members(zh.LANGUAGES)), ("spice", _members(zh.SPICE)),
                  ("appliance", _members(zh.APPLIANCES)))
@@ -292,7 +305,11 @@ def _date(q: Features, c: Features) -> Refusal | None:
     if q.frequencies and c.frequencies and q.frequencies != c.frequencies:
         return Refusal("date", f"{sorted(q.frequencies)} vs {sorted(c.frequencies)}")
     differ = _closed_class(q, c, _TIME_UNITS, each_side=True)  # "after 2 weeks" / "after 2 months"
-    return Refusal("date", f"spans {differ}") if differ else None
+    if differ:
+        return Refusal("date", f"spans {differ}")
+    if q.spans - c.spans and c.spans - q.spans:  # 第三天 / 第三个月
+        return Refusal("date", f"spans {sorted(q.spans - c.spans)} vs {sorted(c.spans - q.spans)}")
+    return None
 
 
 @lru_cache(maxsize=1)
@@ -410,13 +427,19 @@ def _frame(q: Features, c: Features) -> Refusal | None:
         if differ is not None:
             return Refusal("slot", f"another noun in the same question: {differ}")
     elif q.language != "zh" and c.language != "zh":
-        differ = _english_frame(q.content, c.content)
+        differ = _english_frame(q, c)
         if differ is not None:
             return Refusal("slot", f"another word in the same question: {differ}")
     return None
 
 
-def _english_frame(a: tuple[str, ...], b: tuple[str, ...]) -> str | None:
+def _english_frame(q: Features, c: Features) -> str | None:
+    """Two questions that are one frame, the same words before and after a slot of at most
+    :data:`FRAME_SLOT` words a side (:data:`FRAME_SHARE` of the longer text at least), whose slots
+    each hold a content word the other text lacks: "does the gym have a sauna" / "... a swimming
+    pool". Words of one meaning (:data:`lexicon.SYNONYMS`, aliases), the words of asking ("how" /
+    "what's the best way") and typing slips do not count."""
+    a, b = q.sequence, c.sequence
     n = min(len(a), len(b))
     p = 0
     while p < n and a[p] == b[p]:
@@ -427,22 +450,24 @@ def _english_frame(a: tuple[str, ...], b: tuple[str, ...]) -> str | None:
     mid_a, mid_b = a[p:len(a) - e], b[p:len(b) - e]
     if not mid_a or not mid_b or len(mid_a) > FRAME_SLOT or len(mid_b) > FRAME_SLOT:
         return None
-    if p + e < max(2, FRAME_SHARE * max(len(a), len(b))):
+    if p + e < max(3, FRAME_SHARE * max(len(a), len(b))):
         return None
-    def alone(w: str, other: tuple[str, ...], other_mid: tuple[str, ...]) -> bool:
-        return (w not in other and w not in lx.ASKING_WORDS
+    content_a, content_b = set(q.content), set(c.content)
+
+    def alone(w: str, content: set[str], other: set[str], other_mid: tuple[str, ...]) -> bool:
+        return ((w in content or w in lx.SLOT_PREPOSITIONS) and w not in other and w not in lx.ASKING_WORDS
                 and not any(slip_equal(w, x) or _SYNONYM.get(w, -1) == _SYNONYM.get(x, -2) for x in other_mid))
 
-    only_a = [w for w in mid_a if alone(w, b, mid_b)]
-    only_b = [w for w in mid_b if alone(w, a, mid_a)]
+    only_a = [w for w in mid_a if alone(w, content_a, content_b, mid_b)]
+    only_b = [w for w in mid_b if alone(w, content_b, content_a, mid_a)]
     if only_a and only_b:
         return f"{' '.join(only_a)} vs {' '.join(only_b)}"
     return None
 
 
-#: A frame's slot is at most this many content words a side; the rest of the question, this share
-#: of the longer one's content words at least.
-FRAME_SLOT = 2
+#: A frame's slot is at most this many words a side; the rest of the question, this share of the
+#: longer one's words at least.
+FRAME_SLOT = 3
 FRAME_SHARE = 0.5
 _SYNONYM = {lx.stem(w): i for i, group in enumerate(lx.SYNONYMS + tuple(" ".join(g) for g in lx.ALIASES))
             for w in group.split()}

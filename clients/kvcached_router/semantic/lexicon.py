@@ -157,6 +157,10 @@ help step steps possible able process procedure option options method methods ti
 many much
 """.split())
 
+#: Prepositions that say where or when, which a frame's slot may turn on ("customers in the EU" /
+#: "customers outside the EU"), though they carry too little to compare anywhere else.
+SLOT_PREPOSITIONS = frozenset("in inside within outside before after during".split())
+
 #: Everyday words of one meaning in a help-desk question ("enable dark mode" / "turn on dark
 #: mode"): one group, one meaning. General English, not a thesaurus: a pair of words in one
 #: frame that are not here is read as two questions.
