@@ -287,6 +287,7 @@ class _Reader:
         self.negated: set[str] = set()  # the content word right after each negation cue (stems)
         self._negate_next = 0  # how many of the next content words a negation cue reaches
         self._clause: list[str] = []  # the content stems of the clause being read, up to its last cue
+        self._stopper: str | None = None  # "stop", "prevent", "keep" read, so "from X-ing" negates X
 
     def end_clause(self) -> None:
         """A clause ends (a conjunction, or the text's end). A cue that reached no content word
@@ -306,6 +307,8 @@ class _Reader:
     def feed(self, tok: str, initial: bool, next_low: str) -> None:
         low = tok.lower()
         self.lower_tokens.append(low)
+        if low in _STOPPERS:
+            self._stopper = low
         if low in lx.NUMBER_WORDS or low in lx.NUMBER_SCALES:
             self._number_words.append(low)
             return
@@ -377,6 +380,10 @@ class _Reader:
         elif low in lx.NEGATION_CUES or (low in lx.STOP_WORDS and next_low.endswith("ing") and len(next_low) > 4):
             self.cues.append(low)  # "stop watering" negates watering; "stop my plan renewing" is an action
             self._negate_next = 0 if low in lx.SELF_NEGATING else 2 if self._inverted() else 1
+        elif low == "from" and self._stopper and next_low.endswith("ing") and len(next_low) > 4:
+            self.cues.append(f"{self._stopper} from")  # "stop my screen from locking": not locking
+            self._stopper = None
+            self._negate_next = 1
         elif low in _PREPOSITIONS:
             self._open_prep = low
         elif low not in lx.FUNCTION_WORDS and low not in lx.FILLERS and low not in lx.LIGHT_PREPOSITIONS:
@@ -392,6 +399,8 @@ class _Reader:
 
 
 #: Words that end one clause and open another ("the hot water works but the heating doesn't").
+#: Verbs whose "from X-ing" negates X ("stop the app from updating", "keep the pipes from freezing").
+_STOPPERS = frozenset({"stop", "stops", "stopped", "prevent", "prevents", "keep", "keeps", "block", "blocks"})
 _CLAUSE_BREAKS = frozenset({"but", "while", "whereas", "although", "though"})
 _WHICH_WEEK = frozenset({"next", "last", "following", "coming", "previous"})
 _AUXILIARIES = frozenset("do does did is are was were have has had can could will would should must shall may might".split())

@@ -31,7 +31,7 @@ number        the numbers differ (digits, number words: "two" = 2, "£50" is not
               teaspoons, km / miles, dollars / euros)
 date          weekdays, months, "tomorrow", "next week", am/pm differ, or each text names a span of
               time the other does not ("after 2 weeks" / "after 2 months"; 第三天 / 第三个月)
-negation      the count of negation cues differs ("don't", "never", "without", "stop", ...; 不, 没,
+negation      the count of negation cues differs ("don't", "never", "without", "stop X from", ...; 不, 没,
               未, 别, 无, 非 outside fixed words like 不错, 未来), or a word on one side has its
               antonym on the other (open/closed, eat/avoid, enable/disable, include/exclude;
               开通/取消, 上传/下载, 冻结/解冻; in Chinese also opposite characters one place apart,
@@ -75,7 +75,7 @@ from .features import EMBEDDABLE_SCRIPTS, Features, analyse, slip_equal, typo_eq
 #: and typing slips), ``edit`` (at least half of them shared), ``reworded`` (the rest).
 TIERS = ("same", "edit", "reworded")
 #: Bumped whenever a rule or word list changes what is refused: a calibration records it.
-GUARDS_VERSION = 10
+GUARDS_VERSION = 11
 #: The languages the word lists cover (lexicon.py, lexicon_zh.py). A semantic match needs both texts
 #: in one of them; see :func:`unguarded`.
 GUARDED_LANGUAGES = frozenset({"en", "zh"})

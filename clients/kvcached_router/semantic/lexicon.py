@@ -168,7 +168,7 @@ SYNONYMS: tuple[str, ...] = (
     "enable activate turn switch", "disable deactivate", "log sign", "update change edit modify amend alter",
     "all every each entire whole", "buy purchase", "fix repair mend", "delete remove erase",
     "cancel terminate", "get obtain receive", "find locate", "see view check show display", "start begin",
-    "stop end", "phone mobile cell smartphone", "flat apartment", "car vehicle", "photo picture image",
+    "stop end prevent", "phone mobile cell smartphone", "transfer move", "flat apartment", "car vehicle", "photo picture image",
     "film movie", "shop store", "big large", "small little", "fast quick", "cost price fee charge",
     "bill invoice", "send email", "reset restore", "set configure", "make create", "book reserve",
     "doctor gp physician", "medicine medication drug", "kid child", "job work", "rent hire", "go travel",

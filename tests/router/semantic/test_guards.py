@@ -104,6 +104,7 @@ REFUSED = [
     # the sixth round: the frame read over every word (its slot may be a preposition of place)
     ("slot", "Does the hostel have a laundry room?", "Does the hostel have a games room?"),
     ("slot", "Is import duty charged on parcels sent in the UK?", "Is import duty charged on parcels sent outside the UK?"),
+    ("negation", "How do I stop the app from updating itself?", "How do I make the app update itself?"),  # stop X from Y-ing
 ]
 
 SERVED = [
@@ -142,6 +143,7 @@ SERVED = [
     ("How do I change my delivery address?", "How do I update my delivery address?"),
     ("Where can I buy a bus pass?", "How do I buy a bus pass?"),  # how it is asked is no slot
     ("Can I pay by card with my phone?", "Can I pay by card using my phone?"),
+    ("How do I stop my screen from locking?", "How do I prevent my screen from locking?"),
 ]
 
 
