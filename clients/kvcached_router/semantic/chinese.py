@@ -334,14 +334,14 @@ def route(text: str) -> tuple[str, str] | None:
     return None
 
 
-_UNDO = "取消|解除|撤销|撤回"
+_UNDO = "取消|解除|撤销|撤回|停止"
 _UNDONE = re.compile("(?:" + _UNDO + ")掉?(?:[^\u4e00-\u9fff]|别人的|他人的|对方的|所有的|某个|某一|这个|那个|的)*"
                      "([^了的吗呢吧啊后时就掉\u0000-\u4dff\ua000-\uffff][\u4e00-\u9fff])")
 _STOPS = re.compile(_UNDO + "|停止|停用|关闭|关掉|退订|退掉|注销|不再|不要|删除|去掉|禁用|作废|撤|解冻|解锁|解绑|解封|解禁|解约")
 
 
 def undo_refusal(q_text: str, c_text: str) -> str | None:
-    """取消 (解除, 撤销, 撤回) X on one side, X without any undoing on the other: the opposite
+    """取消 (解除, 撤销, 撤回, 停止) X on one side, X without any undoing on the other: the opposite
     actions (把别人静音 / 取消别人的静音, 隐藏某一列 / 取消隐藏某一列), for every X, not only the
     pairs :data:`lexicon_zh.ANTONYMS` lists. Not when the other side stops or removes in other
     words (停止自动续费 / 取消自动续费 ask the same)."""

@@ -29,6 +29,8 @@ ZH_AUDIENCE = 1000
 _CONTACT = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+|https?://\S+|www\.\S+|(?<!\w)@\w+|(?<!\w)#(?!\d+\b)\w+")
 #: "No. 42", "no.42", "Nr. 7", "№ 5": a number's abbreviation, read as "#42" (not the negation "no").
 _NUMERO = re.compile(r"\b(?:[Nn][Oo]|[Nn]r)\.\s*(?=\d)|№\s*(?=\d)")
+#: Two short pieces joined by a hyphen are one word: "Wi-Fi" is "WiFi" (a name, as "wifi" is).
+_SHORT_HYPHEN = re.compile(r"(?<![A-Za-z])([A-Za-z]{1,2})-([A-Za-z]{1,2})(?![A-Za-z])")
 _TITLE_BEFORE = re.compile(r"(?<!\w)(?:Dr|Mr|Mrs|Ms|Mx|Prof|St|Sr|Jr)\.$")
 _QUOTED = re.compile(r'"([^"]+)"|`([^`]+)`|(?<!\w)\'([^\']+)\'(?!\w)')
 _LABEL = re.compile(r"^([^:\n]{1,80}?)(?<!\d):(?!\d)\s*(.+)$", re.S)
@@ -214,7 +216,7 @@ def analyse(text: str) -> Features:
     han = chinese.has_han(t)
 
     reader = _Reader()
-    body = _NUMERO.sub("#", t)
+    body = _SHORT_HYPHEN.sub(r"\1\2", _NUMERO.sub("#", t))
     reader.entities.update(c.lower() for c in _CONTACT.findall(body))
     body = _CONTACT.sub(" ", body)
     if han:

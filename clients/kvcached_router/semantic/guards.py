@@ -75,7 +75,7 @@ from .features import EMBEDDABLE_SCRIPTS, Features, analyse, slip_equal, typo_eq
 #: and typing slips), ``edit`` (at least half of them shared), ``reworded`` (the rest).
 TIERS = ("same", "edit", "reworded")
 #: Bumped whenever a rule or word list changes what is refused: a calibration records it.
-GUARDS_VERSION = 11
+GUARDS_VERSION = 12
 #: The languages the word lists cover (lexicon.py, lexicon_zh.py). A semantic match needs both texts
 #: in one of them; see :func:`unguarded`.
 GUARDED_LANGUAGES = frozenset({"en", "zh"})
@@ -455,13 +455,13 @@ def _english_frame(q: Features, c: Features) -> str | None:
     content_a, content_b = set(q.content), set(c.content)
 
     def alone(w: str, content: set[str], other: set[str], other_mid: tuple[str, ...]) -> bool:
-        return ((w in content or w in lx.SLOT_PREPOSITIONS) and w not in other and w not in lx.ASKING_WORDS
+        return ((w in content or w in _SLOT_PREPOSITIONS) and w not in other and w not in _ASKING
                 and not any(slip_equal(w, x) or _SYNONYM.get(w, -1) == _SYNONYM.get(x, -2) for x in other_mid))
 
     only_a = [w for w in mid_a if alone(w, content_a, content_b, mid_b)]
     only_b = [w for w in mid_b if alone(w, content_b, content_a, mid_a)]
-    if only_a and only_b:
-        return f"{' '.join(only_a)} vs {' '.join(only_b)}"
+    if (only_a and only_b) or set(only_a + only_b) & _TIME_RELATIONS:
+        return f"{' '.join(only_a) or ' '.join(mid_a)} vs {' '.join(only_b) or ' '.join(mid_b)}"
     return None
 
 
@@ -469,5 +469,9 @@ def _english_frame(q: Features, c: Features) -> str | None:
 #: longer one's words at least.
 FRAME_SLOT = 3
 FRAME_SHARE = 0.5
+#: The frame rule compares stems.
+_ASKING = frozenset(map(lx.stem, lx.ASKING_WORDS))
+_SLOT_PREPOSITIONS = frozenset(map(lx.stem, lx.SLOT_PREPOSITIONS))
+_TIME_RELATIONS = frozenset(map(lx.stem, lx.TIME_RELATIONS))
 _SYNONYM = {lx.stem(w): i for i, group in enumerate(lx.SYNONYMS + tuple(" ".join(g) for g in lx.ALIASES))
             for w in group.split()}

@@ -160,6 +160,9 @@ many much
 #: Prepositions that say where or when, which a frame's slot may turn on ("customers in the EU" /
 #: "customers outside the EU"), though they carry too little to compare anywhere else.
 SLOT_PREPOSITIONS = frozenset("in inside within outside before after during".split())
+#: Of those, the ones that place a time against an event: a slot with one of them differs from a
+#: slot with another word, whatever that word ("cancel before the day" / "cancel on the day").
+TIME_RELATIONS = frozenset("before after during until".split())
 
 #: Everyday words of one meaning in a help-desk question ("enable dark mode" / "turn on dark
 #: mode"): one group, one meaning. General English, not a thesaurus: a pair of words in one
@@ -187,7 +190,7 @@ AUDIENCES: tuple[str, ...] = (
     "visitor visitors guest guests", "resident residents", "tenant tenants renter renters", "landlord landlords",
     "homeowner homeowners", "nonprofit nonprofits charity charities", "colleague colleagues",
     "mother mum mom father dad parent parents", "women woman ladies female", "men man male",
-    "son daughter", "friend friends", "pregnant",
+    "son daughter", "friend friends", "pregnant", "spouse spouses husband wife",
     "veteran veterans", "patient patients", "puppy puppies", "kitten kittens", "dog dogs", "cat cats",
     "economy", "business-class first-class premium-economy",
 )

@@ -62,7 +62,7 @@ ANTONYMS: tuple[tuple[str, str], ...] = (
     ("最好", "最差"), ("允许 可以 能", "禁止 不准 不许"), ("同意", "拒绝"), ("批准 通过", "驳回"),
     ("增值", "贬值"), ("提前", "推迟 延迟 延期"), ("涨价", "降价"), ("升温", "降温"), ("正数", "负数"),
     ("优点 好处", "缺点 坏处"), ("合法", "违法 非法"), ("安全", "危险"), ("上车", "下车"), ("上班", "下班"),
-    ("出发", "到达"), ("出境", "入境"), ("出院", "住院"), ("插入", "拔出"), ("添加 新增", "删除 移除"),
+    ("出发", "到达"), ("出境", "入境"), ("出院", "住院"), ("插入", "拔出"), ("添加 新增", "删除 移除"), ("加入", "移出"),
     ("多", "少"), ("大", "小"), ("长", "短"), ("快", "慢"), ("早", "晚"), ("新", "旧"), ("冷", "热"),
     ("进", "出"), ("升", "降"), ("增", "减"),
 )
@@ -137,7 +137,7 @@ APPLIANCES: tuple[str, ...] = ("烤箱", "微波炉", "空气炸锅", "电饭煲
 NOT_NAMES = frozenset("东西 银行卡 信用卡 储蓄卡 小狗 小猫 狗狗 猫咪 宝宝 日志 小孩 小区".split())
 
 #: Words that negate like the negation characters (拒绝退还 asks what 不退 asks).
-NEGATION_WORDS = ("拒绝", "拒不")
+NEGATION_WORDS = ("拒绝", "拒不", "失败")
 
 #: Words that contain an audience word without naming that audience (一个人 is "one person",
 #: 个人信息 "personal data"): masked before audiences are read.
@@ -157,6 +157,18 @@ ALIASES: tuple[tuple[str, ...], ...] = (
     ("wifi", "wi-fi", "无线网", "无线网络"), ("powerpoint", "ppt"), ("u盘", "usb"), ("cpu", "处理器"),
     ("gpu", "显卡"), ("windows", "win"), ("postgresql", "postgres"), ("golang", "go语言"), ("c++", "cpp"),
     ("tiktok", "抖音"), ("didi", "滴滴"), ("meituan", "美团"), ("jd", "京东"),
+    # international brands and their Chinese names
+    ("microsoft", "微软"), ("google", "谷歌"), ("amazon", "亚马逊"), ("samsung", "三星"), ("lenovo", "联想"),
+    ("dell", "戴尔"), ("hp", "惠普"), ("canon", "佳能"), ("epson", "爱普生"), ("sony", "索尼"), ("nintendo", "任天堂"),
+    ("intel", "英特尔"), ("nvidia", "英伟达"), ("tesla", "特斯拉"), ("bmw", "宝马"), ("mercedes", "benz", "奔驰"),
+    ("toyota", "丰田"), ("honda", "本田"), ("volkswagen", "vw", "大众"), ("ikea", "宜家"), ("starbucks", "星巴克"),
+    ("mcdonald's", "mcdonalds", "麦当劳"), ("kfc", "肯德基"), ("nike", "耐克"), ("adidas", "阿迪达斯"),
+    ("uber", "优步"), ("airbnb", "爱彼迎"), ("netflix", "网飞", "奈飞"), ("youtube", "油管"), ("facebook", "脸书"),
+    ("twitter", "推特"), ("instagram", "ig", "ins"), ("linkedin", "领英"), ("telegram", "电报"),
+    ("duolingo", "多邻国"), ("binance", "币安"), ("paypal", "贝宝"), ("costco", "开市客"), ("walmart", "沃尔玛"),
+    ("marriott", "万豪"), ("hilton", "希尔顿"), ("hyatt", "凯悦"), ("ebay", "易贝"), ("alibaba", "阿里巴巴", "阿里"),
+    ("tencent", "腾讯"), ("baidu", "百度"), ("pinduoduo", "拼多多"), ("xiaohongshu", "小红书"), ("bilibili", "b站", "哔哩哔哩"),
+    ("weibo", "微博"), ("qq", "企鹅"), ("kyc", "实名认证", "身份认证"),
 )
 #: Brands and the products that name them: a text that names an iPhone names 苹果 (not the other
 #: way round: 苹果手机 does not name an iPad).

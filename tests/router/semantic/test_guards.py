@@ -105,6 +105,9 @@ REFUSED = [
     ("slot", "Does the hostel have a laundry room?", "Does the hostel have a games room?"),
     ("slot", "Is import duty charged on parcels sent in the UK?", "Is import duty charged on parcels sent outside the UK?"),
     ("negation", "How do I stop the app from updating itself?", "How do I make the app update itself?"),  # stop X from Y-ing
+    # the seventh round: a slot with "before" / "after" against any other word; spouses
+    ("slot", "Can I get a refund if I cancel before the start date?", "Can I get a refund if I cancel on the start date?"),
+    ("scope", "What happens to my pension when I retire?", "What happens to my pension when my wife retires?"),
 ]
 
 SERVED = [
@@ -144,6 +147,7 @@ SERVED = [
     ("Where can I buy a bus pass?", "How do I buy a bus pass?"),  # how it is asked is no slot
     ("Can I pay by card with my phone?", "Can I pay by card using my phone?"),
     ("How do I stop my screen from locking?", "How do I prevent my screen from locking?"),
+    ("How do I connect to the Wi-Fi?", "How do I connect to the wifi?"),  # Wi-Fi: one word
 ]
 
 
@@ -206,6 +210,9 @@ ZH_REFUSED = [
     ("negation", "发票上怎么填应收金额", "发票上怎么填应付金额"),  # 收 / 付
     ("scope", "用积分给家属买机票可以吗", "用积分给朋友买机票可以吗"),
     ("slot", "国航的会员卡怎么升级", "东航的会员卡怎么升级"),  # abbreviations (jieba's "j") are nouns
+    # the seventh round
+    ("negation", "为什么云盘停止同步了", "为什么云盘一直在同步"),  # 停止 X against X
+    ("negation", "怎么把好友从群里移出", "怎么把好友加入群里"),
 ]
 ZH_SERVED = [
     ("怎么停止自动续费", "怎么取消自动续费"),  # stopping in other words is no undoing
@@ -220,6 +227,8 @@ ZH_SERVED = [
     ("宽带每月多少钱", "宽带月租是多少"),  # 钱: one character, no noun a frame turns on
     ("护照丢了能补办吗", "护照弄丢了还能重新办一张吗"),  # 一张: "a", unless the other text has a number
     ("Redis 的过期时间怎么设置", "Redis 的过期时间怎么设制"),  # one character for another: an IME slip
+    ("联想电脑连不上 Wi-Fi 怎么办", "Lenovo 电脑无线网连接失败怎么办"),  # brands' Chinese names; 失败 negates
+    ("Starbucks 的会员积分怎么查", "星巴克的会员积分怎么查"),
 ]
 
 
