@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from . import lexicon_zh as zh
+from .frame import slots
 
 #: Han characters (the basic block, extension A, compatibility ideographs): what this reader reads.
 HAN = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
@@ -389,14 +390,8 @@ def frame_refusal(q_text: str, q_nouns: Iterable[str], c_text: str, c_nouns: Ite
     南方电网的电费, 年终奖需要缴税吗 / 经济补偿金需要缴税吗). A frame with an insertion only
     (我的信用卡 / 信用卡) is not this rule's; nor a noun on one side only."""
     qs, cs = (_NOT_FRAME.sub("", t.lower()).translate(_VARIANTS) for t in (q_text, c_text))
-    n = min(len(qs), len(cs))
-    p = 0
-    while p < n and qs[p] == cs[p]:
-        p += 1
-    e = 0
-    while e < n - p and qs[-1 - e] == cs[-1 - e]:
-        e += 1
-    if p + e < max(FRAME_MIN_CHARS, FRAME_SHARE * max(len(qs), len(cs))) or len(qs) == p + e or len(cs) == p + e:
+    shared, raw_q, raw_c = slots(qs, cs)
+    if shared < max(FRAME_MIN_CHARS, FRAME_SHARE * max(len(qs), len(cs))) or not raw_q or not raw_c:
         return None
     only_q = sorted(w for w in q_nouns if len(w) >= 2 and w.translate(_VARIANTS) not in cs)
     only_c = sorted(w for w in c_nouns if len(w) >= 2 and w.translate(_VARIANTS) not in qs)
@@ -404,8 +399,7 @@ def frame_refusal(q_text: str, q_nouns: Iterable[str], c_text: str, c_nouns: Ite
         return f"{only_q[0]} vs {only_c[0]}"
     # A short slot in a frame of half the text at least (健身房有游泳课吗 / 健身房有瑜伽课吗), its
     # function characters left out (怎么 / 如何 are no slot)
-    raw_q, raw_c = qs[p:len(qs) - e], cs[p:len(cs) - e]
-    if p + e >= max(FRAME_MIN_CHARS, 0.5 * max(len(qs), len(cs))) and not _NUMERIC.search(raw_q + raw_c):
+    if shared >= max(FRAME_MIN_CHARS, 0.5 * max(len(qs), len(cs))) and not _NUMERIC.search(raw_q + raw_c):
         slot_q, slot_c = _LIGHT.sub("", raw_q), _LIGHT.sub("", raw_c)
         if (slot_q and slot_c and len(slot_q) <= 4 and len(slot_c) <= 4
                 and slot_q not in slot_c and slot_c not in slot_q  # 饭前 / 饭前吃: moved, not another

@@ -21,7 +21,7 @@ slot          both texts are ``label: value`` with the same label and another va
               gearboxes, ways to pay (medium / large, vegan / halal, window / aisle, cash / card);
               in Chinese colours, languages, spice levels and ways to pay (白色 / 蓝色, 中文 / 韩文,
               微辣 / 特辣); or they are one question with another word in its slot: the same
-              content words before and after one or two others ("reset the router's admin
+              words before and after one to three others ("reset the router's admin
               password" / "... wifi password"; words of one meaning, :data:`lexicon.SYNONYMS`,
               and the words of asking, "how" / "best way", do not count), in Chinese one frame
               with another noun or a short slot in it (报销牙科费用 / 报销眼科费用, 有游泳课 / 有瑜伽课)
@@ -69,6 +69,7 @@ from . import chinese
 from . import lexicon as lx
 from . import lexicon_zh as zh
 from .embed import minilm_vocabulary
+from .frame import slots
 from .features import EMBEDDABLE_SCRIPTS, Features, analyse, slip_equal, typo_equal
 
 #: How much two texts' meaningful words differ: ``same`` (none, after fillers, function words
@@ -440,17 +441,10 @@ def _english_frame(q: Features, c: Features) -> str | None:
     pool". Words of one meaning (:data:`lexicon.SYNONYMS`, aliases), the words of asking ("how" /
     "what's the best way") and typing slips do not count."""
     a, b = q.sequence, c.sequence
-    n = min(len(a), len(b))
-    p = 0
-    while p < n and a[p] == b[p]:
-        p += 1
-    e = 0
-    while e < n - p and a[-1 - e] == b[-1 - e]:
-        e += 1
-    mid_a, mid_b = a[p:len(a) - e], b[p:len(b) - e]
+    shared, mid_a, mid_b = slots(a, b)
     if not mid_a or not mid_b or len(mid_a) > FRAME_SLOT or len(mid_b) > FRAME_SLOT:
         return None
-    if p + e < max(3, FRAME_SHARE * max(len(a), len(b))):
+    if shared < max(3, FRAME_SHARE * max(len(a), len(b))):
         return None
     content_a, content_b = set(q.content), set(c.content)
 

@@ -7,6 +7,7 @@ import pytest
 
 from kvcached_router.semantic.embed import AutoEmbedder
 from kvcached_router.semantic.features import analyse, typo_equal
+from kvcached_router.semantic.frame import slots
 from kvcached_router.semantic.guards import REASONS, check, compare, content_overlap
 from kvcached_router.semantic.lexicon import stem
 from tests.router.semantic.minilm import fixture_pairs, minilm
@@ -319,6 +320,12 @@ def test_chinese_numbers_a_lone_big_unit_is_a_name_and_a_lone_one_an_article():
     assert analyse("万豪的积分怎么查").numbers == ()
     assert check("买一张票多少钱", "买两张票多少钱", AutoEmbedder.scripts).reason == "number"  # against a number: 1
     assert check("停水一个月怎么办", "停水1个月怎么办", AutoEmbedder.scripts) is None  # 一个月: a count
+
+
+def test_a_frame_is_what_two_texts_share_at_both_ends():
+    assert slots("abXcd", "abYYcd") == (4, "X", "YY")
+    assert slots("aaa", "aa") == (2, "a", "")  # the shared end never overlaps the beginning
+    assert slots(("how", "do", "i"), ("how", "do", "i")) == (3, (), ())
 
 
 def test_stems_and_typing_slips():
