@@ -16,8 +16,8 @@ import hashlib
 import os
 import re
 import threading
-from functools import lru_cache
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any, Protocol
 
 import numpy as np

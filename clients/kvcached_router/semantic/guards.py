@@ -60,7 +60,6 @@ The guards never say yes; :func:`compare` also says how far apart the two texts'
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
@@ -68,7 +67,6 @@ from functools import lru_cache
 from . import chinese
 from . import lexicon as lx
 from . import lexicon_zh as zh
-from .embed import minilm_vocabulary
 from .frame import slots
 from .features import EMBEDDABLE_SCRIPTS, Features, analyse, slip_equal, typo_equal
 
@@ -87,8 +85,6 @@ GUARDED_SCRIPTS = frozenset({"LATIN", "CJK", "FULLWIDTH", "MODIFIER"})
 #: other (ı ş ğ ł ř ő å ơ ß ...) is another language's, whatever the stopwords say.
 ENGLISH_ACCENTS = frozenset("áàâäéèêëíìîïóòôöúùûüçñ")
 EDIT_OVERLAP = 0.5
-#: Share of a text's words that must be English ones (:func:`_reads_as_english`).
-ENGLISH_WORD_SHARE = 0.6
 REASONS = ("language", "slot", "number", "date", "negation", "entity", "scope")
 
 
@@ -168,7 +164,8 @@ def unguarded(f: Features) -> str | None:
     cover), or None when they can: Latin text not recognised as another language counts as
     English unless a Latin letter English does not use says otherwise (:data:`ENGLISH_ACCENTS`);
     Chinese may carry Latin words. Latin text of another language in plain ASCII, not recognised
-    by its stopwords (Swedish, Indonesian), is told apart by its words (:func:`_reads_as_english`).
+    by its stopwords (Swedish, Indonesian), is told apart by its words: :func:`features.analyse`
+    reads its language as :data:`features.OTHER_LANGUAGE`.
 
     Measured on 61 pairs in 18 other languages (``bench/semantic_languages.py``, "other
     languages"): without this rule the shipped matcher served 8 of their 40 traps (オン/オフ,
@@ -183,23 +180,7 @@ def unguarded(f: Features) -> str | None:
         return "the letters " + "".join(foreign)
     if f.language is not None and f.language not in GUARDED_LANGUAGES:
         return f"language {f.language}"
-    if f.language is None and f.scripts <= {"LATIN"} and not _reads_as_english(f.text):
-        return "words English does not have"
     return None
-
-
-def _reads_as_english(text: str) -> bool:
-    """Whether plain Latin text of unknown language can be English: it is under three words, or
-    has an English stopword, or :data:`ENGLISH_WORD_SHARE` of its words are whole words of MiniLM's
-    vocabulary. Measured on every English text of the project's sets (about 2,900): one falls
-    under the share ("Can diabetics eat watermelon?", 0.5), and it has "can"; Swedish, Polish,
-    Czech, Indonesian, Romanian and French questions not recognised by their stopwords fall
-    under it (0.0-0.57) with no English stopword."""
-    words = re.findall(r"[a-z]+", text.lower())
-    if len(words) < 3 or any(w in lx.LANGUAGE_STOPWORDS["en"] for w in words):
-        return True
-    vocabulary = minilm_vocabulary()
-    return not vocabulary or sum(w in vocabulary for w in words) >= ENGLISH_WORD_SHARE * len(words)
 
 
 def _language(q: Features, c: Features, readable: frozenset[str]) -> Refusal | None:
