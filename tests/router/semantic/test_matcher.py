@@ -200,3 +200,17 @@ def test_with_minilm_the_chinese_near_twin_is_refused_but_its_exact_repeat_serve
     off = m.match("如何打开深色模式？")
     assert off.entry_id is None and off.reason == "guard:language" and off.top1_similarity > 0.99
     assert m.match("如何关闭深色模式?").entry_id == 1
+
+
+def test_minilm_embeds_one_text_as_it_embeds_it_in_a_batch():
+    """A lookup's single query runs the traced BERT module, a batch runs SentenceTransformer's
+    ``encode`` (padded): both must give one vector per text, whatever its length (one word;
+    a long text cut at the model's 256 tokens)."""
+    e = minilm()
+    assert e._single is not e._model[0].auto_model, "the single-text path is not traced"
+    texts = ["hi", "how do I turn off dark mode on my phone?",
+             "Summarise this: " + " ".join(f"clause {i} of the lease says rent is due monthly" for i in range(60))]
+    batch = e.encode(texts + ["pad"])[:3]
+    one = np.vstack([e.encode([t]) for t in texts])
+    assert np.abs(one - batch).max() < 1e-5
+    assert np.allclose(np.linalg.norm(one, axis=1), 1.0, atol=1e-6)
