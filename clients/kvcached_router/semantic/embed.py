@@ -152,8 +152,11 @@ def _traced(module: Any, tokenizer: Any) -> Any:
     try:
         with warnings.catch_warnings(), torch.inference_mode():
             warnings.simplefilter("ignore")
-            traced = torch.jit.trace(module, (example["input_ids"], example["attention_mask"]), strict=False)
-            return torch.jit.freeze(traced.eval())
+            args = (example["input_ids"], example["attention_mask"])
+            traced = torch.jit.freeze(torch.jit.trace(module, args, strict=False).eval())
+            for _ in range(3):  # torch's profiling executor optimises the graph on its first runs
+                traced(*args)
+            return traced
     except Exception:  # noqa: BLE001 - any failure to trace leaves the module as loaded
         return module
 
