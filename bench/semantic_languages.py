@@ -119,6 +119,8 @@ def report(c: cal.Calibration, scored: list[cal.Scored], langs: list[str]) -> di
     out = {}
     for g in LANGUAGE_GROUPS:
         mine = [s for s, lang in zip(scored, langs) if lang == g]
+        if not mine:  # a set in one language (the English negation set)
+            continue
         o = cal.evaluate(c, mine)
         traps = [s for s in mine if not s.pair.same_answer]
         hits = [s for s in mine if s.pair.same_answer]

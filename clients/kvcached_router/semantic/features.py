@@ -76,6 +76,9 @@ class Features:
     #: ("haven't received" -> "receiv"), in Chinese the two characters after each negation
     #: character (没到账 -> 到账). A rough scope, read only by the negation guard's crossing rule.
     negated: frozenset[str] = frozenset()
+    #: English: the content stems of clauses with no negation cue ("the washer drains but won't
+    #: spin": drain), read by the crossing rule: what one side negates, the other affirms.
+    affirmed: frozenset[str] = frozenset()
     nouns: frozenset[str] = frozenset()  # in Chinese text, the words the segmenter tags as nouns
     spans: frozenset[str] = frozenset()  # in Chinese text, units of spans of time after a number ("day")
     sequence: tuple[str, ...] = ()  # the stems of every word, in order (the frame rule's)
@@ -285,7 +288,8 @@ def analyse(text: str) -> Features:
         prep_objects=frozenset(r.prep_objects),
         scripts=scripts, foreign_letters=foreign, language=language,
         label=label, value=value, quoted=quoted, letters_by_script=letters, frequencies=frozenset(frequencies),
-        negated=frozenset(r.negated), nouns=frozenset(zh.nouns) if han else frozenset(),
+        negated=frozenset(r.negated), affirmed=frozenset() if han else frozenset(r.affirmed),
+        nouns=frozenset(zh.nouns) if han else frozenset(),
         spans=frozenset(zh.spans) if han else frozenset(), sequence=tuple(lx.stem(w) for w in r.lower_tokens))
 
 
@@ -311,6 +315,9 @@ class _Reader:
         self._negate_next = 0  # how many of the next content words a negation cue reaches
         self._clause: list[str] = []  # the content stems of the clause being read, up to its last cue
         self._stopper: str | None = None  # "stop", "prevent", "keep" read in this clause: "from X-ing" negates X
+        self.affirmed: set[str] = set()  # the content stems of clauses with no negation cue
+        self._clause_words: list[str] = []  # every content stem of the clause being read
+        self._clause_cued = False  # whether a negation cue was read in it
 
     def end_clause(self) -> None:
         """A clause ends (a conjunction, or the text's end). A cue that reached no content word
@@ -318,8 +325,12 @@ class _Reader:
         before it."""
         if self._negate_next:
             self.negated.update(self._clause)
+        if not self._clause_cued:
+            self.affirmed.update(self._clause_words)
         self._negate_next = 0
         self._clause = []
+        self._clause_words = []
+        self._clause_cued = False
         self._stopper = None
 
     def flush_number_words(self) -> None:
@@ -378,12 +389,18 @@ class _Reader:
         return (len(t) >= 2 and t[-1] == "not" and t[-2] in _AUXILIARIES
                 and (len(t) == 2 or t[-3] in _WH or t[-3] in lx.FILLERS))
 
+    def _too_to(self) -> bool:
+        """Whether the "to" just read closes "too <word> to" ("too big to fit": it will not fit)."""
+        t = self.lower_tokens
+        return len(t) >= 3 and t[-3] == "too"
+
     def _word(self, tok: str, low: str, initial: bool, next_low: str) -> None:
         if any(ch.isdigit() for ch in tok):
             return  # an id, already taken
         s = lx.stem(low)
-        self.words.update((low, s))
-        self.stems.add(s)
+        if not (low == "in" and next_low in _IN_IDIOMS):  # "in advance" says no direction (in / out)
+            self.words.update((low, s))
+            self.stems.add(s)
         if self._leading and (low in lx.FILLERS or low in lx.LEADING_GREETINGS):
             return
         self._leading = False
@@ -403,15 +420,22 @@ class _Reader:
             self.end_clause()
         elif low in lx.NEGATION_CUES or (low in lx.STOP_WORDS and next_low.endswith("ing") and len(next_low) > 4):
             self.cues.append(low)  # "stop watering" negates watering; "stop my plan renewing" is an action
+            self._clause_cued = True
             self._negate_next = 0 if low in lx.SELF_NEGATING else 2 if self._inverted() else 1
+        elif (low == "other" and next_low == "than") or (low == "to" and self._too_to()):
+            self.cues.append(low)  # "plans other than Enterprise": not Enterprise; "too big to fit": not fit
+            self._clause_cued = True
+            self._negate_next = 1
         elif low == "from" and self._stopper and next_low.endswith("ing") and len(next_low) > 4:
             self.cues.append(f"{self._stopper} from")  # "stop my screen from locking": not locking
+            self._clause_cued = True
             self._stopper = None
             self._negate_next = 1
         elif low in _PREPOSITIONS:
             self._open_prep = low
         elif low not in lx.FUNCTION_WORDS and low not in lx.FILLERS and low not in lx.LIGHT_PREPOSITIONS:
             self.content.append(s)
+            self._clause_words.append(s)
             if self._negate_next:
                 self.negated.add(s)
                 self._negate_next -= 1
@@ -424,6 +448,8 @@ class _Reader:
 
 #: Verbs whose "from X-ing" negates X ("stop the app from updating", "keep the pipes from freezing").
 _STOPPERS = frozenset({"stop", "stops", "stopped", "prevent", "prevents", "keep", "keeps", "block", "blocks"})
+#: Nouns after which "in" names no direction: "in advance" is not the opposite of "out".
+_IN_IDIOMS = frozenset({"advance", "case", "general", "particular", "fact", "addition", "total", "order"})
 #: Words that end one clause and open another ("the hot water works but the heating doesn't").
 _CLAUSE_BREAKS = frozenset({"but", "while", "whereas", "although", "though"})
 _WHICH_WEEK = frozenset({"next", "last", "following", "coming", "previous"})

@@ -31,16 +31,20 @@ number        the numbers differ (digits, number words: "two" = 2, "£50" is not
               teaspoons, km / miles, dollars / euros)
 date          weekdays, months, "tomorrow", "next week", am/pm differ, or each text names a span of
               time the other does not ("after 2 weeks" / "after 2 months"; 第三天 / 第三个月)
-negation      the count of negation cues differs ("don't", "never", "without", "stop X from", ...; 不, 没,
+negation      the count of negation cues differs ("don't", "never", "without", "hardly", "lacks",
+              "unless", "other than", "too big to", "stop X from", ...; 不, 没,
               未, 别, 无, 非 outside fixed words like 不错, 未来), or a word on one side has its
-              antonym on the other (open/closed, eat/avoid, enable/disable, include/exclude;
+              antonym on the other (open/closed, eat/avoid, enable/disable, include/exclude, into/out;
               开通/取消, 上传/下载, 冻结/解冻; in Chinese also opposite characters one place apart,
-              大码/小码; 取消 X against X, 把别人静音/取消别人的静音), or its negated form
+              大码/小码; 取消 X against X, 把别人静音/取消别人的静音) unless one of the two is negated
+              ("broken" / "isn't working"), or its negated form
               (lock/unlock, refundable/non-refundable, activate/deactivate; over-/under-); or the
               negations are as many but crossed: each side negates a word the other says ("delivered but not
               received" / "not delivered but received"; "credit instead of a refund" / "a refund
               instead of credit"; 收到了短信但钱没到账 / 没收到短信但钱到账了; a negation closing its
-              clause negates that clause: "the hot water works but the heating doesn't")
+              clause negates that clause: "the hot water works but the heating doesn't"), or one side
+              negates a word the other says in a clause with no negation ("drains but won't spin" /
+              "won't drain")
 entity        a capitalised name, id, email or URL of one text is missing from the other, unless the
               other names it another way (UK/British, AWS/Amazon, K8s/Kubernetes; capitalised
               common things, GP, ATM, PIN, are no names) (in Chinese text: any Latin word, and the
@@ -74,7 +78,7 @@ from .features import EMBEDDABLE_SCRIPTS, Features, analyse, slip_equal, typo_eq
 #: and typing slips), ``edit`` (at least half of them shared), ``reworded`` (the rest).
 TIERS = ("same", "edit", "reworded")
 #: Bumped whenever a rule or word list changes what is refused: a calibration records it.
-GUARDS_VERSION = 12
+GUARDS_VERSION = 13
 #: The languages the word lists cover (lexicon.py, lexicon_zh.py). A semantic match needs both texts
 #: in one of them; see :func:`unguarded`.
 GUARDED_LANGUAGES = frozenset({"en", "zh"})
@@ -321,9 +325,11 @@ def _negation(q: Features, c: Features) -> Refusal | None:
     if not only_q or not only_c:
         return None
     for left, right in _antonym_stems():
-        for mine, theirs in ((only_q, only_c), (only_c, only_q)):
+        for (mine, my_neg), (theirs, their_neg) in (((only_q, q.negated), (only_c, c.negated)),
+                                                    ((only_c, c.negated), (only_q, q.negated))):
             a, b = mine & left, theirs & right
-            if a and b:
+            # One of the two negated says what the other says: "broken" / "isn't working".
+            if a and b and bool(a & my_neg) == bool(b & their_neg):
                 return Refusal("negation", f"antonyms {min(a)}/{min(b)}")
     for one, two in lx.OPPOSITE_PREFIXES:  # overweight / underweight
         for mine, theirs in ((only_q, only_c), (only_c, only_q)):
@@ -348,6 +354,10 @@ def _crossed(q: Features, c: Features) -> str | None:
     other = said(q, c.negated - q.negated)
     if one and other:
         return f"negations crossed: not {min(one)} / not {min(other)}"
+    # One way is enough where the other side says the word in a clause of its own with no
+    # negation: "the washer drains but won't spin" / "the washer won't drain".
+    if affirmed := (q.negated - c.negated) & c.affirmed or (c.negated - q.negated) & q.affirmed:
+        return f"negations crossed: not {min(affirmed)} / {min(affirmed)}"
     return None
 
 

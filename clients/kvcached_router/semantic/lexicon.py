@@ -70,6 +70,7 @@ LEADING_GREETINGS = frozenset({"morning", "afternoon", "evening", "good", "team"
 NEGATION_CUES = frozenset("""
 not no never none nothing nobody nowhere neither nor without cannot avoid avoiding avoids avoided non
 fail fails failed failing unable except instead rather refuse refuses refused refusing
+hardly barely scarcely rarely seldom lack lacks lacked lacking unless
 """.split())
 
 #: Negation cues that negate the event they name ("the payment failed"), not the word after them.
@@ -104,7 +105,7 @@ NEGATING_PREFIXES = ("un", "non", "dis", "in", "im", "il", "ir", "de")
 
 #: Pairs whose two sides ask opposite questions. Each side may list several words.
 ANTONYMS: tuple[tuple[str, str], ...] = (
-    ("open", "close closed shut"), ("on", "off"), ("in", "out"), ("enable", "disable"),
+    ("open", "close closed shut"), ("on", "off"), ("in into", "out"), ("enable", "disable"),
     ("include included inclusive cover covered", "exclude excluded exclusive omit"), ("add", "remove delete"),
     ("increase raise bigger larger higher", "decrease reduce lower smaller less fewer"), ("upgrade", "downgrade"),
     ("accept approve approved", "decline reject rejected refuse"),

@@ -109,9 +109,21 @@ REFUSED = [
     # the seventh round: a slot with "before" / "after" against any other word; spouses
     ("slot", "Can I get a refund if I cancel before the start date?", "Can I get a refund if I cancel on the start date?"),
     ("scope", "What happens to my pension when I retire?", "What happens to my pension when my wife retires?"),
+    # the eighth round (negation): hardly / lacks / unless / other than / too X to; into / out of;
+    # one side negates what a clause of the other affirms
+    ("negation", "My dishwasher uses a lot of salt, is that normal?", "My dishwasher hardly uses any salt, is that normal?"),
+    ("negation", "The guest account lacks upload rights, how do I share files?",
+     "The guest account has upload rights, how do I share files?"),
+    ("negation", "Will the trial turn into a paid plan unless I cancel?", "Will the trial turn into a paid plan if I cancel?"),
+    ("negation", "Is dark mode available on the Pro tier?", "Is dark mode available on tiers other than Pro?"),
+    ("negation", "My suitcase fits in the overhead bin, can I board?",
+     "My suitcase is too wide to fit in the overhead bin, can I board?"),
+    ("negation", "How do I log into the staff portal?", "How do I log out of the staff portal?"),
+    ("negation", "The dishwasher fills but won't drain", "The dishwasher won't fill"),
 ]
 
 SERVED = [
+    ("Who repairs a broken lift that won't open?", "Who repairs a lift that isn't working?"),  # broken = not working
     ("How do I renew my library card?", "how do i renew my library card"),
     ("How do I renew my library card?", "Hi, how do I renew my library card? Thanks"),
     ("How do I renew my library card?", "How do I renwe my library card?"),
@@ -299,6 +311,10 @@ def test_features_read_numbers_in_digits_and_words_with_currencies():
 def test_features_read_negation_entities_and_audiences():
     f = analyse("Why don't my Sonos speakers connect without Wi-Fi?")
     assert f.negations == 2 and set(f.negation_cues) == {"not", "without"}
+    washer = analyse("The washer drains but won't spin")
+    assert washer.negated == {"spin"} and washer.affirmed == {"washer", "drain"}
+    assert "in" not in analyse("Do I pay in advance?").stems  # an idiom, not the opposite of "out"
+    assert "in" in analyse("Is the jacket in stock?").stems
     assert "sono" in f.entities  # stemmed, like every word
     assert analyse("WHY IS MY SONOS OFFLINE?").entities == frozenset()  # all caps: capitals say nothing
     assert analyse("Can my kids come?").audiences.keys() == analyse("Can my children come?").audiences.keys()
