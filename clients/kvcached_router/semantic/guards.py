@@ -343,9 +343,10 @@ def _crossed(q: Features, c: Features) -> str | None:
     """As many negations on both sides, but crossed: a word each side negates is said, and not
     negated, on the other ("delivered but I haven't received it" / "not delivered but I've
     received it"; "store credit instead of a refund" / "a refund instead of store credit";
-    收到了短信但是钱没到账 / 没收到短信但是钱已经到账了). Both ways, never one: "Why hasn't my
+    收到了短信但是钱没到账 / 没收到短信但是钱已经到账了). Both ways, not one: "Why hasn't my
     refund arrived?" / "My refund hasn't arrived" negate different words (the scope is a guess: the
-    word after the cue) but cross one way only."""
+    word after the cue) but cross one way only. One way is enough only where the other side says
+    the word in a clause with no negation at all (English: ``Features.affirmed``)."""
     def said(f: Features, words: frozenset[str]) -> frozenset[str]:
         if f.language == "zh":
             return frozenset(w for w in words if not w.isascii() and chinese.affirms(f.text, (w,)))
