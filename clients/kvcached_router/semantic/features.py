@@ -433,6 +433,9 @@ class _Reader:
             self._negate_next = 1
         elif low in _PREPOSITIONS:
             self._open_prep = low
+        elif low in lx.LIGHT_PREPOSITIONS and self._negate_next:  # "shifts up but not down": not down
+            self.negated.add(s)  # and the reach goes on: "not on my laptop" negates the laptop too
+            self._clause_words.append(s)
         elif low not in lx.FUNCTION_WORDS and low not in lx.FILLERS and low not in lx.LIGHT_PREPOSITIONS:
             self.content.append(s)
             self._clause_words.append(s)

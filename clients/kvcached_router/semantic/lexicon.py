@@ -14,6 +14,8 @@ def stem(word: str) -> str:
     """A crude suffix stripper, the same on both sides of every comparison: ``closed`` ->
     ``clos``, ``close`` -> ``clos``, ``policies`` -> ``policy``, ``stopped`` -> ``stop``."""
     w = word.lower()
+    if w in IRREGULAR_FORMS:
+        return IRREGULAR_FORMS[w]
     if len(w) > 4 and w.endswith("ies"):
         return w[:-3] + "y"
     for suffix in ("ing", "ed", "es", "s"):
@@ -32,6 +34,14 @@ def stem(word: str) -> str:
     if len(w) > 3 and w.endswith("e"):
         w = w[:-1]
     return w
+
+
+#: Forms the suffix stripper cannot bring to their verb's stem: short verbs ("used" / "use") and
+#: common irregular past forms ("bought" / "buy"), each mapped to what ``stem`` makes of the verb.
+IRREGULAR_FORMS = {"use": "use", "used": "use", "uses": "use", "using": "use", "bought": "buy", "paid": "pay",
+                   "made": "mak", "sent": "send", "sold": "sell", "took": "tak", "taken": "tak", "gave": "giv",
+                   "given": "giv", "went": "go", "gone": "go", "lost": "los", "spent": "spend", "brought": "bring",
+                   "kept": "keep", "got": "get", "gotten": "get", "saw": "see", "seen": "see", "ran": "run"}
 
 
 #: Words that carry little of a question's meaning: articles, auxiliaries, modals, first- and
@@ -71,10 +81,12 @@ NEGATION_CUES = frozenset("""
 not no never none nothing nobody nowhere neither nor without cannot avoid avoiding avoids avoided non
 fail fails failed failing unable except instead rather refuse refuses refused refusing
 hardly barely scarcely rarely seldom lack lacks lacked lacking unless
+reject rejects rejected decline declines declined deny denies denied
 """.split())
 
 #: Negation cues that negate the event they name ("the payment failed"), not the word after them.
-SELF_NEGATING = frozenset({"fail", "fails", "failed", "failing", "none", "nothing", "nobody", "nowhere"})
+SELF_NEGATING = frozenset({"fail", "fails", "failed", "failing", "none", "nothing", "nobody", "nowhere",
+                           "reject", "rejects", "rejected", "decline", "declines", "declined", "deny", "denies", "denied"})
 
 #: Verbs that negate the activity right after them ("stop watering", "quit smoking"), and only
 #: then: "stop my membership from renewing" and "stop a process" are actions, not negations.
@@ -108,7 +120,7 @@ ANTONYMS: tuple[tuple[str, str], ...] = (
     ("open", "close closed shut"), ("on", "off"), ("in into", "out"), ("enable", "disable"),
     ("include included inclusive cover covered", "exclude excluded exclusive omit"), ("add", "remove delete"),
     ("increase raise bigger larger higher", "decrease reduce lower smaller less fewer"), ("upgrade", "downgrade"),
-    ("accept approve approved", "decline reject rejected refuse"),
+    ("accept approve approved", "decline reject rejected refuse deny denied"), ("remember", "forget forgot forgotten"),
     ("allow allowed permit permitted legal lawful",
      "ban banned forbid forbidden prohibit prohibited illegal unlawful block blocked"),
     ("eat take", "avoid"),

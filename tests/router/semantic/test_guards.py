@@ -120,9 +120,16 @@ REFUSED = [
      "My suitcase is too wide to fit in the overhead bin, can I board?"),
     ("negation", "How do I log into the staff portal?", "How do I log out of the staff portal?"),
     ("negation", "The dishwasher fills but won't drain", "The dishwasher won't fill"),
+    # the ninth round (negation): a negated direction, short and irregular verbs, denied, forgot
+    ("negation", "The escalator goes up but not down, who do I tell?", "The escalator goes down but not up, who do I tell?"),
+    ("negation", "Why wasn't I billed for the parking hours I used?", "Why was I billed for parking hours I didn't use?"),
+    ("negation", "The council denied my permit request, can I appeal?", "The council approved my permit request, can I appeal?"),
+    ("negation", "I forgot to log my hours last week, what now?", "I remembered to log my hours last week, what now?"),
 ]
 
 SERVED = [
+    ("My voucher code keeps getting rejected", "The shop won't accept my voucher code"),  # rejected = not accepted
+    ("Why was my transfer declined?", "Why did my transfer get rejected?"),
     ("Who repairs a broken lift that won't open?", "Who repairs a lift that isn't working?"),  # broken = not working
     ("How do I renew my library card?", "how do i renew my library card"),
     ("How do I renew my library card?", "Hi, how do I renew my library card? Thanks"),
@@ -342,6 +349,11 @@ def test_a_frame_is_what_two_texts_share_at_both_ends():
     assert slots("abXcd", "abYYcd") == (4, "X", "YY")
     assert slots("aaa", "aa") == (2, "a", "")  # the shared end never overlaps the beginning
     assert slots(("how", "do", "i"), ("how", "do", "i")) == (3, (), ())
+
+
+def test_short_and_irregular_verbs_have_their_verb_s_stem():
+    assert stem("used") == stem("use") == stem("using")
+    assert stem("bought") == stem("buy") and stem("paid") == stem("pay") and stem("made") == stem("make")
 
 
 def test_stems_and_typing_slips():
