@@ -71,7 +71,11 @@ that round is done, and then becomes the next round's development set:
 - ``negation6.jsonl`` (200 English pairs, the same mix, in 30 other domains: libraries, dentists,
   vets, utilities, parking permits, dating apps, password managers, roofing, wine shops, ...):
   written after the eighth round by another author who read neither the code nor any set;
-  scored once that round was done.
+  scored once that round was done; the ninth round's development set;
+- ``negation7.jsonl`` (200 English pairs, the same mix, in 35 more domains: insurance claims,
+  tolls, ferries, pensions, VPNs, exams, salons, hearing aids, heat pumps, council tax, ...;
+  formal, texting, frustrated and non-native registers): written after the ninth round by
+  another author who read neither the code nor any set; scored once that round was done.
 
 Contenders as for the report split.
 
@@ -106,6 +110,7 @@ FRESH3 = os.path.join(HERE, "data", "semantic", "fresh3.jsonl")
 FRESH4 = os.path.join(HERE, "data", "semantic", "fresh4.jsonl")
 NEGATION5 = os.path.join(HERE, "data", "semantic", "negation5.jsonl")
 NEGATION6 = os.path.join(HERE, "data", "semantic", "negation6.jsonl")
+NEGATION7 = os.path.join(HERE, "data", "semantic", "negation7.jsonl")
 TRAP_CATEGORIES = ("negation", "antonym", "number_date", "entity", "language", "scope", "slot")
 
 
@@ -179,7 +184,8 @@ def main() -> int:
     res["contenders"]["minilm_letters"] = report(cal.Calibration(), cal.score(report_pairs, minilm), langs)
     res["other_languages"] = other_languages(auto, shipped)
     for key, path in (("fresh", FRESH), ("fresh2", FRESH2), ("fresh3", FRESH3), ("fresh4", FRESH4),
-                      ("negation5", NEGATION5), ("negation6", NEGATION6)):
+                      ("negation5", NEGATION5), ("negation6", NEGATION6),
+                      ("negation7", NEGATION7)):
         fresh_pairs, fresh_langs = cal.read_pairs(path), groups_of(path)
         res[key] = {"pairs": len(fresh_pairs), "contenders": {
             "shipped": report(shipped, cal.score(fresh_pairs, auto), fresh_langs),
@@ -213,8 +219,10 @@ def main() -> int:
                                  ("fourth fresh set", res["fresh4"]["pairs"], res["fresh4"]["contenders"]),
                                  ("English negation set (a development set since)", res["negation5"]["pairs"],
                                   res["negation5"]["contenders"]),
-                                 ("second English negation set", res["negation6"]["pairs"],
-                                  res["negation6"]["contenders"])):
+                                 ("second English negation set (a development set since)", res["negation6"]["pairs"],
+                                  res["negation6"]["contenders"]),
+                                 ("third English negation set", res["negation7"]["pairs"],
+                                  res["negation7"]["contenders"])):
         print(f"{title}: {n} pairs; recall / false hits / negation / number_date served")
         for name, r in contenders.items():
             print(f"  {name:15s} " + "   ".join(
