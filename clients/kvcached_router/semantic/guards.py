@@ -32,15 +32,16 @@ number        the numbers differ (digits, number words: "two" = 2, "£50" is not
 date          weekdays, months, "tomorrow", "next week", am/pm differ, or each text names a span of
               time the other does not ("after 2 weeks" / "after 2 months"; 第三天 / 第三个月)
 negation      the count of negation cues differs ("don't", "never", "without", "hardly", "lacks",
-              "unless", "other than", "too big to", "rejected", "declined", "denied", "stop X from",
+              "unless", "other than", "too big to", "rejected", "declined", "denied", "missing", "stop X from",
               ...; 不, 没,
               未, 别, 无, 非 outside fixed words like 不错, 未来), or a word on one side has its
               antonym on the other (open/closed, eat/avoid, enable/disable, include/exclude, into/out,
-              remember/forget;
+              remember/forget, follow/ignore, manage/fail;
               开通/取消, 上传/下载, 冻结/解冻; in Chinese also opposite characters one place apart,
               大码/小码; 取消 X against X, 把别人静音/取消别人的静音) unless one of the two is negated
               ("broken" / "isn't working"), or its negated form
-              (lock/unlock, refundable/non-refundable, activate/deactivate; over-/under-); or the
+              (lock/unlock, refundable/non-refundable, activate/deactivate, spelled/misspelled;
+              over-/under-); or the
               negations are as many but crossed: each side negates a word the other says ("delivered but not
               received" / "not delivered but received"; "credit instead of a refund" / "a refund
               instead of credit"; 收到了短信但钱没到账 / 没收到短信但钱到账了; a negation closing its
@@ -80,7 +81,7 @@ from .features import EMBEDDABLE_SCRIPTS, Features, analyse, slip_equal, typo_eq
 #: and typing slips), ``edit`` (at least half of them shared), ``reworded`` (the rest).
 TIERS = ("same", "edit", "reworded")
 #: Bumped whenever a rule or word list changes what is refused: a calibration records it.
-GUARDS_VERSION = 14
+GUARDS_VERSION = 15
 #: The languages the word lists cover (lexicon.py, lexicon_zh.py). A semantic match needs both texts
 #: in one of them; see :func:`unguarded`.
 GUARDED_LANGUAGES = frozenset({"en", "zh"})

@@ -81,12 +81,13 @@ NEGATION_CUES = frozenset("""
 not no never none nothing nobody nowhere neither nor without cannot avoid avoiding avoids avoided non
 fail fails failed failing unable except instead rather refuse refuses refused refusing
 hardly barely scarcely rarely seldom lack lacks lacked lacking unless
-reject rejects rejected decline declines declined deny denies denied
+reject rejects rejected decline declines declined deny denies denied missing
 """.split())
 
 #: Negation cues that negate the event they name ("the payment failed"), not the word after them.
 SELF_NEGATING = frozenset({"fail", "fails", "failed", "failing", "none", "nothing", "nobody", "nowhere",
-                           "reject", "rejects", "rejected", "decline", "declines", "declined", "deny", "denies", "denied"})
+                           "reject", "rejects", "rejected", "decline", "declines", "declined", "deny", "denies", "denied",
+                           "missing"})
 
 #: Verbs that negate the activity right after them ("stop watering", "quit smoking"), and only
 #: then: "stop my membership from renewing" and "stop a process" are actions, not negations.
@@ -113,14 +114,15 @@ ALIASES: tuple[tuple[str, ...], ...] = (
 
 #: Prefixes that negate the word they are attached to: w vs un+w is a negation ("non-" is a
 #: word of its own once hyphens split words, and a negation cue).
-NEGATING_PREFIXES = ("un", "non", "dis", "in", "im", "il", "ir", "de")
+NEGATING_PREFIXES = ("un", "non", "dis", "in", "im", "il", "ir", "de", "mis")
 
 #: Pairs whose two sides ask opposite questions. Each side may list several words.
 ANTONYMS: tuple[tuple[str, str], ...] = (
     ("open", "close closed shut"), ("on", "off"), ("in into", "out"), ("enable", "disable"),
-    ("include included inclusive cover covered", "exclude excluded exclusive omit"), ("add", "remove delete"),
+    ("include included inclusive cover covered", "exclude excluded exclusive omit missing"), ("add", "remove delete"),
     ("increase raise bigger larger higher", "decrease reduce lower smaller less fewer"), ("upgrade", "downgrade"),
     ("accept approve approved", "decline reject rejected refuse deny denied"), ("remember", "forget forgot forgotten"),
+    ("follow follows followed obey", "ignore ignores ignored"),
     ("allow allowed permit permitted legal lawful",
      "ban banned forbid forbidden prohibit prohibited illegal unlawful block blocked"),
     ("eat take", "avoid"),
@@ -129,7 +131,7 @@ ANTONYMS: tuple[tuple[str, str], ...] = (
     ("highest", "lowest"), ("high", "low"), ("hot warm", "cold cool"), ("big large", "small"),
     ("long", "short"), ("early", "late"), ("before", "after"), ("start begin", "stop end finish"),
     ("pause", "resume"), ("join enrol enroll", "leave withdraw quit"), ("pass", "fail"),
-    ("success succeed succeeded successful successfully", "failure fail fails failed"),
+    ("success succeed succeeded successful successfully manage managed", "failure fail fails failed"),
     ("win", "lose"), ("buy", "sell"), ("import", "export"),
     ("upload", "download"), ("send", "receive"), ("lend", "borrow"), ("deposit", "withdraw"),
     ("credit", "debit"), ("profit", "loss"), ("true", "false"), ("yes", "no"),

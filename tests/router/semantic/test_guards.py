@@ -125,9 +125,15 @@ REFUSED = [
     ("negation", "Why wasn't I billed for the parking hours I used?", "Why was I billed for parking hours I didn't use?"),
     ("negation", "The council denied my permit request, can I appeal?", "The council approved my permit request, can I appeal?"),
     ("negation", "I forgot to log my hours last week, what now?", "I remembered to log my hours last week, what now?"),
+    # the tenth round: "missing" negates; mis-; follow / ignore; manage / fail
+    ("negation", "My refund was rejected even though I have the invoice", "My refund was rejected because I'm missing the invoice"),
+    ("negation", "The label on my parcel is misprinted, what now?", "The label on my parcel is printed, what now?"),
+    ("negation", "Why does the sprinkler follow the watering schedule?", "Why does the sprinkler ignore the watering schedule?"),
+    ("negation", "I failed to book a slot, can I still come?", "I managed to book a slot but it shows as missing, can I still come?"),
 ]
 
 SERVED = [
+    ("My bank transfer hasn't shown up in my account", "My bank transfer is missing from my account"),
     ("My voucher code keeps getting rejected", "The shop won't accept my voucher code"),  # rejected = not accepted
     ("Why was my transfer declined?", "Why did my transfer get rejected?"),
     ("Who repairs a broken lift that won't open?", "Who repairs a lift that isn't working?"),  # broken = not working
