@@ -75,7 +75,12 @@ that round is done, and then becomes the next round's development set:
 - ``negation7.jsonl`` (200 English pairs, the same mix, in 35 more domains: insurance claims,
   tolls, ferries, pensions, VPNs, exams, salons, hearing aids, heat pumps, council tax, ...;
   formal, texting, frustrated and non-native registers): written after the ninth round by
-  another author who read neither the code nor any set; scored once that round was done.
+  another author who read neither the code nor any set; scored once that round was done; the
+  tenth round's development set;
+- ``negation8.jsonl`` (200 English pairs, the same mix, in 35 more domains: lost luggage, EV
+  charging, marinas, ski resorts, pest control, locksmiths, lifts, HOAs, physiotherapy,
+  orthodontists, podcast apps, NAS drives, ...): written after the tenth round by another
+  author who read neither the code nor any set; scored once that round was done.
 
 Contenders as for the report split.
 
@@ -111,6 +116,7 @@ FRESH4 = os.path.join(HERE, "data", "semantic", "fresh4.jsonl")
 NEGATION5 = os.path.join(HERE, "data", "semantic", "negation5.jsonl")
 NEGATION6 = os.path.join(HERE, "data", "semantic", "negation6.jsonl")
 NEGATION7 = os.path.join(HERE, "data", "semantic", "negation7.jsonl")
+NEGATION8 = os.path.join(HERE, "data", "semantic", "negation8.jsonl")
 TRAP_CATEGORIES = ("negation", "antonym", "number_date", "entity", "language", "scope", "slot")
 
 
@@ -185,7 +191,7 @@ def main() -> int:
     res["other_languages"] = other_languages(auto, shipped)
     for key, path in (("fresh", FRESH), ("fresh2", FRESH2), ("fresh3", FRESH3), ("fresh4", FRESH4),
                       ("negation5", NEGATION5), ("negation6", NEGATION6),
-                      ("negation7", NEGATION7)):
+                      ("negation7", NEGATION7), ("negation8", NEGATION8)):
         fresh_pairs, fresh_langs = cal.read_pairs(path), groups_of(path)
         res[key] = {"pairs": len(fresh_pairs), "contenders": {
             "shipped": report(shipped, cal.score(fresh_pairs, auto), fresh_langs),
@@ -221,8 +227,10 @@ def main() -> int:
                                   res["negation5"]["contenders"]),
                                  ("second English negation set (a development set since)", res["negation6"]["pairs"],
                                   res["negation6"]["contenders"]),
-                                 ("third English negation set", res["negation7"]["pairs"],
-                                  res["negation7"]["contenders"])):
+                                 ("third English negation set (a development set since)", res["negation7"]["pairs"],
+                                  res["negation7"]["contenders"]),
+                                 ("fourth English negation set", res["negation8"]["pairs"],
+                                  res["negation8"]["contenders"])):
         print(f"{title}: {n} pairs; recall / false hits / negation / number_date served")
         for name, r in contenders.items():
             print(f"  {name:15s} " + "   ".join(
