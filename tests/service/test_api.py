@@ -6,6 +6,7 @@ import asyncio
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -121,7 +122,10 @@ def test_committed_stubs_match_the_proto(tmp_path):
     """Fails when protos/ changed and scripts/gen-protos was not run, or a committed stub was edited.
 
     Regenerates all three modules exactly as scripts/gen-protos does (same -I and proto path, so
-    the same ``source:`` lines and import paths) into a temp dir and compares bytes.
+    the same ``source:`` lines and import paths) into a temp dir and compares bytes, all but the
+    generator's version stamp in the gRPC module (``GRPC_GENERATED_VERSION``): a newer
+    grpcio-tools stamps its own version and changes nothing else, and the stamp is the oldest
+    grpcio the stubs load with, so the committed one must stay the floor pyproject.toml declares.
     """
     out = tmp_path / "fds.bin"
     subprocess.run(
@@ -131,12 +135,21 @@ def test_committed_stubs_match_the_proto(tmp_path):
         check=True, capture_output=True, cwd=ROOT,
     )
     tools_version = importlib.metadata.version("grpcio-tools")
+    stamp = re.compile(rb"^GRPC_GENERATED_VERSION = '([^']*)'$", re.M)
     stale = []
     for name in ("kvcached_pb2.py", "kvcached_pb2_grpc.py", "kvcached_pb2.pyi"):
         with open(os.path.join(ROOT, "kvcached", "v1", name), "rb") as f:
             committed_bytes = f.read()
-        if (tmp_path / "kvcached" / "v1" / name).read_bytes() != committed_bytes:
+        fresh_bytes = (tmp_path / "kvcached" / "v1" / name).read_bytes()
+        if stamp.sub(b"", fresh_bytes) != stamp.sub(b"", committed_bytes):
             stale.append(name)
+    with open(os.path.join(ROOT, "kvcached", "v1", "kvcached_pb2_grpc.py"), "rb") as f:
+        stamped = stamp.search(f.read())
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        floor = re.search(r'"grpcio>=([0-9.]+)"', f.read())
+    assert stamped and floor and stamped.group(1).decode() == floor.group(1), (
+        "the committed gRPC stubs' GRPC_GENERATED_VERSION is not the grpcio floor in pyproject.toml: generate "
+        "them with grpcio-tools at that version, or raise the floor to the stamp")
     assert not stale, (
         f"kvcached/v1/{', '.join(stale)} differ from what grpcio-tools {tools_version} generates from "
         "protos/kvcached/v1/kvcached.proto: run scripts/gen-protos (and pin grpcio-tools in pyproject.toml "
