@@ -38,7 +38,7 @@ def stem(word: str) -> str:
 
 #: Forms the suffix stripper cannot bring to their verb's stem: short verbs ("used" / "use") and
 #: common irregular past forms ("bought" / "buy"), each mapped to what ``stem`` makes of the verb.
-IRREGULAR_FORMS = {"use": "use", "used": "use", "uses": "use", "using": "use", "bought": "buy", "paid": "pay",
+IRREGULAR_FORMS = {"used": "use", "uses": "use", "using": "use", "bought": "buy", "paid": "pay",
                    "made": "mak", "sent": "send", "sold": "sell", "took": "tak", "taken": "tak", "gave": "giv",
                    "given": "giv", "went": "go", "gone": "go", "lost": "los", "spent": "spend", "brought": "bring",
                    "kept": "keep", "got": "get", "gotten": "get", "saw": "see", "seen": "see", "ran": "run"}
@@ -76,18 +76,19 @@ usually normally typically generally possible
 #: Greetings that are padding only at the very start of a text ("Morning! How do I...").
 LEADING_GREETINGS = frozenset({"morning", "afternoon", "evening", "good", "team", "there", "all"})
 
-#: Words that negate what follows (contractions are expanded to "not" before counting).
-NEGATION_CUES = frozenset("""
-not no never none nothing nobody nowhere neither nor without cannot avoid avoiding avoids avoided non
-fail fails failed failing unable except instead rather refuse refuses refused refusing
-hardly barely scarcely rarely seldom lack lacks lacked lacking unless
+#: Negation cues that negate the event they name ("the payment failed"), not the word after them.
+SELF_NEGATING = frozenset("""
+fail fails failed failing none nothing nobody nowhere
 reject rejects rejected decline declines declined deny denies denied missing
 """.split())
 
-#: Negation cues that negate the event they name ("the payment failed"), not the word after them.
-SELF_NEGATING = frozenset({"fail", "fails", "failed", "failing", "none", "nothing", "nobody", "nowhere",
-                           "reject", "rejects", "rejected", "decline", "declines", "declined", "deny", "denies", "denied",
-                           "missing"})
+#: Words that negate what follows (contractions are expanded to "not" before counting), and the
+#: self-negating ones.
+NEGATION_CUES = frozenset("""
+not no never neither nor without cannot avoid avoiding avoids avoided non
+unable except instead rather refuse refuses refused refusing
+hardly barely scarcely rarely seldom lack lacks lacked lacking unless
+""".split()) | SELF_NEGATING
 
 #: Verbs that negate the activity right after them ("stop watering", "quit smoking"), and only
 #: then: "stop my membership from renewing" and "stop a process" are actions, not negations.
