@@ -239,6 +239,7 @@ def analyse(text: str) -> Features:
 
     reader = _Reader()
     body = _SHORT_HYPHEN.sub(r"\1\2", _NUMERO.sub("#", t))
+    body = _COMPOUND.sub(lambda m: lx.COMPOUND_WORDS[m.group().lower()], body)  # "long-haul": international
     reader.entities.update(c.lower() for c in _CONTACT.findall(body))
     body = _CONTACT.sub(" ", body)
     if han:
@@ -401,6 +402,9 @@ class _Reader:
         if not (low == "in" and next_low in _IN_IDIOMS):  # "in advance" says no direction (in / out)
             self.words.update((low, s))
             self.stems.add(s)
+        if low in _PARTICLES and (verb := _phrasal(self.lower_tokens, low, next_low)) is not None:
+            self.words.add(verb)  # "take the money out of": remove
+            self.stems.add(lx.stem(verb))
         if self._leading and (low in lx.FILLERS or low in lx.LEADING_GREETINGS):
             return
         self._leading = False
@@ -447,6 +451,21 @@ class _Reader:
             if self._open_prep is not None:
                 self.prep_objects.add((self._open_prep, s))
                 self._open_prep = None
+
+
+_COMPOUND = re.compile(r"(?<![\w-])(?:" + "|".join(map(re.escape, lx.COMPOUND_WORDS)) + r")(?![\w-])", re.IGNORECASE)
+_PHRASAL = {(lx.stem(verb), particle): (meaning, after) for verb, particle, meaning, after in lx.PHRASAL_VERBS}
+_PARTICLES = frozenset(particle for _, particle in _PHRASAL)
+
+
+def _phrasal(tokens: list[str], particle: str, next_low: str) -> str | None:
+    """The verb a particle (the last of ``tokens``) makes with a verb up to four words before it,
+    :data:`lexicon.PHRASAL_VERBS` ("take the money out of": remove), or None."""
+    for back in tokens[-5:-1]:
+        hit = _PHRASAL.get((lx.stem(back), particle))
+        if hit is not None and (not hit[1] or next_low == hit[1]):
+            return hit[0]
+    return None
 
 
 #: Verbs whose "from X-ing" negates X ("stop the app from updating", "keep the pipes from freezing").

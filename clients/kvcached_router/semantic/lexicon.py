@@ -126,7 +126,7 @@ ANTONYMS: tuple[tuple[str, str], ...] = (
     ("follow follows followed obey", "ignore ignores ignored"),
     ("allow allowed permit permitted legal lawful",
      "ban banned forbid forbidden prohibit prohibited illegal unlawful block blocked"),
-    ("eat take", "avoid"),
+    ("eat take", "avoid"), ("eat", "remove"),
     ("benefit advantage pro", "drawback disadvantage con downside risk"), ("best", "worst"),
     ("most", "least"), ("more", "less fewer"), ("maximum max", "minimum min"),
     ("highest", "lowest"), ("high", "low"), ("hot warm", "cold cool"), ("big large", "small"),
@@ -137,7 +137,7 @@ ANTONYMS: tuple[tuple[str, str], ...] = (
     ("upload", "download"), ("send", "receive"), ("lend", "borrow"), ("deposit", "withdraw"),
     ("credit", "debit"), ("profit", "loss"), ("true", "false"), ("yes", "no"),
     ("right", "wrong"), ("safe", "dangerous"), ("spicy", "mild"), ("busy", "quiet"),
-    ("grant", "revoke"), ("show", "hide"), ("public", "private"),
+    ("grant", "revoke"), ("show public visible", "hide hidden private"),
     ("compulsory mandatory required", "optional"), ("free", "paid"), ("cheap", "expensive"),
     ("fast quick", "slow"), ("new", "old"), ("first", "last"), ("entry", "exit"),
     ("arrival arrive", "departure depart"), ("inbound", "outbound"), ("input", "output"),
@@ -164,6 +164,19 @@ ANTONYMS: tuple[tuple[str, str], ...] = (
     ("clean", "dirty"), ("maternity", "paternity"),
     ("must", "may"), ("hard", "soft"),
 )
+
+#: A verb and a particle a few words after it that together mean another verb ("take the money
+#: out of my ISA", "cut out the background": remove): (verb, particle, the verb they make, a word
+#: that must follow the particle or ""). "take out a loan" gets one, so "take ... out" removes
+#: only before "of". Not "avoid" for "cut out": a connection that cuts out stops working.
+PHRASAL_VERBS: tuple[tuple[str, str, str, str], ...] = (
+    ("take", "out", "remove", "of"), ("cut", "out", "remove", ""),
+)
+
+#: Hyphenated words that name one of an antonym pair's sides in other words ("long-haul" flights
+#: leave the country: the opposite of "domestic" ones).
+COMPOUND_WORDS = {"long-haul": "international", "short-haul": "domestic"}
+
 
 #: Words that say how a question is asked, not what it asks about ("How do I ...?" / "What's the
 #: best way to ...?" / "Where can I ...?"): never the word a question's frame turns on.

@@ -130,6 +130,12 @@ REFUSED = [
     ("negation", "The label on my parcel is misprinted, what now?", "The label on my parcel is printed, what now?"),
     ("negation", "Why does the sprinkler follow the watering schedule?", "Why does the sprinkler ignore the watering schedule?"),
     ("negation", "I failed to book a slot, can I still come?", "I managed to book a slot but it shows as missing, can I still come?"),
+    # the eleventh round: a verb and its particle ("take X out of", "cut out": remove); public /
+    # hide; "long-haul" is international
+    ("negation", "How do I add a user to the admin group?", "How do I take a user out of the admin group?"),
+    ("negation", "Which cheeses can I eat during pregnancy?", "Which cheeses should be cut out during pregnancy?"),
+    ("negation", "How do I make my playlist public?", "How do I hide my playlist from other people?"),
+    ("negation", "Is there a baggage fee on domestic flights?", "Is there a baggage fee on long-haul flights?"),
 ]
 
 SERVED = [
@@ -174,6 +180,12 @@ SERVED = [
     ("Can I pay by card with my phone?", "Can I pay by card using my phone?"),
     ("How do I stop my screen from locking?", "How do I prevent my screen from locking?"),
     ("How do I connect to the Wi-Fi?", "How do I connect to the wifi?"),  # Wi-Fi: one word
+    ("How do I remove the battery from the remote?", "How do I take the battery out of the remote?"),
+    ("How do I remove the white border from a scanned image?", "Can I cut the white border out of a scanned image?"),
+    ("My car radio keeps dropping on the motorway, why?", "Why does my car radio keep cutting out on the motorway?"),
+    ("How do I take out travel insurance?", "How do I take out a travel insurance policy?"),  # a loan, a policy: obtained
+    ("Is there a baggage fee on international flights?", "Is there a baggage fee on long-haul flights?"),
+    ("How do I make my playlist private?", "How do I hide my playlist?"),
 ]
 
 
