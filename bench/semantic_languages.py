@@ -80,6 +80,10 @@ that round is done, and then becomes the next round's development set:
 - ``negation8.jsonl`` (200 English pairs, the same mix, in 35 more domains: lost luggage, EV
   charging, marinas, ski resorts, pest control, locksmiths, lifts, HOAs, physiotherapy,
   orthodontists, podcast apps, NAS drives, ...): written after the tenth round by another
+  author who read neither the code nor any set; scored once that round was done;
+- ``negation9.jsonl`` (200 English pairs, the same mix, in 40 more domains: beekeeping, amateur
+  astronomy, orchestras, funerals, scuba diving, allotments, 3D printing, jury service, chess
+  clubs, climbing gyms, campervans, coworking, ...): written after the eleventh round by another
   author who read neither the code nor any set; scored once that round was done.
 
 Contenders as for the report split.
@@ -120,6 +124,7 @@ LATER_SETS = (
     ("negation6", "second English negation set (a development set since)"),
     ("negation7", "third English negation set (a development set since)"),
     ("negation8", "fourth English negation set"),
+    ("negation9", "fifth English negation set"),
 )
 TRAP_CATEGORIES = ("negation", "antonym", "number_date", "entity", "language", "scope", "slot")
 
