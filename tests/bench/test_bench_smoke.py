@@ -250,6 +250,15 @@ def check_remote_tier(d: dict) -> None:
     assert d["conclusions"] and isinstance(d["targets"], dict)
 
 
+def check_negation_probe(d):
+    assert d["train_traps"] > 0 and d["test_traps"] > 0 and 0 < d["test_traps_refused_by_guards"] <= 1
+    (row,) = d["rows"]  # quick: one regularisation, one cap
+    for part in ("validation", "test"):
+        r = row[part]
+        assert 0 <= r["caught"] <= r["traps_passing_guards"] and 0 <= r["should_hit_refused"] <= r["should_hit_passing_guards"]
+    assert row["test_traps_refused_with_probe"] >= d["test_traps_refused_by_guards"]
+
+
 CHECKS = {
     "acquire_latency": check_acquire_latency,
     "index_memory": check_index_memory,
@@ -259,10 +268,11 @@ CHECKS = {
     "hf_path": check_hf_path,
     "chunk_read": check_chunk_read,
     "remote_tier": check_remote_tier,
+    "negation_probe": check_negation_probe,
 }
 
 #: benches outside bench/ itself: the one-off studies
-PLACE = {"index_memory": ("studies",)}
+PLACE = {"index_memory": ("studies",), "negation_probe": ("studies",)}
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
