@@ -239,7 +239,7 @@ def analyse(text: str) -> Features:
 
     reader = _Reader()
     body = _SHORT_HYPHEN.sub(r"\1\2", _NUMERO.sub("#", t))
-    body = _COMPOUND.sub(lambda m: lx.COMPOUND_WORDS[m.group().lower()], body)  # "long-haul": international
+    body = _SET_PHRASE.sub(lambda m: lx.SET_PHRASES[m.group().lower()], body)  # "out of order": not working
     reader.entities.update(c.lower() for c in _CONTACT.findall(body))
     body = _CONTACT.sub(" ", body)
     if han:
@@ -426,6 +426,8 @@ class _Reader:
             self.cues.append(low)  # "stop watering" negates watering; "stop my plan renewing" is an action
             self._clause_cued = True
             self._negate_next = 0 if low in lx.SELF_NEGATING else 2 if self._inverted() else 1
+            if low in lx.SELF_NEGATING and next_low in _ENDS_NEGATED_SUBJECT:
+                self.negated.update(self._clause)  # "the gas bottle was missing (from ...)": not the bottle
         elif (low == "other" and next_low == "than") or (low == "to" and self._too_to()):
             self.cues.append(low)  # "plans other than Enterprise": not Enterprise; "too big to fit": not fit
             self._clause_cued = True
@@ -453,7 +455,7 @@ class _Reader:
                 self._open_prep = None
 
 
-_COMPOUND = re.compile(r"(?<![\w-])(?:" + "|".join(map(re.escape, lx.COMPOUND_WORDS)) + r")(?![\w-])", re.IGNORECASE)
+_SET_PHRASE = re.compile(r"(?<![\w-])(?:" + "|".join(map(re.escape, lx.SET_PHRASES)) + r")(?![\w-])", re.IGNORECASE)
 _PHRASAL = {(lx.stem(verb), particle): (meaning, after) for verb, particle, meaning, after in lx.PHRASAL_VERBS}
 _PARTICLES = frozenset(particle for _, particle in _PHRASAL)
 
@@ -468,6 +470,12 @@ def _phrasal(tokens: list[str], particle: str, next_low: str) -> str | None:
     return None
 
 
+#: What may follow a self-negating cue whose clause is its subject ("the awning was missing from
+#: the van", "the payment failed"), unlike its object ("missing an item") or a verb ("fails to
+#: charge", which negates the charging); "" is the text's end.
+_ENDS_NEGATED_SUBJECT = frozenset("""
+from in on at for since when after again and or but so because completely entirely totally now today
+""".split()) | {""}
 #: Verbs whose "from X-ing" negates X ("stop the app from updating", "keep the pipes from freezing").
 _STOPPERS = frozenset({"stop", "stops", "stopped", "prevent", "prevents", "keep", "keeps", "block", "blocks"})
 #: Nouns after which "in" names no direction: "in advance" is not the opposite of "out".

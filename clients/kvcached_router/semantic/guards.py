@@ -81,7 +81,7 @@ from .features import EMBEDDABLE_SCRIPTS, Features, analyse, slip_equal, typo_eq
 #: and typing slips), ``edit`` (at least half of them shared), ``reworded`` (the rest).
 TIERS = ("same", "edit", "reworded")
 #: Bumped whenever a rule or word list changes what is refused: a calibration records it.
-GUARDS_VERSION = 16
+GUARDS_VERSION = 17
 #: The languages the word lists cover (lexicon.py, lexicon_zh.py). A semantic match needs both texts
 #: in one of them; see :func:`unguarded`.
 GUARDED_LANGUAGES = frozenset({"en", "zh"})
@@ -325,6 +325,10 @@ def _negation(q: Features, c: Features) -> Refusal | None:
             for p in lx.NEGATING_PREFIXES:
                 if w.startswith(p) and len(w) - len(p) >= 3 and w[len(p):] in other:
                     return Refusal("negation", f"{w[len(p):]} vs {w}")
+    # A particle said more often on one side counts as said there only: "turn on away mode on my
+    # thermostat" / "turn off away mode on my thermostat" both say "on".
+    more_q, more_c = _more_often(q, c)
+    only_q, only_c = only_q | more_q, only_c | more_c
     if not only_q or not only_c:
         return None
     for left, right in _antonym_stems():
@@ -340,6 +344,19 @@ def _negation(q: Features, c: Features) -> Refusal | None:
                 if w.startswith(one) and len(w) - len(one) >= 3 and two + w[len(one):] in theirs:
                     return Refusal("negation", f"{w} vs {two + w[len(one):]}")
     return None
+
+
+def _more_often(q: Features, c: Features) -> tuple[set[str], set[str]]:
+    """The light prepositions (on, off, in, out, up, down, ...) each side says more often than the
+    other, among those it reads as words ("in advance" says no "in": ``Features.stems``)."""
+    more_q, more_c = set(), set()
+    for w in lx.LIGHT_PREPOSITIONS:
+        nq, nc = q.sequence.count(w), c.sequence.count(w)
+        if nq > nc and w in q.stems:
+            more_q.add(w)
+        elif nc > nq and w in c.stems:
+            more_c.add(w)
+    return more_q, more_c
 
 
 def _crossed(q: Features, c: Features) -> str | None:

@@ -126,7 +126,7 @@ ANTONYMS: tuple[tuple[str, str], ...] = (
     ("follow follows followed obey", "ignore ignores ignored"),
     ("allow allowed permit permitted legal lawful",
      "ban banned forbid forbidden prohibit prohibited illegal unlawful block blocked"),
-    ("eat take", "avoid"), ("eat", "remove"),
+    ("eat take", "avoid"), ("eat", "remove"), ("tight", "loose"), ("borrow", "return"), ("running", "cancelled canceled"),
     ("benefit advantage pro", "drawback disadvantage con downside risk"), ("best", "worst"),
     ("most", "least"), ("more", "less fewer"), ("maximum max", "minimum min"),
     ("highest", "lowest"), ("high", "low"), ("hot warm", "cold cool"), ("big large", "small"),
@@ -173,9 +173,11 @@ PHRASAL_VERBS: tuple[tuple[str, str, str, str], ...] = (
     ("take", "out", "remove", "of"), ("cut", "out", "remove", ""),
 )
 
-#: Hyphenated words that name one of an antonym pair's sides in other words ("long-haul" flights
-#: leave the country: the opposite of "domestic" ones).
-COMPOUND_WORDS = {"long-haul": "international", "short-haul": "domestic"}
+#: Hyphenated words and set phrases read as the plainer words they mean: "long-haul" flights leave
+#: the country (the opposite of "domestic" ones); a lift "out of order" is not working, as one that
+#: "isn't working" is (one negation on each side, not a cue on one only).
+SET_PHRASES = {"long-haul": "international", "short-haul": "domestic", "out of order": "not working",
+               "out of action": "not working", "out of service": "not in service", "out of stock": "not in stock"}
 
 
 #: Words that say how a question is asked, not what it asks about ("How do I ...?" / "What's the

@@ -136,6 +136,14 @@ REFUSED = [
     ("negation", "Which cheeses can I eat during pregnancy?", "Which cheeses should be cut out during pregnancy?"),
     ("negation", "How do I make my playlist public?", "How do I hide my playlist from other people?"),
     ("negation", "Is there a baggage fee on domestic flights?", "Is there a baggage fee on long-haul flights?"),
+    # the twelfth round: a particle said more often on one side; a clause whose subject is
+    # missing; tight / loose, borrow / return, running / cancelled; "out of order" is not working
+    ("negation", "How do I switch on night mode on my camera app?", "How do I switch off night mode on my camera app?"),
+    ("negation", "The boxes were delivered but the invoice was missing", "The invoice arrived but the boxes were missing"),
+    ("negation", "This ring feels too tight to wear comfortably", "This ring feels too loose to wear safely"),
+    ("negation", "How do I borrow a projector from the office?", "How do I return a projector to the office?"),
+    ("negation", "Is the night bus running tonight?", "Has the night bus been cancelled tonight?"),
+    ("negation", "The ticket machine is working again", "The ticket machine is out of order again"),
 ]
 
 SERVED = [
@@ -186,6 +194,10 @@ SERVED = [
     ("How do I take out travel insurance?", "How do I take out a travel insurance policy?"),  # a loan, a policy: obtained
     ("Is there a baggage fee on international flights?", "Is there a baggage fee on long-haul flights?"),
     ("How do I make my playlist private?", "How do I hide my playlist?"),
+    ("The escalator at the north exit is out of order", "The escalator at the north exit is not working"),
+    ("The cable car isn't running this afternoon", "Is the cable car out of action this afternoon?"),
+    ("Why is my order missing an item?", "What do I do if an item is missing from my order?"),  # its object
+    ("Why does the app fail to start?", "Why won't the app start?"),  # "fail to": not the app
 ]
 
 
