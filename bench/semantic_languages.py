@@ -84,7 +84,13 @@ that round is done, and then becomes the next round's development set:
 - ``negation9.jsonl`` (200 English pairs, the same mix, in 40 more domains: beekeeping, amateur
   astronomy, orchestras, funerals, scuba diving, allotments, 3D printing, jury service, chess
   clubs, climbing gyms, campervans, coworking, ...): written after the eleventh round by another
-  author who read neither the code nor any set; scored once that round was done.
+  author who read neither the code nor any set; scored once that round was done; the twelfth
+  round's development set;
+- ``negation10.jsonl`` (200 English pairs, the same mix, phrasal verbs asked for among the traps,
+  in 40 more domains: car rental, hotel check-in, roaming, airport lounges, smart doorbells,
+  student loans, laundrettes, piano tuning, payroll software, food banks, kayak hire, ...):
+  written after the eleventh round by another author who read neither the code nor any set,
+  scored once the twelfth was done.
 
 Contenders as for the report split.
 
@@ -124,7 +130,8 @@ LATER_SETS = (
     ("negation6", "second English negation set (a development set since)"),
     ("negation7", "third English negation set (a development set since)"),
     ("negation8", "fourth English negation set"),
-    ("negation9", "fifth English negation set"),
+    ("negation9", "fifth English negation set (a development set since)"),
+    ("negation10", "sixth English negation set"),
 )
 TRAP_CATEGORIES = ("negation", "antonym", "number_date", "entity", "language", "scope", "slot")
 
