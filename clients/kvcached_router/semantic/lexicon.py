@@ -131,7 +131,7 @@ ANTONYMS: tuple[tuple[str, str], ...] = (
     ("most", "least"), ("more", "less fewer"), ("maximum max", "minimum min"),
     ("highest", "lowest"), ("high", "low"), ("hot warm", "cold cool"), ("big large", "small"),
     ("long", "short"), ("early", "late"), ("before", "after"), ("start begin", "stop end finish"),
-    ("pause", "resume"), ("join enrol enroll", "leave withdraw quit"), ("pass", "fail"),
+    ("pause", "resume"), ("join enrol enroll", "leave withdraw quit cancel"), ("pass", "fail"),
     ("success succeed succeeded successful successfully manage managed", "failure fail fails failed"),
     ("win", "lose"), ("buy", "sell"), ("import", "export"),
     ("upload", "download"), ("send", "receive"), ("lend", "borrow"), ("deposit", "withdraw"),
@@ -151,7 +151,7 @@ ANTONYMS: tuple[tuple[str, str], ...] = (
     ("with", "without"), ("within", "after outside"), ("overpay", "underpay"),
     ("outstanding good", "inadequate bad poor"),
     ("healthy", "unhealthy"), ("improve", "damage worsen"), ("help", "harm"), ("push", "pull"),
-    ("employed", "unemployed"), ("work working functioning", "broken faulty fault malfunctioning"),
+    ("employed", "unemployed"), ("work working functioning", "broken faulty fault malfunctioning dead"),
     ("online digital", "paper offline store post person"),
     ("expand", "collapse"), ("attach", "detach"), ("boil boiling", "freeze freezing"),
     ("formal", "casual informal"), ("hire", "fire"), ("inhale", "exhale"), ("encrypt", "decrypt"),
@@ -170,14 +170,15 @@ ANTONYMS: tuple[tuple[str, str], ...] = (
 #: that must follow the particle or ""). "take out a loan" gets one, so "take ... out" removes
 #: only before "of". Not "avoid" for "cut out": a connection that cuts out stops working.
 PHRASAL_VERBS: tuple[tuple[str, str, str, str], ...] = (
-    ("take", "out", "remove", "of"), ("cut", "out", "remove", ""),
+    ("take", "out", "remove", "of"), ("cut", "out", "remove", ""), ("sign", "up", "join", ""),
 )
 
 #: Hyphenated words and set phrases read as the plainer words they mean: "long-haul" flights leave
 #: the country (the opposite of "domestic" ones); a lift "out of order" is not working, as one that
 #: "isn't working" is (one negation on each side, not a cue on one only).
 SET_PHRASES = {"long-haul": "international", "short-haul": "domestic", "out of order": "not working",
-               "out of action": "not working", "out of service": "not in service", "out of stock": "not in stock"}
+               "out of action": "not working", "out of service": "not in service", "out of stock": "not in stock",
+               "fully booked": "not available", "sold out": "not available"}
 
 
 #: Words that say how a question is asked, not what it asks about ("How do I ...?" / "What's the

@@ -144,6 +144,11 @@ REFUSED = [
     ("negation", "How do I borrow a projector from the office?", "How do I return a projector to the office?"),
     ("negation", "Is the night bus running tonight?", "Has the night bus been cancelled tonight?"),
     ("negation", "The ticket machine is working again", "The ticket machine is out of order again"),
+    # the thirteenth round: "fully booked" and "sold out" are not available; sign up / cancel; dead
+    ("negation", "Is the campsite available for the bank holiday weekend?", "Is the campsite fully booked for the bank holiday weekend?"),
+    ("negation", "Are tickets for the Saturday show available?", "Are tickets for the Saturday show sold out?"),
+    ("negation", "How do I sign up for the pottery course?", "How do I cancel the pottery course?"),
+    ("negation", "The doorbell camera is dead, how do I reset it?", "The doorbell camera is working, how do I reset it?"),
 ]
 
 SERVED = [
@@ -198,6 +203,7 @@ SERVED = [
     ("The cable car isn't running this afternoon", "Is the cable car out of action this afternoon?"),
     ("Why is my order missing an item?", "What do I do if an item is missing from my order?"),  # its object
     ("Why does the app fail to start?", "Why won't the app start?"),  # "fail to": not the app
+    ("The campsite has no pitches available that weekend", "The campsite is fully booked that weekend"),
 ]
 
 
