@@ -90,7 +90,12 @@ that round is done, and then becomes the next round's development set:
   in 40 more domains: car rental, hotel check-in, roaming, airport lounges, smart doorbells,
   student loans, laundrettes, piano tuning, payroll software, food banks, kayak hire, ...):
   written after the eleventh round by another author who read neither the code nor any set,
-  scored once the twelfth was done.
+  scored once the twelfth was done; the thirteenth round's development set;
+- ``negation11.jsonl`` (200 English pairs, the same mix, with opposite directions and several
+  registers among the traps, in 40 more domains: council tax, car leasing, water meters, drones,
+  escape rooms, caravan parks, parcel lockers, tyre fitting, loft insulation, railcards, ...):
+  written after the twelfth round by another author who read neither the code nor any set,
+  scored once the thirteenth was done.
 
 Contenders as for the report split.
 
@@ -131,7 +136,8 @@ LATER_SETS = (
     ("negation7", "third English negation set (a development set since)"),
     ("negation8", "fourth English negation set"),
     ("negation9", "fifth English negation set (a development set since)"),
-    ("negation10", "sixth English negation set"),
+    ("negation10", "sixth English negation set (a development set since)"),
+    ("negation11", "seventh English negation set"),
 )
 TRAP_CATEGORIES = ("negation", "antonym", "number_date", "entity", "language", "scope", "slot")
 
