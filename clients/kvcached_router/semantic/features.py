@@ -476,6 +476,7 @@ def _phrasal(tokens: list[str], particle: str, next_low: str) -> str | None:
 _ENDS_NEGATED_SUBJECT = frozenset("""
 from in on at for since when after again and or but so because completely entirely totally now today
 """.split()) | {""}
+
 #: Verbs whose "from X-ing" negates X ("stop the app from updating", "keep the pipes from freezing").
 _STOPPERS = frozenset({"stop", "stops", "stopped", "prevent", "prevents", "keep", "keeps", "block", "blocks"})
 #: Nouns after which "in" names no direction: "in advance" is not the opposite of "out".

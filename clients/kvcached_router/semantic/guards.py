@@ -347,14 +347,15 @@ def _negation(q: Features, c: Features) -> Refusal | None:
 
 
 def _more_often(q: Features, c: Features) -> tuple[set[str], set[str]]:
-    """The light prepositions (on, off, in, out, up, down, ...) each side says more often than the
-    other, among those it reads as words ("in advance" says no "in": ``Features.stems``)."""
+    """The light prepositions (on, off, in, out, up, down, ...) both sides read as words
+    (``Features.stems``: "in advance" says no "in") and each says more often than the other; one
+    said on one side only is in that side's stems alone already."""
     more_q, more_c = set(), set()
-    for w in lx.LIGHT_PREPOSITIONS:
+    for w in q.stems & c.stems & lx.LIGHT_PREPOSITIONS:
         nq, nc = q.sequence.count(w), c.sequence.count(w)
-        if nq > nc and w in q.stems:
+        if nq > nc:
             more_q.add(w)
-        elif nc > nq and w in c.stems:
+        elif nc > nq:
             more_c.add(w)
     return more_q, more_c
 
