@@ -10,9 +10,10 @@ Contenders, interleaved round by round (order rotated), one sync ``Client``:
 
 * ``health check``      ``grpc.health.v1.Health/Check`` on the daemon's socket (its own channel)
 * ``hit``               ``prefill`` of the cached prompt: the cache's part of it, i.e. the acquire
-                        (one AcquireReserve), reading the 2,047 reusable tokens' KV into the
-                        model's cache, and the finish (the release goes on the session stream);
-                        the suffix forward pass (one token) is not counted
+                        (one AcquireReserve, a call on the client's session stream), reading the
+                        2,047 reusable tokens' KV into the model's cache, and the finish (the
+                        release goes on the stream too, unanswered); the suffix forward pass
+                        (one token) is not counted
 * ``hit, a copy per chunk`` the same with the lease read chunk by chunk (the client before
                         run reads), patched in for this row only
 * ``hit, three copies`` the same with the prefix read as ``prefill`` read it before: ``lease.kv()``
@@ -21,8 +22,17 @@ Contenders, interleaved round by round (order rotated), one sync ``Client``:
                         copied once, into the buffer whose views the cache's layers hold
 * ``miss``              ``prefill`` of a fresh prompt: the cache's part, i.e. the acquire (nothing
                         cached, 64 chunks reserved) and the store (the KV taken from the model's
-                        cache, written into the pool, one Commit); the forward pass is not counted
+                        cache, written into the pool, one Commit on the stream); the forward pass
+                        is not counted
 * ``miss, a copy per chunk`` the same with the write copying chunk by chunk
+* ``hit, unary calls``, ``miss, unary calls``  the same with the client's calls made as unary RPCs,
+                        as they were before they rode the session stream
+* ``hit beside a busy thread`` and ``..., unary calls``: the hit while another thread of this
+                        process runs pure Python without pause (the worst case of an engine's
+                        scheduler thread beside the thread that calls kvcached): every handoff of
+                        the GIL then waits for the switch interval (5 ms), and a call on the
+                        stream has more of them (its reply crosses gRPC's thread and the
+                        stream's reader thread) than a unary call
 
 The cache's part is ``PrefillResult.cache_seconds + store_seconds``. Every hit must reuse 2,047
 tokens and every miss store 64 chunks, else the run fails. Targets: hit <= 1.5x and miss <= 2.5x
@@ -39,9 +49,11 @@ import argparse
 import gc
 import os
 import sys
+import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from functools import partial
+from typing import Any, Callable, Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: import bench
 
@@ -52,7 +64,8 @@ from bench.harness.daemon import Daemon
 PROMPT_TOKENS = 2048
 CHUNK_TOKENS = 32
 TARGET_HIT, TARGET_MISS = 1.5, 2.5
-ROWS = ("health check", "hit", "hit, a copy per chunk", "hit, three copies", "miss", "miss, a copy per chunk")
+ROWS = ("health check", "hit", "hit, a copy per chunk", "hit, three copies", "hit, unary calls", "miss",
+        "miss, a copy per chunk", "miss, unary calls", "hit beside a busy thread", "hit beside a busy thread, unary calls")
 
 
 def tiny_model():
@@ -88,6 +101,38 @@ def per_chunk_copies() -> Iterator[None]:
         yield
     finally:
         _core.LeaseBase.copy_into, _core.write_slots = real_copy_into, real_write
+
+
+@contextmanager
+def unary_calls(client) -> Iterator[None]:
+    """The client's calls as unary RPCs, as before they rode its session stream."""
+    client.stream_calls = False
+    try:
+        yield
+    finally:
+        client.stream_calls = True
+
+
+@contextmanager
+def busy_thread(also: Callable[[], Any] | None = None) -> Iterator[None]:
+    """Another thread of this process running pure Python without pause (and ``also`` entered)."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(2000))
+
+    t = threading.Thread(target=spin, daemon=True)
+    t.start()
+    try:
+        if also is None:
+            yield
+        else:
+            with also():
+                yield
+    finally:
+        stop.set()
+        t.join()
 
 
 @contextmanager
@@ -161,8 +206,11 @@ def run(args: argparse.Namespace) -> dict:
             "hit": lambda: cache_part(hit_prompt, PROMPT_TOKENS - 1, 0),
             "miss": lambda: cache_part(fresh(), 0, chunks),
         }
+        unary = partial(unary_calls, c)
         patched = {"hit, a copy per chunk": ("hit", per_chunk_copies), "miss, a copy per chunk": ("miss", per_chunk_copies),
-                   "hit, three copies": ("hit", three_copies)}
+                   "hit, three copies": ("hit", three_copies), "hit, unary calls": ("hit", unary),
+                   "miss, unary calls": ("miss", unary), "hit beside a busy thread": ("hit", busy_thread),
+                   "hit beside a busy thread, unary calls": ("hit", partial(busy_thread, unary))}
         for rnd in range(args.rounds + 1):  # round 0 warms up
             order = list(ROWS[rnd % len(ROWS):] + ROWS[:rnd % len(ROWS)])
             for name in order:
@@ -197,6 +245,8 @@ def run(args: argparse.Namespace) -> dict:
         "latency": lat,
         "p50_over_health_check": ratios,
         "one_copy_over_three_copies_p50": ratio(lat["hit"]["p50_us"], lat["hit, three copies"]["p50_us"]),
+        "stream_over_unary_calls_p50": {k: ratio(lat[k]["p50_us"], lat[f"{k}, unary calls"]["p50_us"])
+                                        for k in ("hit", "miss", "hit beside a busy thread")},
         "runs_over_per_chunk_p50": {"hit": ratio(lat["hit"]["p50_us"], lat["hit, a copy per chunk"]["p50_us"]),
                                     "miss": ratio(lat["miss"]["p50_us"], lat["miss, a copy per chunk"]["p50_us"])},
         "targets": {"hit_over_health_check_max": TARGET_HIT, "miss_over_health_check_max": TARGET_MISS},
@@ -213,8 +263,11 @@ def print_report(res: dict) -> None:
     print(format_table(["row", "p50 us", "p90 us", "p99 us", "p50 / health check"],
                        [[k, v["p50_us"], v["p90_us"], v["p99_us"], r[k]] for k, v in lat.items()]))
     rp = res["runs_over_per_chunk_p50"]
+    su = res["stream_over_unary_calls_p50"]
     print(f"\nper run / per chunk (p50): hit {rp['hit']:.2f}x, miss {rp['miss']:.2f}x; "
-          f"hit, one copy / three copies: {res['one_copy_over_three_copies_p50']:.2f}x")
+          f"hit, one copy / three copies: {res['one_copy_over_three_copies_p50']:.2f}x; "
+          f"calls on the session stream / unary: hit {su['hit']:.2f}x, miss {su['miss']:.2f}x, "
+          f"hit beside a busy thread {su['hit beside a busy thread']:.2f}x")
     print(f"targets: hit <= {TARGET_HIT}x a health check: {r['hit']:.2f}x -> "
           f"{'MET' if res['hit_target_met'] else 'NOT MET'}; miss <= {TARGET_MISS}x: {r['miss']:.2f}x -> "
           f"{'MET' if res['miss_target_met'] else 'NOT MET'}")

@@ -103,7 +103,7 @@ async def _serve(settings: DaemonSettings, config_file: str | None, overrides: d
                 event_pubs.append(pub)
                 metrics.add_event_publisher(d.domain, pub)
         for d, st in zip(domains, stores):
-            runnings.append(await start_server(d, st, [metrics.interceptor]))
+            runnings.append(await start_server(d, st, [metrics.interceptor], metrics.interceptor.observe))
     except BaseException:
         for r in runnings:
             await r.stop(grace=0)

@@ -42,6 +42,7 @@ from kvcached_client.errors import (
 from kvcached_client.nvme import NvmeReader
 from kvcached_client.pool import PoolMap
 from kvcached_client.receipts import PutReceipt, put_receipt
+from kvcached_client.stream import STREAMED, AioSessionStream, StreamEnded
 
 if TYPE_CHECKING:
     import torch
@@ -153,14 +154,19 @@ class AsyncCacheRequest(_core.CacheRequestBase):
 class AsyncClient:
     """:class:`kvcached_client.Client` over grpc.aio: the same calls, each awaited (a test
     compares their public surfaces). Releases and aborts are awaited RPCs here, not messages on
-    the session stream, so :meth:`sync` has nothing to wait for."""
+    the session stream, so :meth:`sync` has nothing to wait for; the request path's calls ride
+    the stream as in Client (``stream_calls``)."""
 
     def __init__(self, socket: str | None = None, *, timeout: float = 10.0, client_name: str | None = None,
-                 session: bool = True, nvme_read: str = _core.NVME_READ_DEFAULT, placement: Any = None) -> None:
-        """``session``, ``nvme_read`` and ``placement``: as for :class:`~kvcached_client.Client`."""
+                 session: bool = True, nvme_read: str = _core.NVME_READ_DEFAULT, placement: Any = None,
+                 stream_calls: bool = True) -> None:
+        """``session``, ``nvme_read``, ``placement`` and ``stream_calls``: as for
+        :class:`~kvcached_client.Client` (here a call on the stream crosses no thread: one task
+        reads the stream's events)."""
         if nvme_read not in _core.NVME_READ_MODES:
             raise ValueError("nvme_read must be 'promote' or 'direct'")
         self._use_session = session
+        self.stream_calls = stream_calls
         self.nvme_read = nvme_read
         self.target = _core.target(socket)
         self.timeout = timeout
@@ -173,9 +179,22 @@ class AsyncClient:
         self._handle: pb.PoolHandle | None = None
         self._layouts: dict[KVLayout, str] = {}
         self._session_id: str | None = None
-        self._session_call: Any = None
+        self._stream: AioSessionStream | None = None
 
     async def _call(self, method: Callable[..., Awaitable[T]], request: Any, timeout: float | None = None) -> T:
+        """``await method(request)``, or the same call on the session stream (as Client._call)."""
+        kind = STREAMED.get(type(request))
+        stream = self._stream
+        if kind is not None and self.stream_calls and stream is not None and stream.takes_calls and not stream.busy \
+                and stream.is_active() and (kind == "lookup" or request.session_id == stream.session_id):
+            stream.busy = True
+            try:
+                return await stream.request(kind, request, timeout or self.timeout)
+            except StreamEnded as e:
+                if kind != "lookup":  # what the call was for went with the session: _with_session reopens once
+                    raise FailedPreconditionError(f"session {stream.session_id} ended: {e}") from None
+            finally:
+                stream.busy = False
         try:
             return await method(request, timeout=timeout or self.timeout)
         except grpc.RpcError as e:
@@ -185,15 +204,18 @@ class AsyncClient:
         """This client's session id, opening the session stream if needed ("" without sessions)."""
         if not self._use_session:
             return ""
-        call = self._session_call
-        if self._session_id is None or call is None or call.done():
+        stream = self._stream
+        if self._session_id is None or stream is None or not stream.is_active():
             call = self._stub.Session()
             try:
                 await call.write(pb.SessionRequest(client_name=self.client_name))
                 first = await call.read()
             except grpc.RpcError as e:
                 raise from_rpc_error(e) from None
-            self._session_id, self._session_call = first.session_id, call
+            if stream is not None:
+                await stream.close()
+            self._stream = AioSessionStream(call, first)
+            self._session_id = first.session_id
         return self._session_id
 
     async def _with_session(self, fn: Callable[[str], Awaitable[T]]) -> tuple[T, str]:
@@ -450,9 +472,9 @@ class AsyncClient:
         return self._pool.maps
 
     async def close(self) -> None:
-        if self._session_call is not None:
-            self._session_call.cancel()
-            self._session_call = self._session_id = None
+        if self._stream is not None:
+            await self._stream.close()
+            self._stream, self._session_id = None, None
         self._pool.close()
         self._nvme.close()
         await self._channel.close()

@@ -26,9 +26,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import queue
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 import grpc
 
@@ -48,6 +47,7 @@ from kvcached_client.errors import (
 from kvcached_client.nvme import NvmeReader
 from kvcached_client.pool import PoolMap
 from kvcached_client.receipts import PutReceipt, put_receipt
+from kvcached_client.stream import STREAMED, SessionStream, StreamEnded
 
 NVME_READ_DEFAULT = _core.NVME_READ_DEFAULT
 
@@ -184,6 +184,7 @@ class Client:
         session: bool = True,
         nvme_read: str = NVME_READ_DEFAULT,
         placement: "str | torch.device | None" = None,
+        stream_calls: bool = True,
     ) -> None:
         """``nvme_read``: how chunks found only on NVMe reach this process. "promote": the
         daemon copies them into the pool; "direct": this process reads the LMDB file itself
@@ -192,7 +193,13 @@ class Client:
 
         ``placement``: the device this process computes on (a ``torch.device``, a GPU UUID, or
         ``host:K``). On a daemon with a pool slab per GPU, the chunks it stores go to that GPU's
-        slab, and that slab is the one mapped at once. None: unplaced (the daemon picks)."""
+        slab, and that slab is the one mapped at once. None: unplaced (the daemon picks).
+
+        ``stream_calls``: send the request path's calls on the session stream this client holds
+        (see :mod:`kvcached_client.stream`) rather than as unary RPCs. Faster for a caller whose
+        process has no other busy Python thread (bench/hf_path.py); a call made from a thread
+        beside a busy one (an engine's scheduler) waits for the GIL on each of the two more
+        threads its reply crosses, and there unary calls are faster."""
         if nvme_read not in _core.NVME_READ_MODES:
             raise ValueError("nvme_read must be 'promote' or 'direct'")
         self.nvme_read = nvme_read
@@ -208,15 +215,29 @@ class Client:
         self._layouts: dict[KVLayout, str] = {}
         self._lock = threading.Lock()
         self._use_session = session
+        self.stream_calls = stream_calls
         self._session_id: str | None = None
-        self._session_end: queue.Queue[pb.SessionRequest | None] | None = None
-        self._session_call: Any = None
+        self._stream: SessionStream | None = None
         self._seq = 0
         self._unsynced = False  # releases or aborts sent on the stream since the last sync()
 
     # -- plumbing ----------------------------------------------------------------------
 
     def _call(self, method: Callable[..., T], request: Any, timeout: float | None = None) -> T:
+        """``method(request)``, or the same call on the session stream when it may ride there (see
+        :mod:`kvcached_client.stream`): a request-path call of this client's current session,
+        and no other call of this client on the stream now."""
+        kind = STREAMED.get(type(request))
+        stream = self._stream
+        if kind is not None and self.stream_calls and stream is not None and stream.takes_calls and stream.is_active() and (
+                kind == "lookup" or request.session_id == stream.session_id) and stream.try_begin():
+            try:
+                return stream.request(kind, request, timeout or self.timeout)
+            except StreamEnded as e:
+                if kind != "lookup":  # what the call was for went with the session: _with_session reopens once
+                    raise FailedPreconditionError(f"session {stream.session_id} ended: {e}") from None
+            finally:
+                stream.end()
         try:
             return method(request, timeout=timeout or self.timeout)
         except grpc.RpcError as e:
@@ -234,31 +255,18 @@ class Client:
             return self._session_id
 
     def _session_alive(self) -> bool:
-        call = self._session_call
-        return call is not None and call.is_active()
+        return self._stream is not None and self._stream.is_active()
 
     def _open_session(self) -> None:
-        if self._session_end is not None:
+        if self._stream is not None:
             # The old stream ended (daemon restart): let its request iterator return, or the gRPC
-            # thread consuming it stays blocked in end.get() forever, one per restart.
-            self._session_end.put(None)
-        end: queue.Queue[pb.SessionRequest | None] = queue.Queue()
-        name = self.client_name
-
-        def requests() -> Iterator[pb.SessionRequest]:
-            yield pb.SessionRequest(client_name=name)
-            # Held open until close() (None); meanwhile it carries releases and aborts nobody waits
-            # for. The daemon releases everything of the session when the stream ends.
-            while (msg := end.get()) is not None:
-                yield msg
-
-        call = self._stub.Session(requests())
+            # thread consuming it stays blocked on its queue forever, one per restart.
+            self._stream.close()
         try:
-            first = next(call)
+            stream = SessionStream(self._stub, self.client_name)
         except grpc.RpcError as e:
-            end.put(None)
             raise from_rpc_error(e) from None
-        self._session_id, self._session_end, self._session_call = first.session_id, end, call
+        self._session_id, self._stream = stream.session_id, stream
 
     def _with_session(self, fn: Callable[[str], T]) -> tuple[T, str]:
         """``(fn(session_id), session_id)``; if the daemon no longer knows the session (it
@@ -452,10 +460,10 @@ class Client:
         """Releases and aborts nobody waits for: sent on the session stream they were granted
         under. If that session is gone (daemon restart, closed client), so are they."""
         with self._lock:
-            alive = self._session_end is not None and self._session_id == session_id and self._session_alive()
+            alive = self._stream is not None and self._session_id == session_id and self._session_alive()
             if alive:
-                assert self._session_end is not None
-                self._session_end.put(pb.SessionRequest(release_lease_ids=list(lease_ids),
+                assert self._stream is not None
+                self._stream.put(pb.SessionRequest(release_lease_ids=list(lease_ids),
                                                         abort_reservation_ids=list(aborts)))
                 self._unsynced = True
                 return
@@ -472,21 +480,18 @@ class Client:
     def sync(self, timeout: float | None = None) -> None:
         """Wait until the daemon has done every release and abort this client sent on its
         session stream (callers that need the pool room back now). :meth:`stats`, :meth:`evict`,
-        :meth:`flush` and :meth:`drain` do it first, so they see this client's own releases."""
+        :meth:`flush` and :meth:`drain` do it first, so they see this client's own releases.
+        Returns at once if the session ended (the daemon released everything); raises
+        DeadlineExceededError after ``timeout`` s (default: the client's timeout)."""
         with self._lock:
             self._unsynced = False
-            if self._session_end is None or not self._session_alive():
+            stream = self._stream
+            if stream is None or not self._session_alive():
                 return
             self._seq += 1
             seq = self._seq
-            self._session_end.put(pb.SessionRequest(seq=seq))
-            call = self._session_call
-            try:
-                for ev in call:  # the stream answers only messages with a seq: this is ours
-                    if ev.acked_seq >= seq:
-                        return
-            except grpc.RpcError:
-                return  # the session ended: the daemon released everything
+            stream.put(pb.SessionRequest(seq=seq))
+        stream.wait_acked(seq, self.timeout if timeout is None else timeout)
 
     def _sync_own(self) -> None:
         if self._unsynced:
@@ -590,11 +595,10 @@ class Client:
 
     def close(self) -> None:
         with self._lock:
-            if self._session_end is not None:
-                self._session_end.put(None)
-            if self._session_call is not None:
-                self._session_call.cancel()
-            self._session_id = self._session_end = self._session_call = None
+            if self._stream is not None:
+                self._stream.close()
+                self._stream.call.cancel()
+            self._session_id, self._stream = None, None
         self._pool.close()
         self._nvme.close()
         self._channel.close()

@@ -59,5 +59,11 @@ _BY_CODE = {
 def from_rpc_error(e: grpc.RpcError) -> KvcachedError:
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     details = (e.details() if hasattr(e, "details") else None) or str(e)
+    return from_status(code, details)
+
+
+def from_status(code: grpc.StatusCode, details: str) -> KvcachedError:
+    """The exception for a call that ended with ``code`` (a unary call's status, or a call's
+    error on the session stream)."""
     cls = _BY_CODE.get(code, KvcachedError)
     return cls(details, code)

@@ -19,7 +19,7 @@ import os
 import pwd
 import socket
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -58,7 +58,10 @@ class RunningServer:
             pass
 
 
-async def start_server(settings: DaemonSettings, store: Store, interceptors: Sequence[Any] = ()) -> RunningServer:
+async def start_server(settings: DaemonSettings, store: Store, interceptors: Sequence[Any] = (),
+                       observe_call: Callable[[str, float], None] | None = None) -> RunningServer:
+    """``observe_call(method, seconds)``: times the calls answered on Session streams, which no
+    interceptor sees (the daemon passes the RPC latency histogram's)."""
     opts = [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
@@ -74,6 +77,7 @@ async def start_server(settings: DaemonSettings, store: Store, interceptors: Seq
     servicer = KVCacheServicer(store, workers=settings.worker_threads, call_timeout=settings.call_timeout,
                                listen=listen, bypass_generation_tokens=settings.bypass_generation_tokens,
                                max_sessions=settings.max_sessions, max_message_bytes=settings.max_message_bytes)
+    servicer.observe_call = observe_call
     add_servicer(servicer, server)  # undecodable requests -> INVALID_ARGUMENT, not UNKNOWN
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

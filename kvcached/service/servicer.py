@@ -15,7 +15,9 @@ socket, gRPC cancels the stream, and the ``finally`` below runs. The stream
 also carries fire-and-forget releases and aborts (a lease given back without a
 commit: nobody on the request's path waits for that reply); each such message
 is acknowledged with its ``seq`` once done, so a client can wait for them when
-it wants to (tests, shutdown).
+it wants to (tests, shutdown). And it carries calls (``_stream_call``): the
+request path's RPCs as messages answered by ``call_id``, in order, after the
+releases sent before them.
 """
 
 from __future__ import annotations
@@ -101,6 +103,9 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         self._session_contexts: set[Any] = set()  # the open Session streams (end_sessions)
         self._started = time.monotonic()
         self.fallbacks = 0  # inline attempts that went to a worker thread (for stats)
+        #: ``(method, seconds)`` for each call answered on a Session stream (the RPC latency
+        #: histogram's, which its interceptor fills for unary calls); None: not observed.
+        self.observe_call: Callable[[str, float], None] | None = None
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -125,7 +130,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
 
     # -- plumbing --------------------------------------------------------------------
 
-    async def _run(self, context: grpc.aio.ServicerContext, fn: Callable[[], T], *, inline: bool = False) -> T:
+    async def _run(self, context: grpc.aio.ServicerContext | None, fn: Callable[[], T], *, inline: bool = False) -> T:
         """Call ``fn`` (a request's checks and its store call) and map its domain errors to
         statuses. ``inline`` tries the event loop's thread first (Store.run_inline): it
         succeeds when the call needs neither the lock held elsewhere nor disk I/O, and
@@ -143,10 +148,17 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             if e.kind is ErrorKind.INTERNAL:
                 log.error("internal error in %s: %s", getattr(fn, "__name__", fn), e, exc_info=e,
                           extra={"event": "internal_error", "error_kind": e.kind.value})
+            if context is None:  # a call on a Session stream: _stream_call answers it
+                raise
             await context.abort(STATUS_OF[e.kind], str(e))
         except asyncio.TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the store did not answer within {self.call_timeout} s")
+            if context is None:
+                raise
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self._timeout_details())
         raise AssertionError("unreachable")  # pragma: no cover - abort() raises
+
+    def _timeout_details(self) -> str:
+        return f"the store did not answer within {self.call_timeout} s"
 
     def _session(self, session_id: str) -> SessionId:
         """The session a call names. Also runs on worker threads: a dict lookup, safe under the GIL."""
@@ -273,6 +285,39 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         commit, released = await self._run(context, both, inline=True)
         return pb.CommitReleaseResponse(commit=convert.commit_to_proto(commit) if commit else None, released=released)
 
+    async def _stream_call(self, sid: str, msg: pb.SessionRequest) -> pb.SessionEvent:
+        """Answer a call a Session stream carries (``SessionRequest.call``): the unary handler of
+        the same name, in the stream's own session (whatever session id the request names),
+        answered with a SessionEvent carrying the same ``call_id`` and the reply or the status
+        the unary call would have ended with. An error ends the call, never the stream: the
+        session and all it holds stay. A message on an open stream skips what a unary call costs
+        (an HTTP/2 stream, its headers and trailers, the interceptor), which is most of a hit's
+        round trip (bench/hf_path.py)."""
+        kind = msg.WhichOneof("call")
+        ev = pb.SessionEvent(call_id=msg.call_id)
+        if kind is None:
+            ev.error.code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            ev.error.details = f"call {msg.call_id} names no call (a SessionRequest.call field)"
+            return ev
+        handler, name = _STREAM_CALLS[kind]
+        request = getattr(msg, kind)
+        if kind in _CALLS_WITH_SESSION:
+            request.session_id = sid
+        t0 = time.perf_counter()
+        try:
+            getattr(ev, kind).CopyFrom(await handler(self, request, None))
+        except KvcacheError as e:
+            ev.error.code, ev.error.details = STATUS_OF[e.kind].value[0], str(e)
+        except asyncio.TimeoutError:
+            ev.error.code, ev.error.details = grpc.StatusCode.DEADLINE_EXCEEDED.value[0], self._timeout_details()
+        except Exception as e:  # noqa: BLE001 - a bug in one call must not end the session it rides on
+            log.error("internal error in %s on session %s's stream: %s", name, sid, e, exc_info=e,
+                      extra={"event": "internal_error", "error_kind": ErrorKind.INTERNAL.value})
+            ev.error.code, ev.error.details = grpc.StatusCode.INTERNAL.value[0], f"internal error: {e}"
+        if self.observe_call is not None:
+            self.observe_call(name, time.perf_counter() - t0)
+        return ev
+
     async def _stream_work(self, sid: str, msg: pb.SessionRequest) -> pb.SessionEvent:
         """A stream message's releases and aborts, in the session's name. Errors (an id that was
         never granted) are logged, not raised: nobody waits for this reply but the ack."""
@@ -307,7 +352,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         self._session_contexts.add(context)
         log.info("session %s opened (peer %s)", sid, context.peer())
         try:
-            yield pb.SessionEvent(session_id=sid, pool_generation=self.store.pool.generation)
+            yield pb.SessionEvent(session_id=sid, pool_generation=self.store.pool.generation, stream_calls=True)
             async for msg in request_iterator:
                 if msg.client_name:
                     self._sessions[sid] = msg.client_name
@@ -315,6 +360,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                     ack = await self._stream_work(sid, msg)
                     if msg.seq:  # only a message that asks for an ack gets one: a client that never
                         yield ack  # reads the stream must not fill its flow-control window with them
+                if msg.call_id:  # after the message's releases: a call sees the room they gave back
+                    yield await self._stream_call(sid, msg)
         finally:
             self._session_contexts.discard(context)
             name = self._sessions.pop(sid, "?")
@@ -422,3 +469,17 @@ def _log_session_end(sid: str, name: str, fut: "asyncio.Future[Any]") -> None:
     event = "session_lost" if r.leases or r.reservations else "session_end"
     log.info("session %s (%s) ended: released %d leases, aborted %d reservations", sid, name, r.leases, r.reservations,
              extra={"event": event, "session_id": sid})
+
+
+#: The calls a Session stream carries: ``SessionRequest.call``'s field (the same name in
+#: ``SessionEvent.reply``) -> (the unary handler, its RPC name).
+_STREAM_CALLS: dict[str, tuple[Callable[..., Any], str]] = {
+    "acquire_reserve": (KVCacheServicer.AcquireReserve, "AcquireReserve"),
+    "commit_release": (KVCacheServicer.CommitRelease, "CommitRelease"),
+    "commit": (KVCacheServicer.Commit, "Commit"),
+    "acquire": (KVCacheServicer.Acquire, "Acquire"),
+    "reserve": (KVCacheServicer.Reserve, "Reserve"),
+    "lookup": (KVCacheServicer.Lookup, "Lookup"),
+}
+#: Those whose request names a session (the stream's own replaces it).
+_CALLS_WITH_SESSION = frozenset(_STREAM_CALLS) - {"lookup"}

@@ -272,26 +272,66 @@ class CommitReleaseResponse(_message.Message):
     def __init__(self, commit: _Optional[_Union[CommitResponse, _Mapping]] = ..., released: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("client_name", "release_lease_ids", "abort_reservation_ids", "seq")
+    __slots__ = ("client_name", "release_lease_ids", "abort_reservation_ids", "seq", "call_id", "acquire_reserve", "commit_release", "commit", "acquire", "reserve", "lookup")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     ABORT_RESERVATION_IDS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRE_RESERVE_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_RELEASE_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRE_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     release_lease_ids: _containers.RepeatedScalarFieldContainer[str]
     abort_reservation_ids: _containers.RepeatedScalarFieldContainer[str]
     seq: int
-    def __init__(self, client_name: _Optional[str] = ..., release_lease_ids: _Optional[_Iterable[str]] = ..., abort_reservation_ids: _Optional[_Iterable[str]] = ..., seq: _Optional[int] = ...) -> None: ...
+    call_id: int
+    acquire_reserve: AcquireReserveRequest
+    commit_release: CommitReleaseRequest
+    commit: CommitRequest
+    acquire: AcquireRequest
+    reserve: ReserveRequest
+    lookup: LookupRequest
+    def __init__(self, client_name: _Optional[str] = ..., release_lease_ids: _Optional[_Iterable[str]] = ..., abort_reservation_ids: _Optional[_Iterable[str]] = ..., seq: _Optional[int] = ..., call_id: _Optional[int] = ..., acquire_reserve: _Optional[_Union[AcquireReserveRequest, _Mapping]] = ..., commit_release: _Optional[_Union[CommitReleaseRequest, _Mapping]] = ..., commit: _Optional[_Union[CommitRequest, _Mapping]] = ..., acquire: _Optional[_Union[AcquireRequest, _Mapping]] = ..., reserve: _Optional[_Union[ReserveRequest, _Mapping]] = ..., lookup: _Optional[_Union[LookupRequest, _Mapping]] = ...) -> None: ...
+
+class CallError(_message.Message):
+    __slots__ = ("code", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("session_id", "pool_generation", "acked_seq")
+    __slots__ = ("session_id", "pool_generation", "acked_seq", "stream_calls", "call_id", "error", "acquire_reserve", "commit_release", "commit", "acquire", "reserve", "lookup")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
     ACKED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    STREAM_CALLS_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRE_RESERVE_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_RELEASE_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRE_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     pool_generation: str
     acked_seq: int
-    def __init__(self, session_id: _Optional[str] = ..., pool_generation: _Optional[str] = ..., acked_seq: _Optional[int] = ...) -> None: ...
+    stream_calls: bool
+    call_id: int
+    error: CallError
+    acquire_reserve: AcquireReserveResponse
+    commit_release: CommitReleaseResponse
+    commit: CommitResponse
+    acquire: AcquireResponse
+    reserve: ReserveResponse
+    lookup: LookupResponse
+    def __init__(self, session_id: _Optional[str] = ..., pool_generation: _Optional[str] = ..., acked_seq: _Optional[int] = ..., stream_calls: _Optional[bool] = ..., call_id: _Optional[int] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., acquire_reserve: _Optional[_Union[AcquireReserveResponse, _Mapping]] = ..., commit_release: _Optional[_Union[CommitReleaseResponse, _Mapping]] = ..., commit: _Optional[_Union[CommitResponse, _Mapping]] = ..., acquire: _Optional[_Union[AcquireResponse, _Mapping]] = ..., reserve: _Optional[_Union[ReserveResponse, _Mapping]] = ..., lookup: _Optional[_Union[LookupResponse, _Mapping]] = ...) -> None: ...
 
 class PoolHandleRequest(_message.Message):
     __slots__ = ()

@@ -348,6 +348,10 @@ REQUEST_FIELDS: dict[str, str] = {
     "CommitRequest.session_id": "daemon-issued id",
     "SessionRequest.client_name": "label", "SessionRequest.release_lease_ids": "daemon-issued id",
     "SessionRequest.abort_reservation_ids": "daemon-issued id", "SessionRequest.seq": "policy",
+    # a call riding the stream: its request message is the unary RPC's, whose fields are classified here
+    "SessionRequest.call_id": "policy",
+    **{f"SessionRequest.{f}": "unary request" for f in (
+        "acquire_reserve", "commit_release", "commit", "acquire", "reserve", "lookup")},
     "ReserveRequest.skip_empty": "policy",
     "AcquireReserveRequest.layout_id": "daemon-issued id", "AcquireReserveRequest.tokens": "token ids",
     "AcquireReserveRequest.session_id": "daemon-issued id", "AcquireReserveRequest.lease_ttl_seconds": "policy",
@@ -394,6 +398,8 @@ def test_no_request_field_can_carry_a_chunk_hash():
     assert not [n for n in seen if re.search(r"hash|digest|nvme_key", n, re.I)]
     # Daemon-issued ids are strings the daemon made; layout ids name a geometry, not content.
     assert all(seen[n] == F.TYPE_STRING for n, kind in REQUEST_FIELDS.items() if kind == "daemon-issued id")
+    # A call on the Session stream is a whole unary request message, walked (and classified) as its own type.
+    assert all(seen[n] == F.TYPE_MESSAGE for n, kind in REQUEST_FIELDS.items() if kind == "unary request")
     # Chunk hashes do leave the daemon (the LMDB keys of a direct NVMe read), but only in responses.
     assert "nvme_keys" in pb.ChunkLocations.DESCRIPTOR.fields_by_name
 

@@ -138,7 +138,11 @@ class KvcachedStorage(HiCacheStorage):
     def _client_now(self) -> Client:
         with self._client_lock:
             if self._client is None:
-                self._client = Client(self._socket, timeout=self._timeout, client_name=f"sglang pid {os.getpid()}")
+                # Unary calls: SGLang calls from its prefetch and backup threads beside its busy
+                # scheduler thread, where a call on the session stream waits for the GIL on more
+                # threads (bench/hf_path.py, "beside a busy thread").
+                self._client = Client(self._socket, timeout=self._timeout, client_name=f"sglang pid {os.getpid()}",
+                                      stream_calls=False)
             return self._client
 
     # -- the calls ---------------------------------------------------------------------

@@ -134,8 +134,11 @@ class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
         return stats.build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def _client(self, name: str, placement: str = "") -> Client:
+        # Unary calls: the scheduler side calls from its background threads beside vLLM's busy
+        # scheduler thread, where a call on the session stream waits for the GIL on more threads
+        # (bench/hf_path.py, "beside a busy thread").
         return Client(self.config.socket, timeout=self.config.rpc_timeout_s, client_name=name,
-                      nvme_read=self.config.nvme_read, placement=placement)
+                      nvme_read=self.config.nvme_read, placement=placement, stream_calls=False)
 
     def _backend_name(self, vllm_config: "VllmConfig") -> str:
         from vllm.config import get_layers_from_vllm_config
