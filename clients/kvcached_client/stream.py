@@ -1,11 +1,14 @@
 """The reading end of a client's Session stream, and the calls that ride on it.
 
 A unary call opens an HTTP/2 stream of its own: headers, the message, trailers, a new handler
-task in the daemon. A message on the Session stream the client already holds skips all that;
-measured on a 2-core box a round trip on it takes 0.6x a ``grpc.health.v1`` check, a unary
-AcquireReserve 1.5x (bench/hf_path.py times the hit both ways). So a client sends its
-request-path calls (AcquireReserve, CommitRelease, Commit, Acquire, Reserve, Lookup) on the
-stream when the daemon says it answers them there (``SessionEvent.stream_calls``).
+task in the daemon. A message on the Session stream the client already holds skips all that
+(on a 2-core box an acknowledged empty message took 0.6x a ``grpc.health.v1`` check), so a
+client sends its request-path calls (AcquireReserve, CommitRelease, Commit, Acquire, Reserve,
+Lookup) on the stream when the daemon says it answers them there (``SessionEvent.stream_calls``).
+bench/hf_path.py times a Hugging Face prefill's cache work both ways: a hit 0.88x, a miss 0.89x
+of the same with unary calls; but 1.13x for a hit while another thread of the process runs
+Python without pause, since a reply here crosses two threads more than a unary call's does
+(gRPC's, and the reader below), each a wait for the GIL.
 
 Threads: gRPC's sync streaming API has no read with a timeout, so one reader thread per stream
 takes every event and hands each to whoever waits for it (a call's reply by ``call_id``, a
