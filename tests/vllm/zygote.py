@@ -80,8 +80,11 @@ def serve(path: str) -> None:
     assert threading.active_count() == 1, threading.enumerate()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    srv.bind(path)
+    # Bound under another name and renamed once listening: the test waits for ``path`` to exist,
+    # and a connect between bind() and listen() was refused (a CI run's first fork failed so).
+    srv.bind(path + ".new")
     srv.listen(16)
+    os.rename(path + ".new", path)
     # The parent's end of our stdin: when it closes, stop (select on both).
     print("ready", flush=True)
     import selectors
