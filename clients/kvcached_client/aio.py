@@ -42,7 +42,7 @@ from kvcached_client.errors import (
 from kvcached_client.nvme import NvmeReader
 from kvcached_client.pool import PoolMap
 from kvcached_client.receipts import PutReceipt, put_receipt
-from kvcached_client.stream import STREAMED, AioSessionStream, StreamEnded
+from kvcached_client.stream import AioSessionStream, StreamEnded, stream_kind
 
 if TYPE_CHECKING:
     import torch
@@ -183,10 +183,9 @@ class AsyncClient:
 
     async def _call(self, method: Callable[..., Awaitable[T]], request: Any, timeout: float | None = None) -> T:
         """``await method(request)``, or the same call on the session stream (as Client._call)."""
-        kind = STREAMED.get(type(request))
         stream = self._stream
-        if kind is not None and self.stream_calls and stream is not None and stream.takes_calls and not stream.busy \
-                and stream.is_active() and (kind == "lookup" or request.session_id == stream.session_id):
+        kind = stream_kind(request, stream) if self.stream_calls else None
+        if kind is not None and stream is not None and not stream.busy:
             stream.busy = True
             try:
                 return await stream.request(kind, request, timeout or self.timeout)

@@ -47,7 +47,7 @@ from kvcached_client.errors import (
 from kvcached_client.nvme import NvmeReader
 from kvcached_client.pool import PoolMap
 from kvcached_client.receipts import PutReceipt, put_receipt
-from kvcached_client.stream import STREAMED, SessionStream, StreamEnded
+from kvcached_client.stream import SessionStream, StreamEnded, stream_kind
 
 NVME_READ_DEFAULT = _core.NVME_READ_DEFAULT
 
@@ -227,10 +227,9 @@ class Client:
         """``method(request)``, or the same call on the session stream when it may ride there (see
         :mod:`kvcached_client.stream`): a request-path call of this client's current session,
         and no other call of this client on the stream now."""
-        kind = STREAMED.get(type(request))
         stream = self._stream
-        if kind is not None and self.stream_calls and stream is not None and stream.takes_calls and stream.is_active() and (
-                kind == "lookup" or request.session_id == stream.session_id) and stream.try_begin():
+        kind = stream_kind(request, stream) if self.stream_calls else None
+        if kind is not None and stream is not None and stream.try_begin():
             try:
                 return stream.request(kind, request, timeout or self.timeout)
             except StreamEnded as e:

@@ -50,6 +50,18 @@ STREAMED: dict[type, str] = {
 }
 
 
+def stream_kind(request: Any, stream: "SessionStream | AioSessionStream | None") -> str | None:
+    """The call field ``request`` rides ``stream`` as, or None (then it is a unary call): a
+    request-path call, on an open stream of a daemon that answers calls there, in that stream's
+    own session (a Lookup names none)."""
+    kind = STREAMED.get(type(request))
+    if kind is None or stream is None or not stream.takes_calls or not stream.is_active():
+        return None
+    if kind != "lookup" and request.session_id != stream.session_id:
+        return None
+    return kind
+
+
 class StreamEnded(Exception):
     """The stream ended before the call's reply came: the daemon ended the session (restart,
     shutdown), and with it everything the session held."""
@@ -58,8 +70,9 @@ class StreamEnded(Exception):
 class SessionStream:
     """One open Session stream: its request queue, its reader thread, the replies waited for.
 
-    ``open`` blocks for the first event (the session id); the reader thread starts after it.
-    ``close`` ends the request side; the daemon then ends the stream and the thread exits."""
+    Construction opens the stream and blocks for its first event (the session id); the reader
+    thread starts after it. :meth:`close` ends the request side; the daemon then ends the
+    stream and the thread exits."""
 
     def __init__(self, stub: Any, client_name: str) -> None:
         self._requests: queue.SimpleQueue[pb.SessionRequest | None] = queue.SimpleQueue()
@@ -78,7 +91,6 @@ class SessionStream:
             self._requests.put(None)
             raise
         self.session_id: str = first.session_id
-        self.pool_generation: str = first.pool_generation
         #: The daemon answers calls on this stream (a daemon from before they existed does not).
         self.takes_calls: bool = first.stream_calls
         self._cond = threading.Condition()
@@ -122,9 +134,7 @@ class SessionStream:
             if self._ended:
                 raise StreamEnded("the session stream ended")
             self._replies[call_id] = slot
-        msg = pb.SessionRequest(call_id=call_id)
-        getattr(msg, kind).CopyFrom(request)
-        self._requests.put(msg)
+        self._requests.put(_call_message(call_id, kind, request))
         deadline = time.monotonic() + timeout
         with self._cond:
             try:
@@ -137,10 +147,7 @@ class SessionStream:
                     self._cond.wait(left)
             finally:
                 self._replies.pop(call_id, None)
-        ev = slot[0]
-        if ev.WhichOneof("reply") == "error":
-            raise from_status(_status(ev.error.code), ev.error.details)
-        return getattr(ev, kind)
+        return _reply(slot[0], kind)
 
     def wait_acked(self, seq: int, timeout: float) -> None:
         """Wait until the daemon acknowledged message ``seq`` (returns at once if the stream
@@ -211,11 +218,9 @@ class AioSessionStream:
         call_id = next(self._ids)
         reply: asyncio.Future[pb.SessionEvent] = asyncio.get_running_loop().create_future()
         self._replies[call_id] = reply
-        msg = pb.SessionRequest(call_id=call_id)
-        getattr(msg, kind).CopyFrom(request)
         try:
             async with self._write_lock:
-                await self.call.write(msg)
+                await self.call.write(_call_message(call_id, kind, request))
             ev = await asyncio.wait_for(reply, timeout)
         except asyncio.TimeoutError:
             raise DeadlineExceededError(f"the daemon did not answer within {timeout} s") from None
@@ -223,9 +228,7 @@ class AioSessionStream:
             raise StreamEnded(f"the session stream ended: {e}") from None
         finally:
             self._replies.pop(call_id, None)
-        if ev.WhichOneof("reply") == "error":
-            raise from_status(_status(ev.error.code), ev.error.details)
-        return getattr(ev, kind)
+        return _reply(ev, kind)
 
     async def _read(self) -> None:
         try:
@@ -257,6 +260,19 @@ class AioSessionStream:
             pass
 
 
+def _call_message(call_id: int, kind: str, request: Any) -> pb.SessionRequest:
+    msg = pb.SessionRequest(call_id=call_id)
+    getattr(msg, kind).CopyFrom(request)
+    return msg
+
+
+def _reply(ev: pb.SessionEvent, kind: str) -> Any:
+    """A call's reply event as the unary RPC's response, or the error that RPC would have raised."""
+    if ev.WhichOneof("reply") == "error":
+        raise from_status(_STATUS_BY_NUMBER.get(ev.error.code, grpc.StatusCode.UNKNOWN), ev.error.details)
+    return getattr(ev, kind)
+
+
 def _give_back_request(ev: pb.SessionEvent) -> pb.SessionRequest | None:
     """For a reply nobody waits for any more (its caller's deadline passed): the message that
     releases the lease and aborts the reservation it granted, or None if it granted neither."""
@@ -275,7 +291,3 @@ def _give_back_request(ev: pb.SessionEvent) -> pb.SessionRequest | None:
 
 
 _STATUS_BY_NUMBER = {s.value[0]: s for s in grpc.StatusCode}
-
-
-def _status(code: int) -> grpc.StatusCode:
-    return _STATUS_BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)

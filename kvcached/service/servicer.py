@@ -294,26 +294,25 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         (an HTTP/2 stream, its headers and trailers, the interceptor), which is most of a hit's
         round trip (bench/hf_path.py)."""
         kind = msg.WhichOneof("call")
-        ev = pb.SessionEvent(call_id=msg.call_id)
         if kind is None:
-            ev.error.code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
-            ev.error.details = f"call {msg.call_id} names no call (a SessionRequest.call field)"
-            return ev
+            return _call_error(msg.call_id, grpc.StatusCode.INVALID_ARGUMENT,
+                               f"call {msg.call_id} names no call (a SessionRequest.call field)")
         handler, name = _STREAM_CALLS[kind]
         request = getattr(msg, kind)
         if kind in _CALLS_WITH_SESSION:
             request.session_id = sid
         t0 = time.perf_counter()
         try:
+            ev = pb.SessionEvent(call_id=msg.call_id)
             getattr(ev, kind).CopyFrom(await handler(self, request, None))
         except KvcacheError as e:
-            ev.error.code, ev.error.details = STATUS_OF[e.kind].value[0], str(e)
+            ev = _call_error(msg.call_id, STATUS_OF[e.kind], str(e))
         except asyncio.TimeoutError:
-            ev.error.code, ev.error.details = grpc.StatusCode.DEADLINE_EXCEEDED.value[0], self._timeout_details()
+            ev = _call_error(msg.call_id, grpc.StatusCode.DEADLINE_EXCEEDED, self._timeout_details())
         except Exception as e:  # noqa: BLE001 - a bug in one call must not end the session it rides on
             log.error("internal error in %s on session %s's stream: %s", name, sid, e, exc_info=e,
                       extra={"event": "internal_error", "error_kind": ErrorKind.INTERNAL.value})
-            ev.error.code, ev.error.details = grpc.StatusCode.INTERNAL.value[0], f"internal error: {e}"
+            ev = _call_error(msg.call_id, grpc.StatusCode.INTERNAL, f"internal error: {e}")
         if self.observe_call is not None:
             self.observe_call(name, time.perf_counter() - t0)
         return ev
@@ -456,6 +455,11 @@ def _started_pool(workers: int) -> ThreadPoolExecutor:
         pool.submit(everyone.wait)  # each task holds its thread until all of them run
     everyone.wait(timeout=30)
     return pool
+
+
+def _call_error(call_id: int, code: grpc.StatusCode, details: str) -> pb.SessionEvent:
+    """A stream call's answer when it failed: the status its unary RPC would have ended with."""
+    return pb.SessionEvent(call_id=call_id, error=pb.CallError(code=code.value[0], details=details))
 
 
 def _log_session_end(sid: str, name: str, fut: "asyncio.Future[Any]") -> None:
