@@ -33,7 +33,6 @@ from kvcached.contract.locations import NVME, POOL
 from kvcached.movement import Mover
 from kvcached.receipts import ChunkLocation, CommitReceipt, ReservationReceipt
 from kvcached.stats import Counters
-from kvcached.contract.record import ChunkMeta
 from kvcached.tiers.base import Slot
 from kvcached.tiers.extents import round_up
 from kvcached.tiers.packed import PackedPool
@@ -105,7 +104,9 @@ class WritePath:
         With nothing reserved and ``open_empty`` False no reservation is
         opened (the receipt's id is empty: nothing to commit). ``touch`` False
         leaves the cached prefix's recency alone (the caller pins it anyway). The room is taken
-        in pool slab ``slab`` (the writer's device).
+        in pool slab ``slab`` (the writer's device): as one span, back to back, when one free gap
+        holds every chunk (one allocation for the prompt, and a reader copies one run); otherwise
+        chunk by chunk, making room as it goes.
         """
         layout = self._layout_of(layout_id)[0]
         cached, todo, in_flight = self.plan(hashes)
@@ -131,11 +132,14 @@ class WritePath:
         if parent is not None:
             # Pin first: making room below must not evict the prefix we extend.
             self.index.pin([parent], now, touch=False)  # touched above if at all; a pin is no hit
-        slots: list[Slot] = []
+        # One gap holds every chunk: reserve them as one span (no chunk needs room made, so
+        # neither eviction nor admission takes part, as chunk by chunk below).
+        run = self.pool.reserve_run(layout.chunk_bytes, len(todo), slab) if todo else None
+        slots: list[Slot] = run or []
         refused = 0
         policy = self.index.policy
         try:
-            for i, h in enumerate(todo):
+            for i, h in enumerate(() if run else todo):
                 if policy.screens and not self.pool.can_admit(layout.chunk_bytes, slab):
                     victim = self.index.pool_lru.peek()
                     if victim is not None and not policy.admits(h, now, victim):
@@ -210,17 +214,12 @@ class WritePath:
         if not 0 <= n <= len(pending.slots):
             raise InvalidKV(f"cannot commit {n} chunks of a reservation of {len(pending.slots)}")
         self.reservations.remove(reservation_id, "committed")
-        layout, root = self._layout_of(pending.layout_id)
+        layout = self._layout_of(pending.layout_id)[0]
         parent = pending.parent
         if parent is not None and self.index.is_detached(parent):
             self.close(pending, now, committed=0)
             raise ReservationClosed("the cached prefix this put extends was dropped as corrupt; put again")
-        prev_hash = parent.hash if parent else root
-        for i in range(n):
-            h = pending.hashes[i]
-            meta = ChunkMeta(h, prev_hash, pending.layout_id, pending.first_position + i, layout.chunk_tokens)
-            self.pool.commit(pending.slots[i], meta)
-            prev_hash = h
+        self.pool.commit_run(pending.slots[:n], pending.hashes[:n])
         tokens = None
         if pending.tokens is not None:  # the committed chunks' own token ids
             tokens = pending.tokens[pending.first_position * layout.chunk_tokens * 4:

@@ -138,8 +138,9 @@ class EvictionPolicy(Protocol):
 
     def key(self, node: Queued) -> float: ...
 
-    def initial_hits(self, h: ChunkHash) -> int:
-        """``hits`` of a chunk being inserted (its remembered count, plus this use)."""
+    def initial_hits(self, hashes: Sequence[ChunkHash]) -> list[int]:
+        """``hits`` of each chunk being inserted (its remembered count, plus this use): one call
+        for a prompt's chunks, as the index inserts them in one go."""
         ...
 
     def used(self, n: int, now: float) -> None:
@@ -183,8 +184,8 @@ class LruPolicy:
     def key(self, node: Queued) -> float:
         return node.last_use
 
-    def initial_hits(self, h: ChunkHash) -> int:
-        return 1
+    def initial_hits(self, hashes: Sequence[ChunkHash]) -> list[int]:
+        return [1] * len(hashes)
 
     def used(self, n: int, now: float) -> None:
         pass
@@ -238,8 +239,8 @@ class FrequencyPolicy:
     def key(self, node: Queued) -> float:
         return node.last_use + self._boost * (node.hits - 1)
 
-    def initial_hits(self, h: ChunkHash) -> int:
-        return self.sketch.estimate(h) + 1
+    def initial_hits(self, hashes: Sequence[ChunkHash]) -> list[int]:
+        return [n + 1 for n in self.sketch.estimate_many(hashes)]
 
     def used(self, n: int, now: float) -> None:
         if self._epoch_start is None:

@@ -26,6 +26,7 @@ Not thread-safe: the index's caller holds the store lock.
 from __future__ import annotations
 
 import struct
+from typing import Sequence
 
 import numpy as np
 
@@ -62,6 +63,16 @@ class FrequencySketch:
         t = self._table
         x, y = t[a & self._mask], t[self.width + (b & self._mask)]
         return x if x < y else y
+
+    def estimate_many(self, hashes: Sequence[ChunkHash]) -> list[int]:
+        """:meth:`estimate` of each of ``hashes`` (one call for a prompt's chunks)."""
+        t, mask, width = self._table, self._mask, self.width
+        out = []
+        for h in hashes:
+            a, b = _TWO_WORDS(h)
+            x, y = t[a & mask], t[width + (b & mask)]
+            out.append(x if x < y else y)
+        return out
 
     def record(self, h: ChunkHash, count: int) -> None:
         """Remember that ``h`` was used ``count`` times (a chunk leaving the index): each row's

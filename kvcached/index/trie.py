@@ -171,7 +171,7 @@ class PrefixIndex:
             raise InternalInvariantError("a chunk must live in at least one tier")
         node = Node(h, parent, layout_id, tiers, now)
         node.pool_offset = pool_offset
-        node.hits = self.policy.initial_hits(h)
+        node.hits = self.policy.initial_hits((h,))[0]
         self.policy.used(1, now)
         self._nodes[h] = node
         self.newest_use = max(self.newest_use, now)
@@ -211,11 +211,11 @@ class PrefixIndex:
         self.newest_use = max(self.newest_use, now)
         out: list[Node] = []
         prev = parent
-        initial_hits = self.policy.initial_hits
+        hits = self.policy.initial_hits(hashes)
         self.policy.used(len(hashes), now)
         for i, h in enumerate(hashes):
             node = Node(h, prev, layout_id, tiers, now)
-            node.hits = initial_hits(h)
+            node.hits = hits[i]
             if pool:
                 node.pool_offset = pool_offsets[i]
             self._nodes[h] = node

@@ -33,7 +33,7 @@ from __future__ import annotations
 import abc
 import bisect
 import dataclasses
-from typing import Callable
+from typing import Callable, Sequence
 
 from kvcached.config import BLOCK_ALIGN
 from kvcached.contract.errors import ChunkNotCached, InternalInvariantError, InvalidKV, TierFull
@@ -117,6 +117,22 @@ class PackedPool(Tier):
         self._reserved[offset] = nbytes
         return Slot(TierId.POOL, offset, offset, nbytes)
 
+    def reserve_run(self, nbytes: int, count: int, slab: int = 0) -> list[Slot] | None:
+        """``count`` slots of ``nbytes`` back to back in ``slab`` (one contiguous span, so a reader
+        copies them as one run), or None, with nothing reserved, if no free gap holds them all
+        (the caller then reserves chunk by chunk, evicting as it goes). The same slots, one by
+        one, as ``count`` :meth:`reserve` calls, at the cost of one."""
+        space = self._spaces[slab]
+        if nbytes <= 0 or nbytes > space.capacity:
+            raise InvalidKV(f"a chunk of {nbytes} bytes does not fit a {space.capacity} byte pool slab")
+        local = space.alloc_run(nbytes, count)
+        if local is None:
+            return None
+        base, pool = self._bases[slab], TierId.POOL
+        offsets = [base + off for off in local]
+        self._reserved.update(dict.fromkeys(offsets, nbytes))
+        return [Slot(pool, off, off, nbytes) for off in offsets]
+
     def write(self, slot: Slot, data: bytes | memoryview) -> None:
         self._check_reserved(slot)
         mv = memoryview(data).cast("B")
@@ -137,6 +153,26 @@ class PackedPool(Tier):
         self._committed[meta.chunk_hash] = (slot.offset, slot.nbytes)
         self._at[slot.offset] = meta.chunk_hash
         self._payload += slot.nbytes
+
+    def commit_run(self, slots: Sequence[Slot], hashes: Sequence[ChunkHash]) -> None:
+        """:meth:`commit` of ``slots[i]`` as chunk ``hashes[i]``, for a reservation's chunks in one
+        go (the pool keeps only the hash of a chunk's meta). All are checked before any changes."""
+        reserved, committed = self._reserved, self._committed
+        if len(slots) != len(hashes):
+            raise InternalInvariantError(f"{len(slots)} slots for {len(hashes)} chunks")
+        for slot, h in zip(slots, hashes):
+            if slot.tier != TierId.POOL or reserved.get(slot.offset) != slot.nbytes:
+                raise InternalInvariantError(f"pool run at {slot.offset} is not reserved for this write")
+            if h in committed:
+                raise InternalInvariantError(f"pool already holds chunk {h.hex()}")
+        if len(set(hashes)) != len(hashes):
+            raise InternalInvariantError("a reservation names one chunk twice")
+        at = self._at
+        for slot, h in zip(slots, hashes):
+            del reserved[slot.offset]
+            committed[h] = (slot.offset, slot.nbytes)
+            at[slot.offset] = h
+            self._payload += slot.nbytes
 
     def abort(self, slot: Slot) -> None:
         if self._reserved.pop(slot.offset, None) is not None:

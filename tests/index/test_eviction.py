@@ -212,6 +212,8 @@ def test_sketch_remembers_counts_and_never_underestimates():
     assert exact >= 0.95 * len(counts)  # 1000 keys in 2 x 4096 counters: collisions are rare
     assert s.estimate(real(10_000)) == 0 or s.estimate(real(10_000)) <= 7
     assert s.nbytes == 2 * (1 << 12)
+    keys = [real(i) for i in range(0, 2000, 3)]  # half recorded, half not
+    assert s.estimate_many(keys) == [s.estimate(k) for k in keys] and any(s.estimate_many(keys))
 
 
 def test_sketch_update_is_conservative_and_saturates():

@@ -10,6 +10,7 @@ from kvcached.contract.errors import ChunkNotCached, InternalInvariantError, Inv
 from kvcached.contract.keys import ChunkHash, LayoutId
 from kvcached.contract.record import ChunkMeta
 from kvcached.contract.poolmap import HostPoolMapping
+from kvcached.tiers.base import Slot
 from kvcached.tiers.pool_shm import HostPool
 
 BLOCK = 4096
@@ -58,6 +59,27 @@ def test_full_pool_and_best_fit_reuse(pool):
     pool.abort(slots[3])
     assert pool.largest_free == BLOCK  # two gaps, not adjacent
     assert pool.reserve(BLOCK // 2).offset == BLOCK  # best fit, lowest address on a tie
+    pool.check()
+
+
+def test_a_run_of_slots_is_one_span_committed_in_one_go(pool):
+    first = pool.reserve(BLOCK)
+    run = pool.reserve_run(BLOCK, 2)
+    assert [s.offset for s in run] == [BLOCK, 2 * BLOCK]  # back to back
+    assert pool.reserve_run(BLOCK, 2) is None and pool.reserved_chunks == 3  # one block left: nothing taken
+    for i, s in enumerate(run):
+        pool.write(s, bytes([i + 1]) * BLOCK)
+    hashes = [meta(1).chunk_hash, meta(2).chunk_hash]
+    with pytest.raises(InternalInvariantError):  # a slot not reserved: nothing committed
+        pool.commit_run([run[0], Slot(first.tier, 3 * BLOCK, 3 * BLOCK, BLOCK)], hashes)
+    with pytest.raises(InternalInvariantError):  # one chunk twice: nothing committed
+        pool.commit_run(run, [hashes[0], hashes[0]])
+    assert pool.committed_chunks == 0 and pool.reserved_chunks == 3
+    pool.commit_run(run, hashes)
+    assert [bytes(pool.read(h))[:1] for h in hashes] == [b"\x01", b"\x02"]
+    assert pool.committed_chunks == 2 and pool.reserved_chunks == 1 and pool.payload_bytes == 2 * BLOCK
+    pool.abort(first)
+    assert pool.delete(hashes[0]) and pool.largest_free == 2 * BLOCK  # each chunk of a run is freed alone
     pool.check()
 
 
