@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeGuard
 
 import numpy as np
 
@@ -146,17 +146,54 @@ def pool_runs(offsets: "Sequence[int] | np.ndarray", chunk_bytes: int, slab_base
     return list(zip(starts.tolist(), (ends - starts).tolist()))
 
 
-def write_slots(pool: PoolMap, layout: KVLayout, slots: Sequence[Location], kv: "torch.Tensor") -> None:
-    """Copy the reserved chunks of ``kv`` straight into their pool blocks: one copy per run of
-    blocks laid back to back (a whole prompt, when the pool had room for it in one piece)."""
+def is_tensor(kv: Any) -> "TypeGuard[torch.Tensor]":
+    """Whether ``kv`` is one torch tensor (not per-layer KV, a sequence of (keys, values) pairs)."""
+    return type(kv).__module__.startswith("torch")
+
+
+def validate_layers(layout: KVLayout, layers: Any, n_tokens: int) -> None:
+    """Check per-layer KV against ``layout`` for a prompt of ``n_tokens``: one (keys, values)
+    pair per layer, each [kv_heads, >= full-chunk tokens, head_dim] of the layout's dtype."""
+    from kvcached.contract.kv import torch_dtype
+
+    want = torch_dtype(layout.dtype)
+    if len(layers) != layout.num_layers:
+        raise InvalidArgumentError(f"KV has {len(layers)} layers; layout {layout.model} has {layout.num_layers}")
+    full = n_tokens // layout.chunk_tokens * layout.chunk_tokens
+    for i, pair in enumerate(layers):
+        if len(pair) != 2:
+            raise InvalidArgumentError(f"layer {i}'s KV is not a (keys, values) pair")
+        for t in pair:
+            s = tuple(t.shape)
+            if t.dtype != want or len(s) != 3 or s[0] != layout.num_kv_heads or s[2] != layout.head_dim:
+                raise InvalidArgumentError(
+                    f"layer {i}'s KV is {t.dtype} {list(s)}; layout {layout.model} needs {want} "
+                    f"[{layout.num_kv_heads}, n_tokens, {layout.head_dim}]")
+            if s[1] < full:
+                raise InvalidArgumentError(f"layer {i}'s KV covers {s[1]} tokens but the prompt has {full} in full chunks")
+
+
+def write_slots(pool: PoolMap, layout: KVLayout, slots: Sequence[Location], kv: Any) -> None:
+    """Copy the reserved chunks of ``kv`` straight into their pool blocks: per run of blocks laid
+    back to back (a whole prompt, when the pool had room for it in one piece), one copy from a
+    [2, layers, kv_heads, tokens, head_dim] tensor, or one per layer and K/V from per-layer KV
+    (``[(keys, values), ...]``, each [kv_heads, tokens, head_dim]), which spares the caller
+    stacking its layers into one tensor first (a whole extra copy of the prompt's KV;
+    bench/hf_path.py times both)."""
     c = layout.chunk_tokens
     devices = set()
+    per_layer = not is_tensor(kv)
     runs = pool_runs([s.offset for s in slots], layout.chunk_bytes, pool.slab_bases(), [s.position for s in slots])
     for i, m in runs:
         s = slots[i]
         block = pool.run_view(layout, s.offset, m)  # [m, 2, L, H, T, D]
-        src = kv[:, :, :, s.position * c : (s.position + m) * c, :]
-        block.copy_(src.unflatten(3, (m, c)).permute(3, 0, 1, 2, 4, 5), non_blocking=True)
+        a, b = s.position * c, (s.position + m) * c
+        if per_layer:
+            for layer, pair in enumerate(kv):
+                for j, t in enumerate(pair):  # [H, T, D] -> [m, H, c, D]
+                    block[:, j, layer].copy_(t[:, a:b].unflatten(1, (m, c)).transpose(0, 1), non_blocking=True)
+        else:
+            block.copy_(kv[:, :, :, a:b, :].unflatten(3, (m, c)).permute(3, 0, 1, 2, 4, 5), non_blocking=True)
         devices.add(block.device)
     _sync(devices)  # the commit must not overtake the copies
 
@@ -460,11 +497,17 @@ class CacheRequestBase:
     def matched_tokens(self) -> int:
         return self.lease.matched_tokens
 
-    def write(self, kv: "torch.Tensor") -> None:
-        """Copy the reserved chunks of ``kv`` ([2, layers, kv_heads, >= tokens, head_dim], the
-        prompt's KV from its first token) into their pool room."""
+    def write(self, kv: "torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]]") -> None:
+        """Copy the reserved chunks of ``kv``, the prompt's KV from its first token, into their
+        pool room: one tensor [2, layers, kv_heads, >= tokens, head_dim], or per layer a (keys,
+        values) pair of [kv_heads, >= tokens, head_dim] tensors, as an engine's cache holds them
+        (no need to stack them into one tensor first)."""
         slots = self.reservation.slots
         if slots:
             layout = self.reservation.layout
-            validate_kv(layout, kv, (slots[-1].position + 1) * layout.chunk_tokens)
+            n = (slots[-1].position + 1) * layout.chunk_tokens
+            if is_tensor(kv):
+                validate_kv(layout, kv, n)
+            else:
+                validate_layers(layout, kv, n)
             write_slots(self._client._pool, layout, slots, kv)

@@ -265,12 +265,17 @@ def _forward(model: Any, ids: "torch.Tensor", cache: Any) -> tuple["torch.Tensor
     return out.logits[0, -1], new_cache
 
 
+def _layers_from_cache(cache: Any, n_tokens: int) -> "list[tuple[torch.Tensor, torch.Tensor]]":
+    """Per layer, (keys, values) [kv_heads, n_tokens, head_dim] of a DynamicCache (batch 0):
+    views, no copy (``CacheRequest.write`` copies them into the pool layer by layer)."""
+    return [(layer.keys[0, :, :n_tokens], layer.values[0, :, :n_tokens]) for layer in cache.layers]
+
+
 def _kv_from_cache(cache: Any, n_tokens: int) -> "torch.Tensor":
-    """[2, layers, kv_heads, n_tokens, head_dim] from a DynamicCache (batch 0)."""
+    """[2, layers, kv_heads, n_tokens, head_dim] from a DynamicCache (batch 0): a copy."""
     import torch
 
-    layers = cache.layers
-    return torch.stack([torch.stack([layer.keys[0, :, :n_tokens], layer.values[0, :, :n_tokens]]) for layer in layers], dim=1)
+    return torch.stack([torch.stack(pair) for pair in _layers_from_cache(cache, n_tokens)], dim=1)
 
 
 def _full_cache() -> Any:
@@ -417,12 +422,11 @@ def prefill(
         else:
             # Round trip 2 (none when nothing was reserved): commit what was computed and release.
             try:
-                kv = _kv_from_cache(cache, full) if req.reservation.slots else None
-                if kv is not None:
-                    req.write(kv)
+                if req.reservation.slots:
+                    req.write(_layers_from_cache(cache, full))  # straight from the cache's layers
                 stored = req.finish().stored_chunks
-                if req.reservation.not_reserved_tokens and kv is not None:  # more than the free pool: stream the rest
-                    stored += client.put(layout, tokens[:full], kv).stored_chunks
+                if req.reservation.not_reserved_tokens and req.reservation.slots:  # more than the free pool: stream the rest
+                    stored += client.put(layout, tokens[:full], _kv_from_cache(cache, full)).stored_chunks
             except Exception as e:  # fail open: the request is served, just not stored
                 error = _failed("store", e)
                 _finish_quietly(req)

@@ -146,10 +146,11 @@ def test_store_refused_by_the_daemon_is_skipped_and_counted(hf_daemon, caplog, m
     before = fail_open_total("store", "INVALID_ARGUMENT")
     with Client(hf_daemon.socket) as c:
         real_write = CacheRequest.write
-        monkeypatch.setattr(CacheRequest, "write", lambda self, kv: real_write(self, kv[:, :, :, :5]))  # short KV
+        # short KV (prefill writes per layer, (keys, values) each [kv_heads, tokens, head_dim])
+        monkeypatch.setattr(CacheRequest, "write", lambda self, kv: real_write(self, [(k[:, :5], v[:, :5]) for k, v in kv]))
         out = generate(c, model, layout, ids, max_new_tokens=N_NEW, keep_logits=True)
         _same_as_plain(model, ids, out, want_tokens, want_logits)
-        assert out.prefill.stored_chunks == 0 and out.cache_error.startswith("store: INVALID_ARGUMENT: kv covers 5 tokens")
+        assert out.prefill.stored_chunks == 0 and out.cache_error.startswith("store: INVALID_ARGUMENT: layer 0's KV covers 5 tokens")
         assert fail_open_total("store", "INVALID_ARGUMENT") - before == 1
         c.sync()  # the failed request's reservation was aborted on the session stream
         assert c.lookup(layout, ids) == 0 and c.stats()["reservations_active"] == 0

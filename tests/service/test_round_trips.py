@@ -9,6 +9,7 @@ import torch
 
 from kvcached.v1 import kvcached_pb2 as pb
 from kvcached_client import Client
+from kvcached_client.errors import InvalidArgumentError
 from tests.service.conftest import LAYOUT
 
 CT = LAYOUT.chunk_tokens
@@ -111,3 +112,28 @@ def test_commit_release_refuses_an_unknown_lease_and_changes_nothing(daemon):
         out = stub.CommitRelease(pb.CommitReleaseRequest(reservation_id=resp.reservation.reservation_id,
                                                          lease_ids=[resp.lease.lease_id], session_id=sid))
         assert out.released == 1 and out.commit.committed_chunks == 1
+
+
+def test_a_write_takes_per_layer_kv_as_an_engine_holds_it(daemon):
+    """``write`` of (keys, values) per layer stores the same bytes as the stacked tensor, and
+    refuses KV of the wrong geometry before anything is written or committed."""
+    kv = torch.randn(2, 2, 2, 3 * CT + 5, 8)  # [2, layers, kv_heads, tokens, head_dim]
+    layers = [(kv[0, i], kv[1, i]) for i in range(2)]  # views, as a model's cache holds them
+    prompt = list(range(3 * CT + 5))
+    with Client(daemon.socket) as c:
+        bad = [[(k, v)] for k, v in layers[:1]] + [
+            [(k[:1], v) for k, v in layers],  # one KV head short
+            [(k.half(), v) for k, v in layers],  # the wrong dtype
+            [(k[:, : 2 * CT], v) for k, v in layers],  # shorter than the prompt's full chunks
+        ]
+        for kv_bad in bad:
+            with c.acquire_reserve(LAYOUT, prompt) as req:
+                with pytest.raises(InvalidArgumentError):
+                    req.write(kv_bad)
+                req.finish(commit=False)
+        assert c.lookup(LAYOUT, prompt) == 0
+        with c.acquire_reserve(LAYOUT, prompt) as req:
+            req.write(layers)
+        with c.acquire_reserve(LAYOUT, prompt, no_store=True) as req:
+            assert req.matched_tokens == 3 * CT
+            assert torch.equal(req.lease.kv(), kv[:, :, :, : 3 * CT])
