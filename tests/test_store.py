@@ -283,27 +283,6 @@ def test_reserve_gets_what_fits_when_pool_is_short(make_store):
     assert [s.position for s in r.slots] == [0, 1]  # two free blocks, the rest of the prompt waits
 
 
-def test_a_prompt_is_reserved_as_one_span_where_a_gap_holds_it(make_store):
-    """Where one free gap holds all of a prompt's new chunks they are reserved back to back (a
-    reader copies them as one run), not scattered chunk by chunk over the smallest holes."""
-    store = make_store(pool_blocks=8, nvme_chunks=None)
-    lid = store.register_layout(TINY)
-    singles = [put(store, lid, 1, start=100 * i)[0] for i in range(5)]  # blocks 0..4
-    leases = [store.acquire(lid, singles[i]) for i in (0, 2, 4)]
-    assert store.evict().chunks == 2  # blocks 1 and 3: gaps of one block at 1 and 3, three at 5
-    block = TINY.chunk_bytes
-    r = store.reserve(lid, prompt(3, start=500))
-    assert [s.offset for s in r.slots] == [5 * block, 6 * block, 7 * block]
-    store.abort(r.reservation_id)
-    r = store.reserve(lid, prompt(4, start=600))  # no gap holds four: chunk by chunk, smallest hole first
-    assert [s.offset for s in r.slots] == [1 * block, 3 * block, 5 * block, 6 * block]
-    store.abort(r.reservation_id)
-    for lease in leases:
-        store.release(lease.lease_id)
-    store.pool.check()
-    store.index.check_invariants()
-
-
 def test_write_back_demotes_and_acquire_promotes_identical_bytes(make_store, clock):
     store = make_store(pool_blocks=2, nvme_chunks=16)
     lid = store.register_layout(TINY)

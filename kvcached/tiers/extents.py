@@ -106,26 +106,6 @@ class ExtentAllocator:
         self._alloc[start] = size
         return start
 
-    def alloc_run(self, nbytes: int, count: int) -> list[int] | None:
-        """Offsets of ``count`` back-to-back runs of ``nbytes`` each (each rounded up to the
-        grain), carved from one gap (best fit for all of them together), or None if no gap holds
-        them all. Each run is its own allocation (freed one by one, as :meth:`alloc`'s); one
-        search and one gap update instead of ``count``: a prompt's chunks reserved in one go."""
-        if nbytes <= 0 or count <= 0:
-            raise ValueError("a run needs a positive size and count")
-        size = round_up(nbytes, self.grain)
-        total = size * count
-        i = bisect.bisect_left(self._by_size, (total, -1))
-        if i == len(self._by_size):
-            return None
-        length, start = self._by_size[i]
-        self._remove_gap(start, length, i)
-        if length > total:
-            self._add_gap(start + total, length - total)
-        offsets = list(range(start, start + total, size))
-        self._alloc.update(dict.fromkeys(offsets, size))
-        return offsets
-
     def free(self, offset: int) -> int:
         """Return the run at ``offset``; merges it with the gaps beside it. Returns its size."""
         size = self._alloc.pop(offset, None)

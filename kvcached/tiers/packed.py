@@ -117,22 +117,6 @@ class PackedPool(Tier):
         self._reserved[offset] = nbytes
         return Slot(TierId.POOL, offset, offset, nbytes)
 
-    def reserve_run(self, nbytes: int, count: int, slab: int = 0) -> list[Slot] | None:
-        """``count`` slots of ``nbytes`` back to back in ``slab`` (one contiguous span, so a reader
-        copies them as one run), or None, with nothing reserved, if no free gap holds them all
-        (the caller then reserves chunk by chunk, evicting as it goes). The same slots, one by
-        one, as ``count`` :meth:`reserve` calls, at the cost of one."""
-        space = self._spaces[slab]
-        if nbytes <= 0 or nbytes > space.capacity:
-            raise InvalidKV(f"a chunk of {nbytes} bytes does not fit a {space.capacity} byte pool slab")
-        local = space.alloc_run(nbytes, count)
-        if local is None:
-            return None
-        base, pool = self._bases[slab], TierId.POOL
-        offsets = [base + off for off in local]
-        self._reserved.update(dict.fromkeys(offsets, nbytes))
-        return [Slot(pool, off, off, nbytes) for off in offsets]
-
     def write(self, slot: Slot, data: bytes | memoryview) -> None:
         self._check_reserved(slot)
         mv = memoryview(data).cast("B")

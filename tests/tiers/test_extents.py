@@ -36,21 +36,6 @@ def test_no_fit_and_double_free():
         a.free(offs[1])
 
 
-def test_a_run_is_carved_from_the_smallest_gap_that_holds_all_of_it():
-    a = ExtentAllocator(20 * 64)
-    offs = [a.alloc(64) for _ in range(20)]
-    for i in (1, 2, 5, 6, 7, 8, 9, 11, 12, 13):  # gaps: 2 grains at 1, 5 at 5, 3 at 11
-        a.free(offs[i])
-    assert a.alloc_run(60, 3) == [11 * 64, 12 * 64, 13 * 64]  # the 3-grain gap, not the 5
-    assert a.alloc_run(64, 4) == [5 * 64, 6 * 64, 7 * 64, 8 * 64]  # leaves one grain at 9
-    assert a.alloc_run(64, 3) is None and a.free_bytes == 3 * 64  # 3 grains free, no 3 in a row
-    assert a.size_of(6 * 64) == 64  # each run is its own allocation, freed alone
-    a.free(6 * 64)
-    a.check()
-    with pytest.raises(ValueError):
-        a.alloc_run(64, 0)
-
-
 def test_window_frees_the_fewest_bytes():
     a = ExtentAllocator(10 * 64)
     offs = [a.alloc(64) for _ in range(10)]
@@ -66,20 +51,12 @@ def test_window_frees_the_fewest_bytes():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 5000)), max_size=200))
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 5000)), max_size=200))
 def test_random_churn_keeps_the_tiling(ops):
     a = ExtentAllocator(64 * 1024)
     live: list[int] = []
-    for op, n in ops:
-        if op == 2:  # a run of 1..4 allocations of n bytes
-            count, size = n % 4 + 1, -(-n // 64) * 64
-            offs = a.alloc_run(n, count)
-            if offs is None:
-                assert a.largest_gap < count * size
-            else:
-                assert [b - o for o, b in zip(offs, offs[1:])] == [size] * (count - 1)  # back to back
-                live.extend(offs)
-        elif op == 1 or not live:
+    for is_alloc, n in ops:
+        if is_alloc or not live:
             off = a.alloc(n)
             if off is None:
                 assert not a.fits(n)

@@ -62,11 +62,9 @@ def test_full_pool_and_best_fit_reuse(pool):
     pool.check()
 
 
-def test_a_run_of_slots_is_one_span_committed_in_one_go(pool):
+def test_a_reservation_is_committed_in_one_go(pool):
     first = pool.reserve(BLOCK)
-    run = pool.reserve_run(BLOCK, 2)
-    assert [s.offset for s in run] == [BLOCK, 2 * BLOCK]  # back to back
-    assert pool.reserve_run(BLOCK, 2) is None and pool.reserved_chunks == 3  # one block left: nothing taken
+    run = [pool.reserve(BLOCK), pool.reserve(BLOCK)]
     for i, s in enumerate(run):
         pool.write(s, bytes([i + 1]) * BLOCK)
     hashes = [meta(1).chunk_hash, meta(2).chunk_hash]
