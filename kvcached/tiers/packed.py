@@ -130,13 +130,7 @@ class PackedPool(Tier):
         self._fill(slot.offset, slot.nbytes, fill)
 
     def commit(self, slot: Slot, meta: ChunkMeta) -> None:
-        self._check_reserved(slot)
-        if meta.chunk_hash in self._committed:
-            raise InternalInvariantError(f"pool already holds chunk {meta.chunk_hash.hex()}")
-        del self._reserved[slot.offset]
-        self._committed[meta.chunk_hash] = (slot.offset, slot.nbytes)
-        self._at[slot.offset] = meta.chunk_hash
-        self._payload += slot.nbytes
+        self.commit_run((slot,), (meta.chunk_hash,))
 
     def commit_run(self, slots: Sequence[Slot], hashes: Sequence[ChunkHash]) -> None:
         """:meth:`commit` of ``slots[i]`` as chunk ``hashes[i]``, for a reservation's chunks in one
